@@ -1,0 +1,182 @@
+"""Command line: `python -m distzo <command> [hydra overrides and flags]`.
+
+Each command is a Hydra application over `conf/`, so overrides (`steps=100`, `model=tiny`), Hydra's
+flags (`--cfg job`, `--help`, `-m`) and `hydra.run.dir=...` work as Hydra users expect. Before
+Hydra runs, the overrides are composed and validated once, so a mistyped key, a wrong type or an
+unknown preset costs one clear line on stderr and exit status 2, not a traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Callable
+
+COMMANDS = {
+    "train": "fine-tune a model with zeroth-order SGD (forward passes only)",
+    "prepare": "convert and cache the model and data a config needs (run once after install)",
+}
+
+USAGE = """usage: python -m distzo <command> [key=value ...] [hydra flags]
+
+commands:
+{commands}
+
+Examples:
+  python -m distzo train                                   # the embedded default (SmolLM2-135M, movie reviews)
+  python -m distzo train model=tiny task=synthetic-cue steps=50
+  python -m distzo train optim.lr=1e-5 estimator.eps=1e-3 hydra.run.dir=runs/a
+  python -m distzo train --cfg job                         # show the composed config
+  python -m distzo train --help                            # presets and every key
+
+Run `python -m distzo <command> --help` for a command's configuration."""
+
+# Hydra flags that take a value (the value is not an override).
+_VALUE_FLAGS = {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
+                "--config-dir", "-cd", "--experimental-rerun", "--info", "-i"}
+_SKIP_PRECHECK = {"--help", "-h", "--hydra-help", "--version", "-m", "--multirun", "--info", "-i",
+                  "--shell-completion", "-sc", "--config-path", "-cp", "--config-name", "-cn", "--config-dir",
+                  "-cd", "--experimental-rerun"}
+
+
+def fail(message: str, code: int = 2) -> None:
+    print(f"distzo: error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(code)
+
+
+def split_args(args: list[str]) -> tuple[list[str], list[str]]:
+    """(hydra flags with their values, overrides)."""
+    flags, overrides = [], []
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if a.startswith("-"):
+            flags.append(a)
+            if a in _VALUE_FLAGS and i + 1 < len(args) and "=" not in args[i + 1]:
+                flags.append(args[i + 1])
+                i += 1
+        else:
+            overrides.append(a)
+        i += 1
+    return flags, overrides
+
+
+def explain(exc: BaseException) -> str:
+    """One line from Hydra's and OmegaConf's multi-line composition errors."""
+    text = str(exc)
+    if exc.__cause__ is not None:  # "Error merging override x=y" carries the reason in its cause
+        text = f"{text}\n{exc.__cause__}"
+    missing = re.search(r"Could not find '([^/']+)/([^']+)'", text)
+    if missing:
+        group, option = missing.groups()
+        options = re.findall(r"^\t(\S+)$", text, flags=re.M)
+        hint = f"; available: {', '.join(options)}" if options else ""
+        return f"unknown {group} preset '{option}'{hint}"
+    not_in_struct = re.search(r"Key '([^']+)' is not in struct", text) or re.search(
+        r"Could not override '([^']+)'", text)
+    if not_in_struct:
+        key = not_in_struct.group(1)
+        full = re.search(r"full_key: (\S+)", text)
+        name = full.group(1) if full else key
+        return (f"unknown config key '{name}'; see `python -m distzo train --cfg job` for the valid keys "
+                f"(prefix with + only to add keys deliberately)")
+    conversion = re.search(r"Value '([^']*)' (?:of type '\w+' )?could not be converted to (\w+)", text)
+    if conversion:
+        value, kind = conversion.groups()
+        full = re.search(r"full_key: (\S+)", text)
+        where = f"{full.group(1)}=" if full else ""
+        return f"{where}{value!s}: expected {kind.lower()}"
+    invalid = re.search(r"Invalid value assigned: (.*)", text)
+    if invalid:
+        full = re.search(r"full_key: (\S+)", text)
+        return f"{full.group(1) if full else 'value'}: {invalid.group(1).rstrip('.')}"
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return "; ".join(lines[:2]) if lines else type(exc).__name__
+
+
+def compose_and_validate(overrides: list[str]):
+    """Compose conf/ with the overrides and validate the result; exit with one line on any error."""
+    from .config import ConfigError, compose_config, validate
+
+    try:
+        cfg = compose_config(overrides)
+    except ConfigError as exc:
+        fail(str(exc))
+    except Exception as exc:  # Hydra and OmegaConf raise many types; all are input errors here
+        fail(explain(exc))
+    try:
+        validate(cfg)
+    except ConfigError as exc:
+        fail(str(exc))
+    return cfg
+
+
+def run_hydra(task: Callable, command: str, args: list[str]) -> None:
+    import hydra
+
+    from .config import ConfigError, config_dir, register_configs
+
+    register_configs()
+    flags, overrides = split_args(args)
+    if not _SKIP_PRECHECK.intersection(flags):
+        compose_and_validate(overrides)
+    try:
+        conf = config_dir()
+    except ConfigError as exc:
+        fail(str(exc))
+    sys.argv = [f"distzo {command}"] + args
+    hydra.main(config_path=conf, config_name="config", version_base="1.3")(task)()
+
+
+def _train_task(cfg) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    from .config import validate
+    from .errors import DistzoError
+    from .train import train
+
+    try:
+        validate(cfg)
+        train(cfg, Path(HydraConfig.get().runtime.output_dir))
+    except DistzoError as exc:
+        fail(str(exc))
+
+
+def prepare(args: list[str]) -> None:
+    """Convert and cache what a configuration needs, so the first training run starts at once."""
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(message)s", datefmt="%H:%M:%S")
+    from .data.tasks import ClassificationTask
+    from .errors import DistzoError
+    from .models import load_model
+
+    cfg = compose_and_validate(split_args(args)[1])
+    try:
+        _, tokenizer = load_model(cfg.model)
+        task = ClassificationTask(cfg.task, tokenizer)
+    except DistzoError as exc:
+        fail(str(exc))
+    print(f"ready: model {cfg.model.name}, task {task.name} ({task.size('train')} training examples)")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    commands = "\n".join(f"  {name:9s} {text}" for name, text in COMMANDS.items())
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(USAGE.format(commands=commands))
+        return
+    command, rest = args[0], args[1:]
+    if command not in COMMANDS:
+        fail(f"unknown command '{command}'; commands: {', '.join(COMMANDS)} (see python -m distzo --help)")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # distzo never downloads models
+    if command == "train":
+        run_hydra(_train_task, command, rest)
+    elif command == "prepare":
+        prepare(rest)
+
+
+if __name__ == "__main__":
+    main()

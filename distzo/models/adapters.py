@@ -1,0 +1,204 @@
+"""Adapters that expose a stock transformers causal LM as stages: stem -> blocks -> final -> head.
+
+A ZO step perturbs one stage at a time (and ZO2-style offloading streams one block at a time), so
+the engine must drive the layer loop itself. The adapters do that with the model's own submodules
+and the library's own mask and rotary helpers, mirroring the stock `forward` in a dozen lines per
+family; nothing is copied or patched. `tests/unit/test_adapters.py` checks each family against the
+stock forward.
+
+Weights reach the adapter through a `WeightView`, so the same code computes clean and perturbed
+forwards:
+  view.rows(name, index)                 rows of an embedding-like table (lookup or label head)
+  view.call(prefix, module, *args, **kw) run a submodule with its (possibly perturbed) parameters
+
+Inputs are packed (see `distzo.data.tasks.Packed`): several prompts share a row and their position
+ids restart at 0, from which the library's mask helpers build a block-causal mask, so no prompt
+attends to another and padding costs almost nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ..errors import DistzoError
+
+
+class WeightView(Protocol):
+    def rows(self, name: str, index: torch.Tensor) -> torch.Tensor: ...
+
+    def call(self, prefix: str, module: nn.Module, *args: Any, **kwargs: Any) -> Any: ...
+
+
+class CleanWeights:
+    """The master weights, unperturbed."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def rows(self, name: str, index: torch.Tensor) -> torch.Tensor:
+        return F.embedding(index, self.model.get_parameter(name))
+
+    def call(self, prefix: str, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return module(*args, **kwargs)
+
+
+@dataclass
+class BatchContext:
+    """Per-batch tensors shared by every evaluation of a step (they do not depend on weights)."""
+
+    input_ids: torch.Tensor  # [R, T] packed rows
+    position_ids: torch.Tensor  # [R, T] restarting at 0 for every prompt
+    layer_kwargs: list[dict[str, Any]] = field(default_factory=list)
+
+
+class DecoderAdapter:
+    """Base class: a decoder-only LM as stem, blocks, final and a (row-indexed) head."""
+
+    family = "?"
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.config = model.config
+        self.blocks: list[tuple[str, nn.Module]] = []
+        self.head_weight = "lm_head.weight"
+        self.head_bias: str | None = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def context(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> BatchContext:
+        raise NotImplementedError
+
+    def stem(self, ctx: BatchContext, w: WeightView) -> torch.Tensor:
+        raise NotImplementedError
+
+    def block(self, i: int, hidden: torch.Tensor, ctx: BatchContext, w: WeightView) -> torch.Tensor:
+        prefix, module = self.blocks[i]
+        return w.call(prefix, module, hidden, **ctx.layer_kwargs[i])
+
+    def final(self, hidden: torch.Tensor, w: WeightView) -> torch.Tensor:
+        raise NotImplementedError
+
+    def head(self, features: torch.Tensor, vocab_ids: torch.Tensor, w: WeightView) -> torch.Tensor:
+        """Logits of `vocab_ids` only: the classification loss reads no other column."""
+        logits = features @ w.rows(self.head_weight, vocab_ids).T
+        if self.head_bias is not None:
+            logits = logits + w.rows(self.head_bias, vocab_ids)
+        return logits
+
+    def stage_prefixes(self) -> list[str]:
+        """Module prefixes in execution order; offloading and slicing stream them in this order."""
+        return [p for p, _ in self.blocks]
+
+
+class RotaryDecoderAdapter(DecoderAdapter):
+    """Llama, Mistral, Qwen2 and Qwen3: token embedding, rotary positions, causal (or sliding
+    window) masks chosen per layer type, decoder layers, final norm."""
+
+    family = "rotary-decoder"
+
+    def __init__(self, model: nn.Module):
+        super().__init__(model)
+        base = model.model
+        self.base = base
+        self.blocks = [(f"model.layers.{i}", layer) for i, layer in enumerate(base.layers[: self.config.num_hidden_layers])]
+        self.embed_weight = "model.embed_tokens.weight"
+
+    def context(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> BatchContext:
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        batch, seq = input_ids.shape
+        # Mask helpers and rotary read only shape, dtype and device from the embeddings.
+        shaped = torch.empty((batch, seq, self.config.hidden_size), dtype=self.dtype, device=input_ids.device)
+        mask_kwargs = dict(config=self.config, inputs_embeds=shaped, attention_mask=None,
+                           past_key_values=None, position_ids=position_ids)
+        masks = {"full_attention": create_causal_mask(**mask_kwargs)}
+        layer_types = getattr(self.config, "layer_types", None)
+        if layer_types and "sliding_attention" in layer_types:
+            masks["sliding_attention"] = create_sliding_window_causal_mask(**mask_kwargs)
+        position_embeddings = self.base.rotary_emb(shaped, position_ids)
+        kwargs = []
+        for i in range(len(self.blocks)):
+            kind = layer_types[i] if layer_types else "full_attention"
+            kwargs.append(dict(attention_mask=masks[kind], position_embeddings=position_embeddings,
+                               position_ids=position_ids, past_key_values=None, use_cache=False))
+        return BatchContext(input_ids, position_ids, kwargs)
+
+    def stem(self, ctx: BatchContext, w: WeightView) -> torch.Tensor:
+        return w.rows(self.embed_weight, ctx.input_ids)
+
+    def final(self, hidden: torch.Tensor, w: WeightView) -> torch.Tensor:
+        return w.call("model.norm", self.base.norm, hidden)
+
+
+class OPTAdapter(DecoderAdapter):
+    """OPT: token and learned position embeddings (offset 2), optional project_in / project_out,
+    pre- or post-norm decoder layers, optional final layer norm."""
+
+    family = "opt"
+
+    def __init__(self, model: nn.Module):
+        super().__init__(model)
+        dec = model.model.decoder
+        self.dec = dec
+        self.blocks = [(f"model.decoder.layers.{i}", layer) for i, layer in enumerate(dec.layers)]
+        self.embed_weight = "model.decoder.embed_tokens.weight"
+
+    def context(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> BatchContext:
+        from transformers.masking_utils import create_causal_mask
+
+        batch, seq = input_ids.shape
+        shaped = torch.empty((batch, seq, self.config.hidden_size), dtype=self.dtype, device=input_ids.device)
+        # Stock OPT passes no position ids here; ours make the packed prompts block-causal.
+        mask = create_causal_mask(config=self.config, inputs_embeds=shaped, attention_mask=None,
+                                  past_key_values=None, position_ids=position_ids)
+        kwargs = [dict(attention_mask=mask, position_ids=position_ids, past_key_values=None, use_cache=False)
+                  for _ in self.blocks]
+        return BatchContext(input_ids, position_ids, kwargs)
+
+    def stem(self, ctx: BatchContext, w: WeightView) -> torch.Tensor:
+        tokens = w.rows(self.embed_weight, ctx.input_ids)
+        if self.dec.project_in is not None:
+            tokens = w.call("model.decoder.project_in", self.dec.project_in, tokens)
+        positions = w.rows("model.decoder.embed_positions.weight", ctx.position_ids + self.dec.embed_positions.offset)
+        return tokens + positions
+
+    def final(self, hidden: torch.Tensor, w: WeightView) -> torch.Tensor:
+        if self.dec.final_layer_norm is not None:
+            hidden = w.call("model.decoder.final_layer_norm", self.dec.final_layer_norm, hidden)
+        if self.dec.project_out is not None:
+            hidden = w.call("model.decoder.project_out", self.dec.project_out, hidden)
+        return hidden
+
+
+ADAPTERS: dict[str, type[DecoderAdapter]] = {
+    "llama": RotaryDecoderAdapter,
+    "mistral": RotaryDecoderAdapter,
+    "qwen2": RotaryDecoderAdapter,
+    "qwen3": RotaryDecoderAdapter,
+    "opt": OPTAdapter,
+}
+
+
+class UnsupportedModelError(DistzoError):
+    """The model's architecture has no adapter."""
+
+
+def adapter_for(model: nn.Module) -> DecoderAdapter:
+    model_type = getattr(model.config, "model_type", "?")
+    cls = ADAPTERS.get(model_type)
+    if cls is None:
+        raise UnsupportedModelError(
+            f"model type {model_type!r} is not supported yet; supported: {', '.join(sorted(ADAPTERS))}"
+        )
+    return cls(model)

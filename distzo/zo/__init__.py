@@ -1,0 +1,1 @@
+"""Zeroth-order machinery: directions, the trainable-parameter set, estimators."""

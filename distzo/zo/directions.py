@@ -1,0 +1,174 @@
+"""Counter-based perturbation directions: z is a pure function of (run seed, step, query, parameter, chunk).
+
+MeZO (and ZO2 after it) regenerate z by re-seeding one global RNG and drawing parameters in a fixed
+order, so which z a tensor receives depends on everything drawn before it. Here every chunk of
+every parameter has its own generator seed, derived by hashing the coordinates above. Block order,
+offloading, slicing, the mesh shape and the number of threads therefore cannot change which z a
+parameter sees, and any chunk can be regenerated on its own, on any rank, in any order.
+
+Chunks: a parameter is cut into chunks of whole rows (for tensors with two or more dimensions) of
+about `CHUNK_NUMEL` elements. A chunk is always generated whole, so its values never depend on how
+the caller slices the tensor.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+
+# Bump when the seed -> z mapping changes; checkpoints and trajectory logs record it.
+DIRECTIONS_VERSION = 1
+CHUNK_NUMEL = 1 << 20
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(x: int) -> int:
+    """splitmix64 finaliser: a bijective 64-bit mix with good avalanche."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def param_key(name: str) -> int:
+    """A stable 64-bit identity for a parameter, from its canonical fully-qualified name."""
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
+
+
+def chunk_numel(shape: Sequence[int]) -> int:
+    """Elements per chunk for a tensor of this shape (whole rows for tensors of 2+ dimensions)."""
+    if len(shape) < 2:
+        return CHUNK_NUMEL
+    row = 1
+    for s in shape[1:]:
+        row *= int(s)
+    return max(1, CHUNK_NUMEL // max(row, 1)) * max(row, 1)
+
+
+def num_chunks(shape: Sequence[int]) -> int:
+    numel = 1
+    for s in shape:
+        numel *= int(s)
+    c = chunk_numel(shape)
+    return (numel + c - 1) // c
+
+
+@dataclass(frozen=True)
+class ChunkRef:
+    """One chunk of one parameter: flat elements [start, stop)."""
+
+    key: int
+    index: int
+    start: int
+    stop: int
+
+
+def chunks_of(key: int, shape: Sequence[int]) -> list[ChunkRef]:
+    numel = 1
+    for s in shape:
+        numel *= int(s)
+    c = chunk_numel(shape)
+    return [ChunkRef(key, i, s, min(s + c, numel)) for i, s in enumerate(range(0, numel, c))]
+
+
+class Directions:
+    """Generates z chunk by chunk from counter-derived seeds, in parallel over a thread pool.
+
+    distribution: "gaussian" (N(0, 1)) or "rademacher" (+-1 with equal probability).
+    z is always drawn in float32 on `device` and cast by the caller where needed.
+    """
+
+    def __init__(self, seed: int, distribution: str = "gaussian", device: torch.device | str = "cpu",
+                 threads: int | None = None):
+        if distribution not in ("gaussian", "rademacher"):
+            raise ValueError(f"unknown direction distribution {distribution!r}")
+        self.seed = int(seed)
+        self.distribution = distribution
+        self.device = torch.device(device)
+        # On CPU, torch's RNG kernels are single-threaded: run independent chunks on several threads
+        # (the ops release the GIL). On CUDA the kernels are asynchronous already.
+        n = threads if threads is not None else torch.get_num_threads()
+        self._pool = ThreadPoolExecutor(max_workers=n) if self.device.type == "cpu" and n > 1 else None
+
+    def chunk_seed(self, step: int, query: int, key: int, chunk: int) -> int:
+        h = _mix64(self.seed)
+        for coordinate in (step, query, key, chunk):
+            h = _mix64(h ^ (coordinate & _MASK64))
+        return h
+
+    def fill_chunk(self, out: torch.Tensor, step: int, query: int, ref: ChunkRef) -> torch.Tensor:
+        """Write chunk `ref`'s z into `out` (a float32 tensor of ref.stop - ref.start elements)."""
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(self.chunk_seed(step, query, ref.key, ref.index))
+        if self.distribution == "gaussian":
+            out.normal_(generator=gen)
+        else:
+            out.random_(0, 2, generator=gen).mul_(2.0).sub_(1.0)
+        return out
+
+    def map(self, fn: Callable[[Any], None], items: Iterable[Any]) -> None:
+        """Run fn over work items, in parallel on CPU. fn must touch only its own item's memory."""
+        items = list(items)
+        if self._pool is None or len(items) < 2:
+            for item in items:
+                fn(item)
+            return
+        # Grad and inference modes are thread-local: carry the caller's into the workers.
+        inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
+
+        def run(item: Any) -> None:
+            with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+                fn(item)
+
+        for _ in self._pool.map(run, items):
+            pass
+
+    def generate(self, shape: Sequence[int], key: int, step: int, query: int) -> torch.Tensor:
+        """The full z of one parameter (float32, contiguous)."""
+        z = torch.empty(tuple(shape), dtype=torch.float32, device=self.device)
+        flat = z.view(-1)
+        self.map(lambda r: self.fill_chunk(flat[r.start:r.stop], step, query, r), chunks_of(key, shape))
+        return z
+
+    def generate_many(self, requests: Sequence[tuple[Sequence[int], int]], step: int, query: int,
+                      out: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """z for several parameters (shape, key) at once, all chunks sharing one parallel pass.
+        `out`: float32 tensors to fill (for example views of a reused workspace)."""
+        if out is None:
+            out = [torch.empty(tuple(shape), dtype=torch.float32, device=self.device) for shape, _ in requests]
+        work = []
+        for buf, (shape, key) in zip(out, requests):
+            flat = buf.view(-1)
+            work += [(flat, r) for r in chunks_of(key, shape)]
+        self.map(lambda fr: self.fill_chunk(fr[0][fr[1].start:fr[1].stop], step, query, fr[1]), work)
+        return list(out)
+
+    def rows(self, shape: Sequence[int], key: int, step: int, query: int, rows: torch.Tensor) -> torch.Tensor:
+        """z[rows] of a 2-D parameter, generating only the chunks that hold those rows."""
+        row = 1
+        for s in shape[1:]:
+            row *= int(s)
+        rows_per_chunk = chunk_numel(shape) // row
+        out = torch.empty((rows.numel(), row), dtype=torch.float32, device=self.device)
+        chunk_of_row = torch.div(rows, rows_per_chunk, rounding_mode="floor")
+        refs = {r.index: r for r in chunks_of(key, shape)}
+        needed = sorted(set(chunk_of_row.tolist()))
+
+        def one(index: int) -> None:
+            ref = refs[index]
+            z = self.fill_chunk(torch.empty(ref.stop - ref.start, device=self.device), step, query, ref)
+            sel = (chunk_of_row == index).nonzero().view(-1)
+            local = rows[sel] - index * rows_per_chunk
+            out[sel] = z.view(-1, row)[local]
+
+        self.map(one, needed)
+        return out
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None

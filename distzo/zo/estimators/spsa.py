@@ -1,0 +1,36 @@
+"""SPSA as in MeZO: g_k = (L(theta + eps z_k) - L(theta - eps z_k)) / (2 eps), update (1/q) sum_k g_k z_k.
+
+q = 1 is MeZO's Algorithm 1; q > 1 is n-SPSA (Algorithm 2). `difference="forward"` uses one clean
+evaluation shared by all queries: g_k = (L(theta + eps z_k) - L(theta)) / eps.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import CLEAN, Estimator, Evaluation, StepResult
+
+
+class SPSA(Estimator):
+    def __init__(self, eps: float = 1e-3, q: int = 1, difference: str = "central"):
+        if difference not in ("central", "forward"):
+            raise ValueError(f"unknown difference {difference!r}")
+        self.eps, self.q, self.difference = float(eps), int(q), difference
+
+    def plan(self) -> list[Evaluation]:
+        if self.difference == "central":
+            return [Evaluation(k, s) for k in range(self.q) for s in (+1, -1)]
+        return [Evaluation(CLEAN, 0)] + [Evaluation(k, +1) for k in range(self.q)]
+
+    def combine(self, losses: torch.Tensor) -> StepResult:
+        losses = losses.double()
+        if self.difference == "central":
+            plus, minus = losses[0::2], losses[1::2]
+            grads = (plus - minus) / (2 * self.eps)
+            loss = float(losses.mean())  # (L+ + L-)/2 = L(theta) + O(eps^2)
+        else:
+            clean, plus = losses[0], losses[1:]
+            grads = (plus - clean) / self.eps
+            loss = float(clean)
+        g = tuple(float(x) for x in grads)
+        return StepResult(loss, g, tuple((k, gk / self.q) for k, gk in enumerate(g)))

@@ -1,0 +1,51 @@
+"""The embedded default, really loaded: SmolLM2-135M-Instruct from the wheel on the movie-review task."""
+
+import pytest
+import torch
+
+from distzo.data.tasks import ClassificationTask
+from distzo.engine import ResidentEngine
+from distzo.models import adapter_for, load_model
+from distzo.objectives import accuracy_counts
+from distzo.zo.directions import Directions
+from distzo.zo.estimators import SPSA
+from distzo.zo.params import TrainableParams
+from tests.conftest import make_config
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def default_run():
+    cfg = make_config("task.val_size=96")
+    model, tokenizer = load_model(cfg.model)
+    task = ClassificationTask(cfg.task, tokenizer)
+    params = TrainableParams.from_model(model)
+    return model, task, params, ResidentEngine(model, adapter_for(model), params, Directions(0))
+
+
+def test_it_is_the_pretrained_smollm2(default_run):
+    model, _, params, _ = default_run
+    assert type(model).__name__ == "LlamaForCausalLM" and model.config.num_hidden_layers == 30
+    assert params.numel() == 134_515_008 and params.get("lm_head.weight") is params.get("model.embed_tokens.weight")
+
+
+def test_zero_shot_accuracy_is_near_chance_with_this_prompt(default_run):
+    _, task, _, engine = default_run
+    correct = seen = 0
+    for batch in task.batches("validation", 32):
+        c, n = accuracy_counts(engine.clean_label_logits(batch, task.label_ids), batch.labels)
+        correct, seen = correct + c, seen + n
+    assert seen == 96 and 0.35 <= correct / seen <= 0.7
+
+
+def test_a_zo_step_changes_only_through_the_update(default_run):
+    model, task, params, engine = default_run
+    est = SPSA(eps=1e-3)
+    batch = task.batch("train", range(8))
+    before = params.get("model.layers.0.mlp.down_proj.weight").tensor.clone()
+    logits = engine.label_logits(batch, task.label_ids, est.plan(), 0, est.eps)
+    assert torch.isfinite(logits).all() and not torch.equal(logits[0], logits[1])
+    assert torch.equal(before, params.get("model.layers.0.mlp.down_proj.weight").tensor)
+    engine.update(0, [(0, 1.0)], 1e-6, 0.0)
+    assert not torch.equal(before, params.get("model.layers.0.mlp.down_proj.weight").tensor)

@@ -1,0 +1,74 @@
+"""The training driver on the tiny model: learning, determinism, and the run directory's contents."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from distzo.metrics import read_metrics
+from distzo.train import train
+from tests.conftest import TINY, make_config
+
+
+def run(tmp_path, name, *overrides):
+    out = tmp_path / name
+    summary = train(make_config(*TINY, *overrides), out)
+    return out, summary
+
+
+def test_training_lowers_the_loss_of_a_learnable_task(tmp_path):
+    out, summary = run(tmp_path, "learn", "steps=300", "optim.lr=1e-3", "save_final=false")
+    evals = [r for r in read_metrics(out / "metrics.jsonl") if r["type"] == "eval" and r["split"] == "validation"]
+    before, after = evals[0], evals[-1]
+    assert before["step"] == 0 and after["step"] == 300
+    assert after["loss"] < before["loss"] - 0.03, (before, after)
+    assert after["accuracy"] > 0.6 and summary["validation_accuracy_after"] == after["accuracy"]
+
+
+def test_same_seed_same_trajectory_and_weights(tmp_path):
+    a, _ = run(tmp_path, "a", "steps=12", "seed=5")
+    b, _ = run(tmp_path, "b", "steps=12", "seed=5")
+    c, _ = run(tmp_path, "c", "steps=12", "seed=6")
+
+    def trajectory(d):
+        return [(r["step"], r["loss"], r["projected_grad"]) for r in read_metrics(d / "metrics.jsonl")
+                if r["type"] == "train"]
+
+    assert trajectory(a) == trajectory(b) and trajectory(a) != trajectory(c)
+    wa, wb = load_file(a / "final" / "model.safetensors"), load_file(b / "final" / "model.safetensors")
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_run_directory_contents(tmp_path):
+    out, summary = run(tmp_path, "out", "steps=4", "eval_every=2", "optim.schedule=linear")
+    records = read_metrics(out / "metrics.jsonl")
+    train_lines = [r for r in records if r["type"] == "train"]
+    assert [r["step"] for r in train_lines] == [1, 2, 3, 4]
+    for r in train_lines:
+        assert {"step", "loss", "projected_grad", "lr", "tokens", "step_time_s"} <= r.keys()
+    assert train_lines[0]["lr"] > train_lines[-1]["lr"] > 0  # linear decay
+    evals = [(r["step"], r["split"]) for r in records if r["type"] == "eval"]
+    assert evals == [(0, "validation"), (2, "validation"), (4, "validation"), (4, "test")]
+    assert all(0 <= r["accuracy"] <= 1 for r in records if r["type"] == "eval")
+    assert json.loads((out / "summary.json").read_text())["steps"] == 4
+    weights = load_file(out / "final" / "model.safetensors")
+    assert "model.embed_tokens.weight" in weights and (out / "final" / "config.json").is_file()
+
+
+def test_final_folder_loads_back_as_a_local_model(tmp_path):
+    out, _ = run(tmp_path, "first", "steps=3")
+    from distzo.models import load_model
+
+    cfg = make_config("model=hf", f"model.path={out / 'final'}")
+    model, _ = load_model(cfg.model)
+    saved = load_file(out / "final" / "model.safetensors")
+    assert torch.equal(model.model.embed_tokens.weight, saved["model.embed_tokens.weight"])
+
+
+def test_non_finite_loss_stops_with_a_clear_error(tmp_path):
+    from distzo.train import TrainingError
+
+    with pytest.raises(TrainingError, match="non-finite loss at step .*lower optim.lr"):
+        # float16 weights overflow after the first (huge) update: inf - inf = nan in the next forward
+        run(tmp_path, "nan", "steps=5", "optim.lr=1e8", "model.dtype=float16")

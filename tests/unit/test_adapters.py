@@ -1,0 +1,66 @@
+"""Adapters reproduce the stock transformers forward for every supported family."""
+
+import pytest
+import torch
+
+from distzo.data.tasks import Batch
+from distzo.engine import ResidentEngine
+from distzo.models.adapters import CleanWeights, UnsupportedModelError, adapter_for
+from distzo.models.loading import random_model
+from distzo.zo.directions import Directions
+from distzo.zo.params import TrainableParams
+
+FAMILIES = ["llama", "qwen2", "qwen3", "opt"]
+
+
+def stock_last_hidden(model, ids):
+    base = model.model.decoder if model.config.model_type == "opt" else model.model
+    return base(ids).last_hidden_state
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_single_sequence_is_bitwise_the_stock_forward(arch):
+    model = random_model(arch, 300, {}, 0, torch.float32)
+    adapter, w = adapter_for(model), CleanWeights(model)
+    ids = torch.randint(3, 300, (1, 11))
+    with torch.inference_mode():
+        ctx = adapter.context(ids, torch.arange(11)[None])
+        h = adapter.stem(ctx, w)
+        for i in range(len(adapter.blocks)):
+            h = adapter.block(i, h, ctx, w)
+        features = adapter.final(h[0, -1:], w)
+        assert torch.equal(features, stock_last_hidden(model, ids)[0, -1:])
+        labels = torch.tensor([4, 250])
+        stock = model(ids).logits[0, -1, labels]
+        torch.testing.assert_close(adapter.head(features, labels, w)[0], stock, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_packed_batch_matches_each_prompt_alone(arch):
+    model = random_model(arch, 300, {}, 0, torch.float32)
+    engine = ResidentEngine(model, adapter_for(model), TrainableParams.from_model(model), Directions(0))
+    gen = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(3, 300, (n,), generator=gen).tolist() for n in (5, 12, 1, 9, 7)]
+    labels = torch.tensor([4, 250, 17])
+    batch = Batch(seqs, torch.zeros(len(seqs), dtype=torch.long))
+    for row_tokens in (1024, 13):  # one packed row, and several rows with padded tails
+        engine.row_tokens = row_tokens
+        assert (batch.pack(row_tokens).input_ids.shape[0] > 1) == (row_tokens == 13)
+        packed = engine.label_logits(batch, labels, [engine_clean()], 0, 0.0)[0]
+        with torch.inference_mode():
+            alone = torch.stack([model(torch.tensor([s])).logits[0, -1, labels] for s in seqs])
+        torch.testing.assert_close(packed, alone, rtol=0, atol=2e-5)
+
+
+def engine_clean():
+    from distzo.zo.estimators import CLEAN, Evaluation
+
+    return Evaluation(CLEAN, 0)
+
+
+def test_unsupported_family_is_a_clear_error():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100))
+    with pytest.raises(UnsupportedModelError, match="gpt2.*supported: llama, mistral, opt, qwen2, qwen3"):
+        adapter_for(model)

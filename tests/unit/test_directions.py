@@ -1,0 +1,47 @@
+"""Counter-based directions: z depends only on its coordinates, never on how it is generated."""
+
+import torch
+
+from distzo.zo.directions import CHUNK_NUMEL, Directions, chunk_numel, chunks_of, param_key
+
+
+def test_z_is_a_pure_function_of_its_coordinates():
+    a, b = Directions(7), Directions(7, threads=1)
+    shape, key = (3000, 700), param_key("layer.weight")
+    z = a.generate(shape, key, step=5, query=1)
+    assert torch.equal(z, b.generate(shape, key, step=5, query=1))  # thread count is irrelevant
+    for other in (Directions(8).generate(shape, key, 5, 1), a.generate(shape, key, 6, 1),
+                  a.generate(shape, key, 5, 2), a.generate(shape, param_key("other"), 5, 1)):
+        assert not torch.equal(z, other)
+
+
+def test_chunks_are_whole_rows_and_generate_independently():
+    d = Directions(3)
+    shape, key = (5000, 300), param_key("emb")
+    assert chunk_numel(shape) % 300 == 0 and chunk_numel(shape) <= CHUNK_NUMEL
+    full = d.generate(shape, key, 1, 0).view(-1)
+    refs = chunks_of(key, shape)
+    assert len(refs) > 1
+    for ref in reversed(refs):  # any order, one chunk at a time
+        piece = torch.empty(ref.stop - ref.start)
+        assert torch.equal(d.fill_chunk(piece, 1, 0, ref), full[ref.start:ref.stop])
+
+
+def test_rows_match_the_full_tensor():
+    d = Directions(11)
+    shape, key = (9000, 130), param_key("table")
+    rows = torch.tensor([8999, 0, 4500, 17, 17, 8064])
+    assert torch.equal(d.rows(shape, key, 2, 3, rows), d.generate(shape, key, 2, 3)[rows])
+
+
+def test_one_dimensional_parameters():
+    d = Directions(1)
+    z = d.generate((3 * CHUNK_NUMEL // 2,), param_key("bias"), 0, 0)
+    assert len(chunks_of(0, z.shape)) == 2 and torch.isfinite(z).all()
+
+
+def test_distributions():
+    g = Directions(0).generate((1 << 21,), 1, 0, 0)
+    assert abs(g.mean()) < 0.01 and abs(g.var() - 1) < 0.01
+    r = Directions(0, "rademacher").generate((1 << 20,), 1, 0, 0)
+    assert set(r.unique().tolist()) == {-1.0, 1.0} and abs(r.mean()) < 0.01

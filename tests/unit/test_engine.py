@@ -1,0 +1,93 @@
+"""The resident engine: perturbations are exact working copies, the master changes only by the update."""
+
+import pytest
+import torch
+
+from distzo.data.tasks import Batch
+from distzo.engine import ResidentEngine
+from distzo.models.adapters import adapter_for
+from distzo.models.loading import random_model
+from distzo.zo.directions import Directions
+from distzo.zo.estimators import CLEAN, Evaluation
+from distzo.zo.params import TrainableParams
+
+EPS = 1e-3
+
+
+def build(arch="llama", seed=0, threads=None, dtype=torch.float32):
+    model = random_model(arch, 400, {}, 0, dtype)
+    params = TrainableParams.from_model(model)
+    return model, params, ResidentEngine(model, adapter_for(model), params, Directions(seed, threads=threads))
+
+
+def sample_batch(n=6, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(3, 400, (int(torch.randint(2, 14, (1,), generator=gen)),), generator=gen).tolist()
+            for _ in range(n)]
+    return Batch(seqs, torch.randint(0, 2, (n,), generator=gen))
+
+
+LABELS = torch.tensor([5, 77])
+PLAN = [Evaluation(0, +1), Evaluation(0, -1), Evaluation(1, +1), Evaluation(CLEAN, 0), Evaluation(1, -1)]
+
+
+@pytest.mark.parametrize("arch", ["llama", "opt", "qwen2"])
+def test_evaluation_leaves_master_weights_bitwise_unchanged(arch):
+    model, _, engine = build(arch)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    engine.label_logits(sample_batch(), LABELS, PLAN, step=3, eps=EPS)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize("arch", ["llama", "opt", "qwen2"])
+def test_perturbed_evaluation_is_the_model_at_theta_plus_eps_z(arch):
+    """Reference: materialise theta +- eps*z in a copy (tied weights once) and run it clean."""
+    model, params, engine = build(arch)
+    batch, step = sample_batch(), 4
+    got = engine.label_logits(batch, LABELS, PLAN, step=step, eps=EPS)
+    for i, ev in enumerate(PLAN):
+        ref_model, ref_params, ref_engine = build(arch)
+        if ev.perturbed:
+            with torch.no_grad():
+                for p in ref_params:
+                    scaled = engine.directions.generate(p.shape, p.key, step, ev.query).mul_(EPS)
+                    p.tensor.copy_(p.tensor + scaled if ev.sign > 0 else p.tensor - scaled)
+        ref = ref_engine.clean_label_logits(batch, LABELS)
+        assert torch.equal(got[i], ref), f"evaluation {ev} differs"
+
+
+def test_update_is_the_formula_and_thread_count_invariant():
+    model1, params1, engine1 = build(threads=1)
+    model2, params2, engine2 = build(threads=2)
+    coeffs, lr, wd, step = [(0, 0.7), (1, -1.3)], 1e-2, 0.1, 9
+    expected = {}
+    with torch.no_grad():
+        for p in params1:
+            w = p.tensor.clone()
+            if p.decay:
+                w.mul_(1 - lr * wd)
+            for k, c in coeffs:
+                w.sub_(engine1.directions.generate(p.shape, p.key, step, k).mul_(lr * c))
+            expected[p.name] = w
+    engine1.update(step, coeffs, lr, wd)
+    engine2.update(step, coeffs, lr, wd)
+    for p1, p2 in zip(params1, params2):
+        assert torch.equal(p1.tensor, expected[p1.name]), p1.name
+        assert torch.equal(p1.tensor, p2.tensor), p1.name
+    norm = params1.get("model.norm.weight")
+    assert torch.equal(norm.tensor, expected["model.norm.weight"])  # no decay on norms
+
+
+def test_tied_head_moves_with_the_embedding():
+    model, params, engine = build()
+    engine.update(0, [(0, 1.0)], 1e-2, 0.0)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_workspace_is_reused_across_steps():
+    _, _, engine = build()
+    engine.label_logits(sample_batch(), LABELS, PLAN, step=0, eps=EPS)
+    sizes = {k: v.data_ptr() for k, v in engine.workspace._buffers.items()}
+    engine.label_logits(sample_batch(seed=1), LABELS, PLAN, step=1, eps=EPS)
+    assert sizes == {k: v.data_ptr() for k, v in engine.workspace._buffers.items()}

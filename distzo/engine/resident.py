@@ -7,8 +7,9 @@ copies (`W_tmp = W + s * eps * z`): the master tensors are changed by the update
 never by a perturb / restore round trip.
 
 Embedding-like tables are perturbed by rows: the stem needs only the rows of the batch's tokens and
-the label head only the label words' rows, so no stage copies a vocabulary-sized matrix. Noise and
-working copies live in a reused `Workspace`, so the step allocates nothing large.
+the label head only the label words' rows, so no stage copies a vocabulary-sized matrix. Stage noise
+and working copies live in a reused `Workspace` and chunk temporaries in per-thread scratch
+buffers, so no step allocates parameter-sized tensors afresh.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ class StageNoise:
         self.directions, self.workspace, self.step, self.eps = directions, workspace, step, eps
         self._dense: dict[tuple[str, int], torch.Tensor] = {}
         self._used: dict[int, int] = {}
-        self._rows: dict[tuple[str, int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._rows: dict[tuple[str, int, int], tuple[torch.Tensor, ...]] = {}
 
     def dense(self, entries: Sequence[TrainableParam], query: int) -> dict[str, torch.Tensor]:
         todo = [p for p in entries if (p.name, query) not in self._dense]
@@ -87,8 +88,9 @@ class StageNoise:
             unique, inverse = torch.unique(index, return_inverse=True)
             z = self.directions.rows(p.shape, p.key, self.step, query, unique)
             z = z.view((unique.numel(),) + tuple(p.shape[1:])).to(p.tensor.dtype).mul_(self.eps)
-            self._rows[key] = (unique, inverse, z)
-        return self._rows[key]
+            # Holding `index` keeps its id from being reused by another tensor while this entry lives.
+            self._rows[key] = (unique, inverse, z, index)
+        return self._rows[key][:3]
 
 
 class PerturbedWeights:
@@ -186,7 +188,7 @@ class ResidentEngine:
                 flat.mul_(decay)
             if not terms:
                 return
-            z = torch.empty(ref.stop - ref.start, dtype=torch.float32, device=flat.device)
+            z = self.directions.scratch(ref.stop - ref.start)
             for k, a in terms:
                 self.directions.fill_chunk(z, step, k, ref)
                 flat.sub_(z.to(flat.dtype).mul_(a))

@@ -18,14 +18,19 @@ attends to another and padding costs almost nothing.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from ..errors import DistzoError
+
+
+class UnsupportedModelError(DistzoError):
+    """The model's architecture has no adapter."""
 
 
 class WeightView(Protocol):
@@ -54,6 +59,19 @@ class BatchContext:
     input_ids: torch.Tensor  # [R, T] packed rows
     position_ids: torch.Tensor  # [R, T] restarting at 0 for every prompt
     layer_kwargs: list[dict[str, Any]] = field(default_factory=list)
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)  # family-specific (e.g. OPT's position rows)
+
+
+def build_mask(helper: Callable, config: Any, shaped: torch.Tensor, position_ids: torch.Tensor) -> Any:
+    """Call a transformers mask helper (create_causal_mask and friends) for packed prompts: no padding
+    mask, no cache, position ids restarting per prompt. transformers 5.0 names the embeddings
+    `input_embeds` and requires `cache_position`; later releases take `inputs_embeds`."""
+    params = inspect.signature(helper).parameters
+    kwargs: dict[str, Any] = dict(config=config, attention_mask=None, past_key_values=None, position_ids=position_ids)
+    kwargs["inputs_embeds" if "inputs_embeds" in params else "input_embeds"] = shaped
+    if "cache_position" in params:
+        kwargs["cache_position"] = torch.arange(shaped.shape[1], device=shaped.device)
+    return helper(**kwargs)
 
 
 class DecoderAdapter:
@@ -66,7 +84,8 @@ class DecoderAdapter:
         self.config = model.config
         self.blocks: list[tuple[str, nn.Module]] = []
         self.head_weight = "lm_head.weight"
-        self.head_bias: str | None = None
+        if getattr(model, "lm_head", None) is not None and getattr(model.lm_head, "bias", None) is not None:
+            raise UnsupportedModelError("LM heads with a bias are not supported yet")
 
     @property
     def dtype(self) -> torch.dtype:
@@ -84,26 +103,21 @@ class DecoderAdapter:
 
     def block(self, i: int, hidden: torch.Tensor, ctx: BatchContext, w: WeightView) -> torch.Tensor:
         prefix, module = self.blocks[i]
-        return w.call(prefix, module, hidden, **ctx.layer_kwargs[i])
+        out = w.call(prefix, module, hidden, **ctx.layer_kwargs[i])
+        return out[0] if isinstance(out, tuple) else out  # some releases return (hidden_states, ...)
 
     def final(self, hidden: torch.Tensor, w: WeightView) -> torch.Tensor:
         raise NotImplementedError
 
     def head(self, features: torch.Tensor, vocab_ids: torch.Tensor, w: WeightView) -> torch.Tensor:
         """Logits of `vocab_ids` only: the classification loss reads no other column."""
-        logits = features @ w.rows(self.head_weight, vocab_ids).T
-        if self.head_bias is not None:
-            logits = logits + w.rows(self.head_bias, vocab_ids)
-        return logits
-
-    def stage_prefixes(self) -> list[str]:
-        """Module prefixes in execution order; offloading and slicing stream them in this order."""
-        return [p for p, _ in self.blocks]
+        return features @ w.rows(self.head_weight, vocab_ids).T
 
 
 class RotaryDecoderAdapter(DecoderAdapter):
     """Llama, Mistral, Qwen2 and Qwen3: token embedding, rotary positions, causal (or sliding
-    window) masks chosen per layer type, decoder layers, final norm."""
+    window) masks chosen per layer type (Qwen's `layer_types`) or for every layer (Mistral's
+    `sliding_window`), decoder layers, final norm."""
 
     family = "rotary-decoder"
 
@@ -120,16 +134,17 @@ class RotaryDecoderAdapter(DecoderAdapter):
         batch, seq = input_ids.shape
         # Mask helpers and rotary read only shape, dtype and device from the embeddings.
         shaped = torch.empty((batch, seq, self.config.hidden_size), dtype=self.dtype, device=input_ids.device)
-        mask_kwargs = dict(config=self.config, inputs_embeds=shaped, attention_mask=None,
-                           past_key_values=None, position_ids=position_ids)
-        masks = {"full_attention": create_causal_mask(**mask_kwargs)}
         layer_types = getattr(self.config, "layer_types", None)
-        if layer_types and "sliding_attention" in layer_types:
-            masks["sliding_attention"] = create_sliding_window_causal_mask(**mask_kwargs)
+        every_layer = "full_attention"
+        if not layer_types and self.config.model_type == "mistral" and getattr(self.config, "sliding_window", None):
+            every_layer = "sliding_attention"
+        masks = {"full_attention": build_mask(create_causal_mask, self.config, shaped, position_ids)}
+        if (layer_types and "sliding_attention" in layer_types) or every_layer == "sliding_attention":
+            masks["sliding_attention"] = build_mask(create_sliding_window_causal_mask, self.config, shaped, position_ids)
         position_embeddings = self.base.rotary_emb(shaped, position_ids)
         kwargs = []
         for i in range(len(self.blocks)):
-            kind = layer_types[i] if layer_types else "full_attention"
+            kind = layer_types[i] if layer_types else every_layer
             kwargs.append(dict(attention_mask=masks[kind], position_embeddings=position_embeddings,
                                position_ids=position_ids, past_key_values=None, use_cache=False))
         return BatchContext(input_ids, position_ids, kwargs)
@@ -160,17 +175,17 @@ class OPTAdapter(DecoderAdapter):
         batch, seq = input_ids.shape
         shaped = torch.empty((batch, seq, self.config.hidden_size), dtype=self.dtype, device=input_ids.device)
         # Stock OPT passes no position ids here; ours make the packed prompts block-causal.
-        mask = create_causal_mask(config=self.config, inputs_embeds=shaped, attention_mask=None,
-                                  past_key_values=None, position_ids=position_ids)
+        mask = build_mask(create_causal_mask, self.config, shaped, position_ids)
         kwargs = [dict(attention_mask=mask, position_ids=position_ids, past_key_values=None, use_cache=False)
                   for _ in self.blocks]
-        return BatchContext(input_ids, position_ids, kwargs)
+        rows = position_ids + self.dec.embed_positions.offset  # OPT's learned positions start at row 2
+        return BatchContext(input_ids, position_ids, kwargs, extra={"position_rows": rows})
 
     def stem(self, ctx: BatchContext, w: WeightView) -> torch.Tensor:
         tokens = w.rows(self.embed_weight, ctx.input_ids)
         if self.dec.project_in is not None:
             tokens = w.call("model.decoder.project_in", self.dec.project_in, tokens)
-        positions = w.rows("model.decoder.embed_positions.weight", ctx.position_ids + self.dec.embed_positions.offset)
+        positions = w.rows("model.decoder.embed_positions.weight", ctx.extra["position_rows"])
         return tokens + positions
 
     def final(self, hidden: torch.Tensor, w: WeightView) -> torch.Tensor:
@@ -188,10 +203,6 @@ ADAPTERS: dict[str, type[DecoderAdapter]] = {
     "qwen3": RotaryDecoderAdapter,
     "opt": OPTAdapter,
 }
-
-
-class UnsupportedModelError(DistzoError):
-    """The model's architecture has no adapter."""
 
 
 def adapter_for(model: nn.Module) -> DecoderAdapter:

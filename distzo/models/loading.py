@@ -8,16 +8,17 @@ from typing import Any
 
 import torch
 
+from ..config import ConfigError
 from .assets import smollm2_folder
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-# Minimal architecture settings for random models; `model.arch_config` overrides any of them.
+# The shapes of random models (model=tiny is the llama entry); `model.arch_config` overrides any field.
 _RANDOM_BASE: dict[str, dict[str, Any]] = {
     "llama": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True),
+    "mistral": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, max_position_embeddings=512, sliding_window=8, tie_word_embeddings=False),
     "qwen2": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False),
     "qwen3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -41,18 +42,23 @@ def load_tokenizer(spec: str | None):
     return tok
 
 
-def random_model(arch: str, vocab_size: int, overrides: dict[str, Any], init_seed: int, dtype: torch.dtype):
-    """A randomly initialised stock model. Seeded, so every rank builds bit-identical weights."""
+def random_model(arch: str, vocab_size: int, overrides: dict[str, Any], init_seed: int, dtype: torch.dtype,
+                 device: str | torch.device = "cpu"):
+    """A randomly initialised stock model. Seeded, so every rank builds bit-identical weights.
+    device="meta" builds the structure only (instant): validation uses it to check shapes."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     settings = dict(_RANDOM_BASE[arch])
     settings.update(overrides)
     settings.setdefault("vocab_size", vocab_size)
-    config = AutoConfig.for_model(arch, **settings)
-    config._attn_implementation = "sdpa"
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(init_seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    try:
+        config = AutoConfig.for_model(arch, **settings)
+        config._attn_implementation = "sdpa"
+        with torch.random.fork_rng(devices=[]), torch.device(device):
+            torch.manual_seed(init_seed)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    except (ValueError, TypeError, RuntimeError, AttributeError) as exc:
+        raise ConfigError(f"model.arch_config={overrides} does not make a valid {arch} model: {exc}") from None
     return model.eval()  # dropout off: ZO forwards must be deterministic
 
 
@@ -60,7 +66,7 @@ def load_model(cfg) -> tuple[torch.nn.Module, Any]:
     """(model in eval mode with dropout off, tokenizer) for a ModelConfig."""
     from transformers import AutoModelForCausalLM
 
-    dtype = DTYPES[cfg.dtype]
+    dtype = getattr(torch, cfg.dtype)  # one of config.DTYPES
     if cfg.source == "random":
         tok = load_tokenizer(cfg.tokenizer)
         model = random_model(cfg.arch, len(tok), dict(cfg.arch_config), cfg.init_seed, dtype)

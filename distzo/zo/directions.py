@@ -14,13 +14,15 @@ the caller slices the tensor.
 from __future__ import annotations
 
 import hashlib
+import math
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-# Bump when the seed -> z mapping changes; checkpoints and trajectory logs record it.
+# Bump when the seed -> z mapping changes; run summaries record it.
 DIRECTIONS_VERSION = 1
 CHUNK_NUMEL = 1 << 20
 _MASK64 = (1 << 64) - 1
@@ -39,22 +41,16 @@ def param_key(name: str) -> int:
     return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
 
 
+def row_numel(shape: Sequence[int]) -> int:
+    return max(1, math.prod(int(s) for s in shape[1:]))
+
+
 def chunk_numel(shape: Sequence[int]) -> int:
     """Elements per chunk for a tensor of this shape (whole rows for tensors of 2+ dimensions)."""
     if len(shape) < 2:
         return CHUNK_NUMEL
-    row = 1
-    for s in shape[1:]:
-        row *= int(s)
-    return max(1, CHUNK_NUMEL // max(row, 1)) * max(row, 1)
-
-
-def num_chunks(shape: Sequence[int]) -> int:
-    numel = 1
-    for s in shape:
-        numel *= int(s)
-    c = chunk_numel(shape)
-    return (numel + c - 1) // c
+    row = row_numel(shape)
+    return max(1, CHUNK_NUMEL // row) * row
 
 
 @dataclass(frozen=True)
@@ -68,9 +64,7 @@ class ChunkRef:
 
 
 def chunks_of(key: int, shape: Sequence[int]) -> list[ChunkRef]:
-    numel = 1
-    for s in shape:
-        numel *= int(s)
+    numel = math.prod(int(s) for s in shape)
     c = chunk_numel(shape)
     return [ChunkRef(key, i, s, min(s + c, numel)) for i, s in enumerate(range(0, numel, c))]
 
@@ -93,6 +87,16 @@ class Directions:
         # (the ops release the GIL). On CUDA the kernels are asynchronous already.
         n = threads if threads is not None else torch.get_num_threads()
         self._pool = ThreadPoolExecutor(max_workers=n) if self.device.type == "cpu" and n > 1 else None
+        self._local = threading.local()
+
+    def scratch(self, numel: int) -> torch.Tensor:
+        """A float32 buffer of `numel` elements private to the calling thread, reused across calls
+        (a fresh chunk-sized tensor per call would page-fault on every first touch)."""
+        buf = getattr(self._local, "buf", None)
+        if buf is None or buf.numel() < numel:
+            with torch.inference_mode(False):
+                buf = self._local.buf = torch.empty(max(numel, CHUNK_NUMEL), dtype=torch.float32, device=self.device)
+        return buf[:numel]
 
     def chunk_seed(self, step: int, query: int, key: int, chunk: int) -> int:
         h = _mix64(self.seed)
@@ -148,10 +152,8 @@ class Directions:
         return list(out)
 
     def rows(self, shape: Sequence[int], key: int, step: int, query: int, rows: torch.Tensor) -> torch.Tensor:
-        """z[rows] of a 2-D parameter, generating only the chunks that hold those rows."""
-        row = 1
-        for s in shape[1:]:
-            row *= int(s)
+        """z[rows] of a parameter (rows along dim 0), generating only the chunks that hold those rows."""
+        row = row_numel(shape)
         rows_per_chunk = chunk_numel(shape) // row
         out = torch.empty((rows.numel(), row), dtype=torch.float32, device=self.device)
         chunk_of_row = torch.div(rows, rows_per_chunk, rounding_mode="floor")
@@ -160,7 +162,7 @@ class Directions:
 
         def one(index: int) -> None:
             ref = refs[index]
-            z = self.fill_chunk(torch.empty(ref.stop - ref.start, device=self.device), step, query, ref)
+            z = self.fill_chunk(self.scratch(ref.stop - ref.start), step, query, ref)
             sel = (chunk_of_row == index).nonzero().view(-1)
             local = rows[sel] - index * rows_per_chunk
             out[sel] = z.view(-1, row)[local]

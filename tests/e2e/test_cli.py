@@ -39,6 +39,12 @@ BAD_INPUTS = [
     (["estimator.distribution=uniform"], "estimator.distribution='uniform' is not supported"),
     (["batch_size=0"], "batch_size=0 is out of range"),
     (["estimator.eps=-1"], "estimator.eps=-1.0 is out of range"),
+    (["model.tokenizer=/no/such/tokenizer"], "model.tokenizer='/no/such/tokenizer' is neither 'smollm2' nor"),
+    (["task.template='{title}: {sentence}'"], "{sentence} must be its only placeholder"),
+    (["hydra.run.dirr=x"], "unknown config key 'hydra.run.dirr'"),
+    (["-m", "optim.lr=1e-5,fast"], "optim.lr=fast: expected float"),
+    (["-m", "model=tiny,gpt9"], "unknown model preset 'gpt9'"),
+    (["model=tiny", "+model.arch_config.hidden_size=-8"], "model.arch_config={'hidden_size': -8} does not make a valid llama"),
 ]
 
 
@@ -49,6 +55,28 @@ def test_bad_input_is_one_clear_line_and_nonzero_exit(tmp_path, args, message):
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("distzo: error: ") and message in lines[0], r.stderr
     assert not (tmp_path / "run").exists()  # nothing written
+
+
+def test_unsupported_local_model_type_is_caught_before_loading(tmp_path):
+    folder = tmp_path / "gpt2"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "gpt2"}')
+    r = distzo("train", "model=hf", f"model.path={folder}", cwd=tmp_path)
+    assert r.returncode == 2 and "holds a 'gpt2' model, which is not supported yet" in r.stderr
+
+
+def test_a_used_run_directory_is_refused_before_anything_is_written(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"type": "train", "step": 1}\n')
+    r = distzo("train", "model=tiny", f"hydra.run.dir={out}", cwd=tmp_path)
+    assert r.returncode == 2 and "already holds a run" in r.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl"]  # no .hydra/ written over it
+
+
+def test_prepare_help():
+    r = distzo("prepare", "--help")
+    assert r.returncode == 0 and "usage: python -m distzo prepare" in r.stdout
 
 
 def test_unknown_command():

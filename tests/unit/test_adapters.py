@@ -10,7 +10,7 @@ from distzo.models.loading import random_model
 from distzo.zo.directions import Directions
 from distzo.zo.params import TrainableParams
 
-FAMILIES = ["llama", "qwen2", "qwen3", "opt"]
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "opt"]
 
 
 def stock_last_hidden(model, ids):

@@ -14,8 +14,8 @@ from distzo.zo.params import TrainableParams
 EPS = 1e-3
 
 
-def build(arch="llama", seed=0, threads=None, dtype=torch.float32):
-    model = random_model(arch, 400, {}, 0, dtype)
+def build(arch="llama", seed=0, threads=None, dtype=torch.float32, vocab=400):
+    model = random_model(arch, vocab, {}, 0, dtype)
     params = TrainableParams.from_model(model)
     return model, params, ResidentEngine(model, adapter_for(model), params, Directions(seed, threads=threads))
 
@@ -57,32 +57,43 @@ def test_perturbed_evaluation_is_the_model_at_theta_plus_eps_z(arch):
         assert torch.equal(got[i], ref), f"evaluation {ev} differs"
 
 
-def test_update_is_the_formula_and_thread_count_invariant():
-    model1, params1, engine1 = build(threads=1)
-    model2, params2, engine2 = build(threads=2)
-    coeffs, lr, wd, step = [(0, 0.7), (1, -1.3)], 1e-2, 0.1, 9
-    expected = {}
+def expected_update(engine, params, step, coeffs, lr, wd, no_decay):
+    """theta * (1 - lr wd) - sum_k (lr c_k) z_k, with z drawn whole per parameter (not per chunk)."""
+    out = {}
     with torch.no_grad():
-        for p in params1:
+        for p in params:
             w = p.tensor.clone()
-            if p.decay:
+            if p.name not in no_decay:
                 w.mul_(1 - lr * wd)
             for k, c in coeffs:
-                w.sub_(engine1.directions.generate(p.shape, p.key, step, k).mul_(lr * c))
-            expected[p.name] = w
+                w.sub_(engine.directions.generate(p.shape, p.key, step, k).mul_(lr * c))
+            out[p.name] = w
+    return out
+
+
+def test_update_is_the_formula_chunked_and_thread_count_invariant():
+    # vocab 20,000 x 64: the embedding spans two chunks, so chunk offsets are exercised
+    model1, params1, engine1 = build(threads=1, vocab=20_000)
+    model2, params2, engine2 = build(threads=2, vocab=20_000)
+    from distzo.zo.directions import chunks_of
+
+    assert len(chunks_of(0, params1.get("model.embed_tokens.weight").shape)) == 2
+    no_decay = {n for n, _ in model1.named_parameters() if "norm" in n}  # Llama has no biases
+    coeffs, lr, wd, step = [(0, 0.7), (1, -1.3)], 1e-2, 0.1, 9
+    expected = expected_update(engine1, params1, step, coeffs, lr, wd, no_decay)
     engine1.update(step, coeffs, lr, wd)
     engine2.update(step, coeffs, lr, wd)
     for p1, p2 in zip(params1, params2):
         assert torch.equal(p1.tensor, expected[p1.name]), p1.name
         assert torch.equal(p1.tensor, p2.tensor), p1.name
-    norm = params1.get("model.norm.weight")
-    assert torch.equal(norm.tensor, expected["model.norm.weight"])  # no decay on norms
 
 
-def test_tied_head_moves_with_the_embedding():
+def test_tied_head_is_updated_once():
     model, params, engine = build()
+    expected = expected_update(engine, params, 0, [(0, 1.0)], 1e-2, 0.0, set())["model.embed_tokens.weight"]
     engine.update(0, [(0, 1.0)], 1e-2, 0.0)
-    assert model.lm_head.weight is model.model.embed_tokens.weight
+    # applying the update under both names would move the shared tensor twice
+    assert torch.equal(model.lm_head.weight, expected)
 
 
 def test_workspace_is_reused_across_steps():

@@ -1,0 +1,208 @@
+"""The PxD mesh with real processes (gloo): layout invariance, replica consistency, bad meshes,
+failures that end the job instead of hanging."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import torch
+import torch.multiprocessing as mp
+from safetensors.torch import load_file
+
+from distzo.dist.mesh import MeshError, MeshShape
+from distzo.metrics import read_metrics
+from tests.distributed.launch import ENV, free_port, spawn_env, torchrun
+
+TINY = ["model=tiny", "task=synthetic-cue", "eval_every=0", "log_every=1000", "steps=8", "batch_size=12",
+        "optim.lr=1e-3", "estimator.q=2", "seed=3", "task.val_size=48", "task.test_size=48"]
+
+
+# --- mesh parsing and validation (no processes) -----------------------------------------------------
+
+@pytest.mark.parametrize("text,world,message", [
+    ("3x3", 4, "mesh=3x3 needs 9 processes but the job has 4; use a mesh whose product is 4 (1x4, 2x2, 4x1)"),
+    ("abc", 4, "mesh='abc' is not PxD"),
+    ("0x4", 4, "both degrees must be at least 1"),
+    ("2x2", 1, "launch with torchrun --nproc-per-node 4 -m distzo train mesh=2x2"),
+])
+def test_bad_mesh_messages(text, world, message):
+    with pytest.raises(MeshError) as err:
+        MeshShape.parse(text).check_world(world)
+    assert message in str(err.value)
+
+
+def test_roles():
+    from distzo.dist.mesh import Mesh
+
+    roles = [(r % 2, r // 2) for r in range(4)]  # (perturbation index, data index) on 2x2
+    for r, (p, d) in enumerate(roles):
+        m = Mesh(MeshShape(2, 2), torch.device("cpu"), rank=r)
+        assert (m.pert_rank, m.data_rank) == (p, d)
+        assert m.my_evaluations(4) == [p, p + 2]
+    assert Mesh(MeshShape(4, 1), torch.device("cpu"), rank=3).my_evaluations(2) == []
+
+
+# --- layout invariance over real torchrun jobs ------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory):
+    """Final weights and summaries of the same run on every layout."""
+    root = tmp_path_factory.mktemp("layouts")
+    out = {}
+    for mesh, nproc in [("1x1", 1), ("2x1", 2), ("4x1", 4), ("1x2", 2), ("2x2", 4), ("1x4", 4)]:
+        run_dir = root / mesh
+        r = torchrun(nproc, *TINY, f"mesh={mesh}", f"hydra.run.dir={run_dir}", cwd=root)
+        assert r.returncode == 0, f"{mesh}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+        out[mesh] = (load_file(run_dir / "final" / "model.safetensors"), read_metrics(run_dir / "metrics.jsonl"), r)
+    return out
+
+
+def max_difference(a, b):
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+@pytest.mark.parametrize("mesh", ["2x1", "4x1"])
+def test_perturbation_parallel_is_bitwise_the_single_process_run(layouts, mesh):
+    ref, got = layouts["1x1"][0], layouts[mesh][0]
+    assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
+    trajectory = [[(r["loss"], r["projected_grads"]) for r in layouts[m][1] if r["type"] == "train"]
+                  for m in ("1x1", mesh)]
+    assert trajectory[0] == trajectory[1]
+
+
+@pytest.mark.parametrize("mesh", ["1x2", "2x2", "1x4"])
+def test_data_parallel_matches_within_the_stated_tolerance(layouts, mesh):
+    """Data shards pack fewer prompts per row, so the forward's matrix shapes and summation order
+    differ: per-example losses move by float32 rounding (~1e-7 relative), which reaches g through
+    1/(2 eps) and the weights through lr * g * z. After 8 steps the weights agree to 1e-6 absolute
+    (observed: 2.4e-7, while training moved them by up to 3.7e-2); a wrong shard, z or reduction
+    would be off by the size of an update."""
+    ref, got = layouts["1x1"][0], layouts[mesh][0]
+    assert max_difference(ref, got) < 1e-6
+    g_ref = [r["projected_grads"] for r in layouts["1x1"][1] if r["type"] == "train"]
+    g_got = [r["projected_grads"] for r in layouts[mesh][1] if r["type"] == "train"]
+    assert torch.allclose(torch.tensor(g_ref), torch.tensor(g_got), rtol=1e-3, atol=1e-4)
+    update_size = max_difference(ref, initial_weights())
+    assert update_size > 1e-2  # training moved weights by ~4e-2: the tolerance is 4 orders below
+
+
+def initial_weights():
+    """The tiny preset's weights before training, built the way the runs build them."""
+    from distzo.models import load_model
+    from tests.conftest import make_config
+
+    model, _ = load_model(make_config("model=tiny").model)
+    return model.state_dict()
+
+
+def test_every_rank_holds_the_same_weights(layouts):
+    world = {"1x1": 1, "2x1": 2, "4x1": 4, "1x2": 2, "2x2": 4, "1x4": 4}
+    checksums = {}
+    for mesh, (_, metrics, _) in layouts.items():
+        summary = [m for m in metrics if m["type"] == "summary"][0]
+        assert summary["mesh"] == mesh and all(m["mesh"] == mesh for m in metrics)
+        sums = summary["replica_checksums"]  # gathered from every rank after the last step
+        assert len(sums) == world[mesh] and len(set(sums)) == 1
+        checksums[mesh] = sums[0]
+    assert checksums["1x1"] == checksums["2x1"] == checksums["4x1"]
+
+
+def test_only_rank_0_writes_one_run_directory(tmp_path):
+    r = torchrun(2, *TINY, "steps=2", "mesh=1x2", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    runs = list((tmp_path / "outputs").glob("*/*"))
+    assert len(runs) == 1 and (runs[0] / "metrics.jsonl").is_file() and (runs[0] / "train.log").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["outputs"]  # nothing else written by rank 1
+
+
+# --- the replica guard over real gloo processes ------------------------------------------------------
+
+def _replica_worker(rank, world, port, corrupt_rank, out_dir):
+    spawn_env(rank, world, port)
+    from distzo.dist import Mesh, ReplicaDivergence, check_replicas
+    from distzo.models.loading import random_model
+    from distzo.zo.params import TrainableParams
+
+    mesh = Mesh.create(f"1x{world}", "cpu", timeout_s=60)
+    params = TrainableParams.from_model(random_model("llama", 300, {}, 0, torch.float32))
+    if rank == corrupt_rank:
+        with torch.no_grad():
+            w = params.get("model.layers.1.mlp.up_proj.weight").tensor
+            w.view(-1)[17] = torch.nextafter(w.view(-1)[17], torch.tensor(1.0))  # one ulp
+    try:
+        check_replicas(mesh, params, step=7)
+        message = "consistent"
+    except ReplicaDivergence as exc:
+        message = str(exc)
+    (out_dir / f"rank{rank}.txt").write_text(message)
+    mesh.close()
+
+
+@pytest.mark.parametrize("corrupt_rank", [None, 2])
+def test_replica_guard_catches_a_corrupted_replica(tmp_path, corrupt_rank):
+    mp.start_processes(_replica_worker, args=(3, free_port(), corrupt_rank, tmp_path), nprocs=3, join=True,
+                       start_method="spawn")
+    messages = [(tmp_path / f"rank{r}.txt").read_text() for r in range(3)]
+    if corrupt_rank is None:
+        assert messages == ["consistent"] * 3
+    else:
+        for m in messages:
+            assert m.startswith("replica weights diverged at step 7: ranks [2] differ from rank 0"), m
+
+
+# --- bad input and failures end the job --------------------------------------------------------------
+
+@pytest.mark.parametrize("mesh,nproc,message", [
+    ("3x3", 2, "mesh=3x3 needs 9 processes but the job has 2"),
+    ("abc", 2, "mesh='abc' is not PxD"),
+    ("0x4", 2, "both degrees must be at least 1"),
+    ("2x2", 1, "launch with torchrun --nproc-per-node 4"),
+])
+def test_bad_mesh_fails_on_every_rank_without_a_hang(tmp_path, mesh, nproc, message):
+    start = time.time()
+    r = torchrun(nproc, "model=tiny", f"mesh={mesh}", cwd=tmp_path, timeout=120)
+    assert r.returncode != 0 and time.time() - start < 60
+    ours = [line for line in r.stderr.splitlines() if line.startswith("distzo: error:")]
+    assert len(ours) == nproc and all(message in line for line in ours), r.stderr[-2000:]
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_multirun_under_torchrun_is_refused(tmp_path):
+    r = torchrun(2, "model=tiny", "-m", "optim.lr=1e-4,1e-3", cwd=tmp_path, timeout=120)
+    ours = [line for line in r.stderr.splitlines() if line.startswith("distzo: error:")]
+    assert r.returncode != 0 and len(ours) == 2 and all("cannot run under torchrun" in x for x in ours)
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_killed_rank_ends_the_job(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "distzo",
+           "train", *TINY, "steps=100000", "mesh=2x1", f"hydra.run.dir={tmp_path / 'run'}"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV, cwd=tmp_path)
+    try:
+        victim = None
+        deadline = time.time() + 120
+        while victim is None and time.time() < deadline:
+            time.sleep(1)
+            metrics = tmp_path / "run" / "metrics.jsonl"
+            if metrics.exists() and '"type": "train"' in metrics.read_text():
+                for child in psutil.Process(proc.pid).children(recursive=True):
+                    try:
+                        if child.environ().get("RANK") == "1":
+                            victim = child
+                    except psutil.Error:
+                        pass
+        assert victim is not None, "training never started"
+        os.kill(victim.pid, signal.SIGKILL)
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    assert "SIGKILL" in output or "Signal 9" in output or "exitcode  : -9" in output, output[-3000:]

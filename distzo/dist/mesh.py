@@ -1,0 +1,176 @@
+"""The PxD device mesh: P ranks along the perturbation axis (inner: neighbouring ranks, same node),
+D ranks along the data axis. Rank r has perturbation index r % P and data index r // P.
+
+What crosses the network per step is a handful of float64 scalars: each rank fills the rows of the
+evaluations it ran (loss sum, example count) on its data shard, an all-reduce over the perturbation
+group assembles all evaluations (an all-gather of disjoint rows), and an all-reduce over the data
+group sums the shards. Every rank then holds every evaluation's exact loss over the global batch and
+applies the identical update, so weights never travel.
+
+A 1x1 mesh needs no torch.distributed at all: the collectives are identities.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..errors import DistzoError
+
+log = logging.getLogger(__name__)
+
+
+class MeshError(DistzoError):
+    """A mesh that cannot be built; the message names the fix."""
+
+
+def launched_world_size() -> int:
+    """Processes in this job as torchrun (or SLURM via torchrun) reports them; 1 when run plainly."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def launched_rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+@dataclass(frozen=True)
+class MeshShape:
+    pert: int
+    data: int
+
+    @property
+    def size(self) -> int:
+        return self.pert * self.data
+
+    def __str__(self) -> str:
+        return f"{self.pert}x{self.data}"
+
+    @classmethod
+    def parse(cls, text: str) -> "MeshShape":
+        m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", str(text))
+        if not m:
+            raise MeshError(f"mesh={text!r} is not PxD; write it as mesh=2x2 (P perturbation ranks x D data ranks)")
+        pert, data = int(m.group(1)), int(m.group(2))
+        if pert < 1 or data < 1:
+            raise MeshError(f"mesh={text}: both degrees must be at least 1 (e.g. mesh=1x4, mesh=2x2)")
+        return cls(pert, data)
+
+    def check_world(self, world: int) -> None:
+        if self.size == world:
+            return
+        fits = ", ".join(f"{p}x{world // p}" for p in range(1, world + 1) if world % p == 0)
+        if world == 1:
+            raise MeshError(f"mesh={self} needs {self.size} processes but this is a single process; launch "
+                            f"with torchrun --nproc-per-node {self.size} -m distzo train mesh={self}")
+        raise MeshError(f"mesh={self} needs {self.size} processes but the job has {world}; use a mesh whose "
+                        f"product is {world} ({fits}) or launch {self.size} processes")
+
+
+class Mesh:
+    """Ranks, roles and the step's collectives for one run."""
+
+    def __init__(self, shape: MeshShape, device: torch.device, rank: int = 0, device_mesh: Any = None):
+        self.shape, self.device, self.rank = shape, device, rank
+        self.world_size = shape.size
+        self.device_mesh = device_mesh
+        if device_mesh is None:  # 1x1, or roles computed for a rank without processes (tests, planning)
+            self.pert_rank, self.data_rank = rank % shape.pert, rank // shape.pert
+            self._pert_group = self._data_group = None
+        else:
+            self.pert_rank, self.data_rank = device_mesh.get_local_rank("pert"), device_mesh.get_local_rank("data")
+            self._pert_group, self._data_group = device_mesh.get_group("pert"), device_mesh.get_group("data")
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.device_mesh is not None
+
+    @classmethod
+    def create(cls, text: str, device_kind: str = "cpu", timeout_s: float = 600.0) -> "Mesh":
+        """Parse and check the mesh against the launched world, then (for more than one process)
+        initialise the process group and a DeviceMesh with named dims ("data", "pert")."""
+        shape = MeshShape.parse(text)
+        world = launched_world_size()
+        shape.check_world(world)
+        if world == 1:
+            return cls(shape, torch.device(device_kind))
+        from torch.distributed.device_mesh import init_device_mesh
+
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if device_kind == "cuda":
+            if local_rank >= torch.cuda.device_count():
+                raise MeshError(f"local rank {local_rank} has no GPU: this node shows {torch.cuda.device_count()}; "
+                                f"start at most {torch.cuda.device_count()} processes per node (--nproc-per-node)")
+            device = torch.device("cuda", local_rank)
+            torch.cuda.set_device(device)
+            backend, options = "nccl", dist.ProcessGroupNCCL.Options()
+        else:
+            device, backend, options = torch.device("cpu"), "gloo", dist.ProcessGroupGloo._Options()
+        options._timeout = timeout  # DeviceMesh takes its sub-groups' timeout from the options
+        if not dist.is_initialized():
+            dist.init_process_group(backend=backend, timeout=timeout)
+        device_mesh = init_device_mesh(device.type, (shape.data, shape.pert), mesh_dim_names=("data", "pert"),
+                                       backend_override={"data": (backend, options), "pert": (backend, options)})
+        return cls(shape, device, dist.get_rank(), device_mesh)
+
+    # --- roles -------------------------------------------------------------------------------------
+
+    def my_evaluations(self, n: int) -> list[int]:
+        """Indices of the plan's evaluations this rank runs: dealt round-robin over the P ranks."""
+        return list(range(self.pert_rank, n, self.shape.pert))
+
+    # --- collectives -------------------------------------------------------------------------------
+
+    def exchange(self, local: torch.Tensor) -> torch.Tensor:
+        """[n_evaluations, k] float64, rows of this rank's evaluations filled, others zero ->
+        the global values on every rank (all-gather along pert, then sum along data)."""
+        out = local.to(dtype=torch.float64, device=self._collective_device())
+        if self.distributed:
+            if self.shape.pert > 1:
+                dist.all_reduce(out, group=self._pert_group)
+            if self.shape.data > 1:
+                dist.all_reduce(out, group=self._data_group)
+        return out.cpu()
+
+    def all_sum(self, values: Sequence[float]) -> list[float]:
+        """Sum float64 values over every rank (e.g. evaluation counts of a split sharded over all ranks)."""
+        t = torch.tensor(list(values), dtype=torch.float64)
+        if self.distributed:
+            t = t.to(self._collective_device())
+            dist.all_reduce(t)
+        return t.cpu().tolist()
+
+    def all_gather_int(self, value: int) -> list[int]:
+        if not self.distributed:
+            return [value]
+        t = torch.tensor([value], dtype=torch.int64, device=self._collective_device())
+        out = [torch.zeros_like(t) for _ in range(self.world_size)]
+        dist.all_gather(out, t)
+        return [int(x) for x in out]
+
+    def broadcast_object(self, obj: Any) -> Any:
+        """Rank 0's object on every rank (seeds, the run directory)."""
+        if not self.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _collective_device(self) -> torch.device:
+        return self.device if self.device.type == "cuda" else torch.device("cpu")
+
+    def close(self) -> None:
+        if self.distributed and dist.is_initialized():
+            dist.destroy_process_group()
+        self.device_mesh = None

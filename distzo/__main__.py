@@ -49,7 +49,33 @@ _MULTIRUN = {"-m", "--multirun"}
 
 def fail(message: str, code: int = 2) -> None:
     print(f"distzo: error: {message}", file=sys.stderr, flush=True)
+    wait_for_failing_siblings()
     raise SystemExit(code)
+
+
+def wait_for_failing_siblings(timeout_s: float = 20.0) -> None:
+    """Under torchrun, the first rank to exit makes torchrun kill the others, possibly before they
+    print their own error. Input errors are deterministic, so every rank fails the same way: each
+    failing rank counts itself on torchrun's store and waits (bounded) until all ranks have reported,
+    so the job ends with every rank's line."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1 or "MASTER_ADDR" not in os.environ:
+        return
+    import datetime
+    import time
+
+    try:
+        from torch.distributed import TCPStore
+
+        store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))
+        key = f"distzo/failed/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        deadline = time.time() + timeout_s
+        if store.add(key, 1) < world:
+            while store.add(key, 0) < world and time.time() < deadline:
+                time.sleep(0.05)
+    except Exception:  # the store is a courtesy; failing to reach it must not hide the error
+        pass
 
 
 def split_args(args: list[str]) -> tuple[list[str], list[str]]:

@@ -161,6 +161,7 @@ def test_replica_guard_catches_a_corrupted_replica(tmp_path, corrupt_rank):
 
 @pytest.mark.parametrize("mesh,nproc,message", [
     ("3x3", 2, "mesh=3x3 needs 9 processes but the job has 2"),
+    ("3x3", 4, "mesh=3x3 needs 9 processes but the job has 4"),
     ("abc", 2, "mesh='abc' is not PxD"),
     ("0x4", 2, "both degrees must be at least 1"),
     ("2x2", 1, "launch with torchrun --nproc-per-node 4"),

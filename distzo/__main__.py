@@ -17,6 +17,7 @@ from typing import Callable
 COMMANDS = {
     "train": "fine-tune a model with zeroth-order SGD (forward passes only)",
     "prepare": "convert and cache the model and data a config needs (run once after install)",
+    "replay": "rebuild a run's weights at any logged step from a snapshot and the trajectory log",
 }
 
 PREPARE_USAGE = """usage: python -m distzo prepare [key=value ...]
@@ -177,15 +178,21 @@ def compose_and_validate(overrides: list[str], multirun: bool = False, with_hydr
 
 
 def check_run_dir(cfg) -> None:
-    """Refuse a run directory that already holds a run, before Hydra writes .hydra/ into it."""
+    """Refuse a run directory that already holds a run (unless resuming), before Hydra writes
+    .hydra/ into it; resume=auto needs a directory that a restarted job will find again."""
     from omegaconf import OmegaConf
 
+    raw = OmegaConf.to_container(cfg.hydra.run, resolve=False)["dir"]
+    if cfg.resume == "auto" and "${now:" in str(raw):
+        fail("resume=auto needs a fixed run directory that a restarted job finds again: add "
+             "hydra.run.dir=/path/to/run")
     try:
         run_dir = Path(OmegaConf.select(cfg, "hydra.run.dir"))
     except Exception:  # an interpolation that needs Hydra's runtime (e.g. ${now:...}): fresh anyway
         return
-    if (run_dir / "metrics.jsonl").exists():
-        fail(f"{run_dir} already holds a run (metrics.jsonl); choose another hydra.run.dir")
+    if (run_dir / "metrics.jsonl").exists() and cfg.resume != "auto":
+        fail(f"{run_dir} already holds a run (metrics.jsonl); choose another hydra.run.dir or add resume=auto "
+             "to continue it")
 
 
 def run_hydra(task: Callable, command: str, args: list[str]) -> None:
@@ -258,6 +265,32 @@ def prepare(args: list[str]) -> None:
     print(f"ready: model {cfg.model.name}, task {task.name} ({task.size('train')} training examples)")
 
 
+def replay_command(args: list[str]) -> None:
+    """python -m distzo replay RUN_DIR [--step N] [--out FILE] [--device cpu|cuda]"""
+    import argparse
+    import logging
+
+    parser = argparse.ArgumentParser(prog="python -m distzo replay", description=(
+        "Rebuild the trainable weights after any logged step from the nearest snapshot and the "
+        "trajectory log, without data or forward passes (MeZO's seed trick)."))
+    parser.add_argument("run_dir", help="a training run directory (with checkpoints/ and trajectory.jsonl)")
+    parser.add_argument("--step", type=int, default=None, help="replay up to this step (default: the last logged)")
+    parser.add_argument("--from-step", type=int, default=None,
+                        help="start from the newest snapshot at or before this step (default: nearest to --step)")
+    parser.add_argument("--out", default=None, help="output .safetensors (default: RUN_DIR/replay/step-N.safetensors)")
+    parser.add_argument("--device", default="cpu", help="device type the run drew its directions on")
+    ns = parser.parse_args(args)
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(message)s", datefmt="%H:%M:%S")
+    from .errors import DistzoError
+    from .replay import replay
+
+    try:
+        path = replay(Path(ns.run_dir), ns.step, Path(ns.out) if ns.out else None, ns.device, ns.from_step)
+    except DistzoError as exc:
+        fail(str(exc))
+    print(path)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     commands = "\n".join(f"  {name:9s} {text}" for name, text in COMMANDS.items())
@@ -272,6 +305,8 @@ def main(argv: list[str] | None = None) -> None:
         run_hydra(_train_task, command, rest)
     elif command == "prepare":
         prepare(rest)
+    elif command == "replay":
+        replay_command(rest)
 
 
 if __name__ == "__main__":

@@ -1,18 +1,46 @@
-"""Writing run outputs to disk without ever leaving a half-written file under a final name.
+"""Run state on disk: snapshots, the trajectory log, and the final model. Nothing here unpickles.
 
-Files are written to a temporary sibling, fsynced and renamed over the target (atomic on POSIX).
-A folder cannot be renamed over a non-empty folder, so `save_final` moves an existing `final/` aside
-first: a crash in between leaves the complete new folder as `.final.tmp-<pid>`, never a partial one.
+- A **snapshot** is `checkpoints/step-NNNNNNNN/` holding `weights.safetensors` (the trainable
+  parameters under their canonical names) and `state.json` (step, seed, direction scheme, mesh,
+  config fingerprint, the weights' sha256). It is written as a hidden temporary folder, fsynced and
+  renamed into place, so a crash leaves either a complete snapshot or an ignored temporary. Deferred
+  (offloaded) updates are flushed before a snapshot, so none is ever pending in one.
+- The **trajectory log** `trajectory.jsonl` (written by the driver) has one line per step with
+  what the update needs:
+  `(step, coefficients c_k, lr, weight decay)` plus the projected gradients. With the seed it
+  rebuilds the weights at any logged step from the nearest snapshot without data or forward passes
+  (MeZO §2.1): a checkpoint of about a hundred bytes a step.
+- Loading verifies the sha256 and the format; a corrupt or truncated snapshot is skipped with a
+  warning and the previous one is used.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
 
+import torch
+from safetensors.torch import load_file, save_file
+
+from .errors import DistzoError
+
+log = logging.getLogger("distzo")
+
+SNAPSHOT_FORMAT = 1
+_SNAPSHOT_RE = re.compile(r"^step-(\d{8})$")
+
+
+class CorruptSnapshot(DistzoError):
+    """A snapshot whose files are missing, truncated or do not match their recorded checksum."""
+
+
+# --- atomic files ------------------------------------------------------------------------------------
 
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
@@ -20,6 +48,11 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as fh:
+        os.fsync(fh.fileno())
 
 
 def atomic_write_json(path: Path, data: Any) -> None:
@@ -33,17 +66,111 @@ def atomic_write_json(path: Path, data: Any) -> None:
     _fsync_dir(path.parent)
 
 
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+# --- snapshots ---------------------------------------------------------------------------------------
+
+def snapshots_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def list_snapshots(run_dir: Path) -> list[Path]:
+    """Complete snapshot folders, oldest first (temporaries are not listed)."""
+    root = snapshots_dir(run_dir)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and _SNAPSHOT_RE.match(p.name))
+
+
+def write_snapshot(run_dir: Path, step: int, tensors: dict[str, torch.Tensor], state: dict[str, Any],
+                   keep: int) -> Path:
+    """Write a snapshot atomically and prune to the newest `keep`."""
+    root = snapshots_dir(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{step:08d}"
+    tmp = root / f".step-{step:08d}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    cpu = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    save_file(cpu, tmp / "weights.safetensors", metadata={"step": str(step), "format": str(SNAPSHOT_FORMAT)})
+    _fsync_file(tmp / "weights.safetensors")
+    full_state = dict(state, step=step, format=SNAPSHOT_FORMAT,
+                      weights_sha256=sha256_of(tmp / "weights.safetensors"))
+    with open(tmp / "state.json", "w", encoding="utf-8") as fh:
+        json.dump(full_state, fh, indent=2, sort_keys=True)
+        fh.flush()
+        os.fsync(fh.fileno())
+    _maybe_test_kill(step)
+    if final.exists():  # an older run's snapshot of the same step (never a newer one: logs are truncated)
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    for old in list_snapshots(run_dir)[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _maybe_test_kill(step: int) -> None:
+    """Test hook: DISTZO_TEST_KILL_IN_SNAPSHOT=<step> SIGKILLs this process after a snapshot's files
+    are written but before the snapshot is renamed into place (the worst moment to die)."""
+    if os.environ.get("DISTZO_TEST_KILL_IN_SNAPSHOT") == str(step):
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def read_snapshot(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Load and verify one snapshot (safetensors and JSON only: no code runs)."""
+    path = Path(path)
+    try:
+        state = json.loads((path / "state.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise CorruptSnapshot(f"{path}: state.json unreadable ({exc})") from None
+    if state.get("format") != SNAPSHOT_FORMAT:
+        raise CorruptSnapshot(f"{path}: snapshot format {state.get('format')!r}, expected {SNAPSHOT_FORMAT}")
+    weights = path / "weights.safetensors"
+    if not weights.is_file():
+        raise CorruptSnapshot(f"{path}: weights.safetensors is missing")
+    if sha256_of(weights) != state.get("weights_sha256"):
+        raise CorruptSnapshot(f"{path}: weights.safetensors does not match its sha256 (truncated or corrupted)")
+    try:
+        return load_file(weights), state
+    except Exception as exc:  # safetensors raises its own error types
+        raise CorruptSnapshot(f"{path}: weights.safetensors unreadable ({exc})") from None
+
+
+def newest_valid_snapshot(run_dir: Path) -> tuple[Path, dict[str, torch.Tensor], dict[str, Any]] | None:
+    """The newest snapshot that verifies; corrupt ones are reported and skipped."""
+    for path in reversed(list_snapshots(run_dir)):
+        try:
+            tensors, state = read_snapshot(path)
+        except CorruptSnapshot as exc:
+            log.warning("Skipping a corrupt snapshot: %s", exc)
+            continue
+        return path, tensors, state
+    return None
+
+
+# --- the final model ---------------------------------------------------------------------------------
+
 def save_final(model, tokenizer, folder: Path) -> Path:
     """The trained model as a loadable Hugging Face folder (`model.safetensors`, config, tokenizer),
-    so `model=hf model.path=<run>/final` loads it."""
+    so `model=hf model.path=<run>/final` loads it. A folder cannot be renamed over a non-empty
+    folder, so an existing `final/` is moved aside first: a crash in between leaves the complete
+    new folder as `.final.tmp-<pid>`, never a partial one."""
     folder = Path(folder)
     tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     for f in tmp.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
+        _fsync_file(f)
     if folder.exists():
         old = folder.with_name(f".{folder.name}.old-{os.getpid()}")
         os.replace(folder, old)

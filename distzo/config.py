@@ -13,10 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-import torch
 from hydra.core.config_store import ConfigStore
 
-from .dist.mesh import MeshError, MeshShape, launched_world_size
+from .dist.shape import MeshError, MeshShape, launched_world_size
 from .errors import DistzoError
 from omegaconf import MISSING
 
@@ -75,6 +74,26 @@ class EstimatorConfig:
 
 
 @dataclass
+class OffloadConfig:
+    """ZO2-style offloading. mode=cpu keeps decoder blocks in host memory and streams them through
+    the compute device through `slots` reusable device buffers; transfer_dtype (bfloat16/float16)
+    moves blocks at reduced precision while the host keeps the full-precision master."""
+
+    mode: str = "none"
+    slots: int = 3
+    transfer_dtype: Optional[str] = None
+
+
+@dataclass
+class CheckpointConfig:
+    """Snapshots of the trainable weights and run state every `every` steps (0: none), the newest
+    `keep` kept. They make `resume=auto` and `distzo replay` possible."""
+
+    every: int = 100
+    keep: int = 3
+
+
+@dataclass
 class OptimConfig:
     """ZO-SGD: theta -= lr * (sum_k c_k z_k + weight_decay * theta), with c_k the estimator's
     coefficients (for SPSA, c_k = g_k / q)."""
@@ -92,7 +111,9 @@ class Config:
     model: ModelConfig = MISSING
     task: TaskConfig = MISSING
     estimator: EstimatorConfig = MISSING
+    offload: OffloadConfig = MISSING
     optim: OptimConfig = field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     steps: int = 200
     batch_size: int = 16
     seed: Optional[int] = 0
@@ -105,6 +126,8 @@ class Config:
     mesh: str = "1x1"
     replica_check_every: int = 50
     dist_timeout_s: float = 600.0
+    resume: str = "never"
+    max_nonfinite_steps: int = 3
 
 
 MODEL_SOURCES = ("smollm2-wheel", "random", "local")
@@ -116,6 +139,9 @@ DIFFERENCES = ("central", "forward")
 DISTRIBUTIONS = ("gaussian", "rademacher")
 SCHEDULES = ("constant", "linear")
 DEVICES = ("auto", "cpu", "cuda")
+OFFLOAD_MODES = ("none", "cpu")
+RESUME_MODES = ("never", "auto")
+TRANSFER_DTYPES = ("bfloat16", "float16")
 
 
 def register_configs() -> None:
@@ -179,6 +205,9 @@ def validate(cfg: Any, check_world: bool = True) -> None:
     _choice(m.dtype, "model.dtype", DTYPES)
     if m.tokenizer not in (None, "smollm2") and not os.path.isdir(os.path.expanduser(str(m.tokenizer))):
         raise ConfigError(f"model.tokenizer={m.tokenizer!r} is neither 'smollm2' nor an existing folder")
+    if m.path and m.source != "local":
+        raise ConfigError(f"model.path={m.path!r} is only read by model=hf (a local folder); the {m.name} preset "
+                          f"ignores it. Use model=hf model.path={m.path}")
     if m.source == "local":
         if not m.path:
             raise ConfigError("model=hf needs a folder: add model.path=/path/to/a/transformers/model")
@@ -196,6 +225,8 @@ def validate(cfg: Any, check_world: bool = True) -> None:
         _check_local_model(path)
     if m.source == "random":
         _choice(m.arch, "model.arch", RANDOM_ARCHS)
+        import torch
+
         from .models.loading import random_model
 
         # Built on the meta device (no memory, instant): shape errors surface here, not mid-run.
@@ -225,6 +256,16 @@ def validate(cfg: Any, check_world: bool = True) -> None:
     if e.q < 1:
         raise ConfigError(f"estimator.q={e.q} is out of range; it must be >= 1")
 
+    off = cfg.offload
+    _choice(off.mode, "offload.mode", OFFLOAD_MODES)
+    if off.slots < 1:
+        raise ConfigError(f"offload.slots={off.slots} is out of range; it must be >= 1 (3 overlaps upload, "
+                          "compute and write-back)")
+    if off.transfer_dtype is not None:
+        _choice(off.transfer_dtype, "offload.transfer_dtype", TRANSFER_DTYPES)
+        if off.mode == "none":
+            raise ConfigError("offload.transfer_dtype only applies to offloaded blocks; add offload=cpu")
+
     o = cfg.optim
     _choice(o.schedule, "optim.schedule", SCHEDULES)
     _positive(o.lr, "optim.lr", allow_zero=True)
@@ -242,6 +283,10 @@ def validate(cfg: Any, check_world: bool = True) -> None:
         raise ConfigError(f"seed={cfg.seed} is out of range; use 0 <= seed < 2**63, or seed=null to draw one")
     _choice(cfg.device, "device", DEVICES)
     _positive(cfg.replica_check_every, "replica_check_every", allow_zero=True)
+    _choice(cfg.resume, "resume", RESUME_MODES)
+    _positive(cfg.max_nonfinite_steps, "max_nonfinite_steps")
+    _positive(cfg.checkpoint.every, "checkpoint.every", allow_zero=True)
+    _positive(cfg.checkpoint.keep, "checkpoint.keep")
     _positive(cfg.dist_timeout_s, "dist_timeout_s")
     try:
         shape = MeshShape.parse(cfg.mesh)

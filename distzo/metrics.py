@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import os
 import time
 from pathlib import Path
 from typing import Any
+
+from .jsonl import JsonlWriter, read_jsonl
 
 log = logging.getLogger("distzo")
 
@@ -20,35 +20,31 @@ def peak_rss_bytes() -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
+def peak_memory_bytes(device) -> int:
+    """Peak memory of the compute device: allocated CUDA memory, or the process's peak RSS on CPU."""
+    import torch
+
+    if getattr(device, "type", str(device)) == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return peak_rss_bytes()
+
+
 class MetricsWriter:
-    """Appends JSON lines to <run_dir>/metrics.jsonl. A no-op when `path` is None (non-zero ranks)."""
+    """<run_dir>/metrics.jsonl: one record per line with a `type` and the run's static fields (its
+    mesh). A no-op when `path` is None (ranks other than 0)."""
 
     def __init__(self, path: Path | None, static: dict[str, Any] | None = None):
-        self.path = path
+        self._out = JsonlWriter(path)
         self.static = dict(static or {})
-        self._fh = None
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self._fh = open(path, "a", encoding="utf-8")
 
     def write(self, kind: str, **fields: Any) -> None:
-        if self._fh is None:
-            return
-        record = {"type": kind, **fields, **self.static, "time": round(time.time(), 3)}
-        self._fh.write(json.dumps(record, allow_nan=True) + "\n")
-        self._fh.flush()
+        self._out.append({"type": kind, **fields, **self.static, "time": round(time.time(), 3)})
 
     def close(self) -> None:
-        if self._fh is not None:
-            self._fh.flush()
-            os.fsync(self._fh.fileno())
-            self._fh.close()
-            self._fh = None
+        self._out.close()
 
 
-def read_metrics(path: Path | str) -> list[dict[str, Any]]:
-    with open(path, encoding="utf-8") as fh:
-        return [json.loads(line) for line in fh if line.strip()]
+read_metrics = read_jsonl
 
 
 def format_duration(seconds: float) -> str:

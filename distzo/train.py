@@ -1,18 +1,22 @@
 """The training driver: DESIGN §2's step, top to bottom.
 
     batch -> plan -> my evaluations on my shard -> exchange (loss sum, count) -> projected
-    gradients -> identical update on every rank -> log
+    gradients -> identical update on every rank -> log -> (snapshot)
 
-Everything the loop needs is built once by `build_run`; `train` is the loop itself. On a PxD mesh
-each rank runs the evaluations dealt to its perturbation index on the shard of the global batch
-given to its data index; only scalars are exchanged, and every rank applies the same update.
+Everything the loop needs is built once by `build_run` (including, with resume=auto, the newest
+valid snapshot); `_train` is the loop itself. On a PxD mesh each rank runs the evaluations dealt to
+its perturbation index on the shard of the global batch given to its data index; only scalars are
+exchanged, and every rank applies the same update.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import math
 import secrets
+import shutil
 import statistics
 import time
 from dataclasses import dataclass
@@ -20,13 +24,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import OmegaConf
 
-from .checkpoint import atomic_write_json, save_final
+from .checkpoint import (atomic_write_json, newest_valid_snapshot, read_snapshot, save_final, snapshots_dir,
+                         write_snapshot)
 from .data.tasks import ClassificationTask, TrainSampler
-from .dist import Mesh, check_replicas
-from .engine import ResidentEngine
+from .dist.consistency import check_replicas
+from .dist.mesh import Mesh
+from .engine import StagedEngine, build_engine
 from .errors import DistzoError
-from .metrics import MetricsWriter, Progress, format_duration, peak_rss_bytes
+from .jsonl import JsonlWriter, truncate_after
+from .metrics import MetricsWriter, Progress, format_duration, peak_memory_bytes, peak_rss_bytes
 from .models import adapter_for, load_model
 from .objectives import accuracy_counts, cross_entropy_sums
 from .zo.directions import DIRECTIONS_VERSION, Directions
@@ -47,14 +55,20 @@ class Run:
     run_dir: Path
     mesh: Mesh
     seed: int
+    start_step: int  # updates already done (0, or the resumed snapshot's step)
+    nonfinite_in_a_row: int  # consecutive skipped steps before start_step
     model: torch.nn.Module
     tokenizer: Any
     task: ClassificationTask
     params: TrainableParams
-    engine: ResidentEngine
+    engine: StagedEngine
     estimator: Estimator
     sampler: TrainSampler
     metrics: MetricsWriter
+    trajectory: JsonlWriter
+
+
+_DEFAULT_THREADS = torch.get_num_threads()
 
 
 def device_kind(name: str) -> str:
@@ -65,35 +79,115 @@ def device_kind(name: str) -> str:
     return name
 
 
-_DEFAULT_THREADS = torch.get_num_threads()
+def config_fingerprint(cfg) -> str:
+    """What a snapshot must agree with to be resumed: everything that shapes the trajectory except
+    the mesh, offloading, threads and evaluation cadence (those change where and how fast, not what)."""
+    keys = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "task", "estimator", "optim")}
+    keys["batch_size"] = cfg.batch_size
+    if cfg.optim.schedule != "constant":
+        keys["steps"] = cfg.steps  # a decaying schedule depends on the run length
+    return hashlib.sha256(json.dumps(keys, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def prepare_run_dir(run_dir: Path, resume: str) -> None:
+    """Never mix two runs in one directory: a used directory is refused unless resuming."""
+    used = (run_dir / "metrics.jsonl").exists()
+    if used and resume == "never":
+        raise TrainingError(f"{run_dir} already holds a run (metrics.jsonl); choose another hydra.run.dir "
+                            "or add resume=auto to continue it")
+
+
+def find_resume_point(cfg, run_dir: Path, mesh: Mesh):
+    """Rank 0 picks the newest valid snapshot (resume=auto) and every rank loads it."""
+    found = None
+    if cfg.resume == "auto" and mesh.is_main:
+        for stale in snapshots_dir(run_dir).glob(".step-*.tmp-*"):  # a snapshot whose writer died
+            log.warning("Removing an unfinished snapshot %s", stale)
+            shutil.rmtree(stale, ignore_errors=True)
+        newest = newest_valid_snapshot(run_dir)
+        if newest is not None:
+            path, _, state = newest
+            found = (str(path), state)
+        elif (run_dir / "metrics.jsonl").exists():
+            log.warning("resume=auto: %s has no valid snapshot; starting over (earlier logs set aside)", run_dir)
+            for name in ("metrics.jsonl", "trajectory.jsonl"):
+                if (run_dir / name).exists():
+                    (run_dir / name).rename(run_dir / f"{name}.abandoned-{int(time.time())}")
+    return mesh.broadcast_object(found)
 
 
 def build_run(cfg, run_dir: Path, mesh: Mesh) -> Run:
     # Set (or restore) per run: a sweep runs several jobs in one process.
     torch.set_num_threads(cfg.threads or _DEFAULT_THREADS)
-    # Rank 0 fixes the run seed (the configured one, or one it draws); every direction derives from it.
-    seed = mesh.broadcast_object(cfg.seed if cfg.seed is not None else secrets.randbits(63))
+    resume = find_resume_point(cfg, run_dir, mesh)
+    if resume is not None:
+        _, state = resume
+        if state["config_fingerprint"] != config_fingerprint(cfg):
+            raise TrainingError(f"cannot resume from {resume[0]}: it was written with a different model, task, "
+                                "estimator, optimiser or batch size; use another hydra.run.dir to start afresh")
+        if cfg.seed is not None and cfg.seed != state["seed"]:
+            raise TrainingError(f"cannot resume from {resume[0]}: it used seed {state['seed']}, not seed={cfg.seed}")
+        seed = state["seed"]
+    else:
+        # Rank 0 fixes the run seed (the configured one, or one it draws); every direction derives from it.
+        seed = mesh.broadcast_object(cfg.seed if cfg.seed is not None else secrets.randbits(63))
     model, tokenizer = load_model(cfg.model)
-    model.to(mesh.device)
     task = ClassificationTask(cfg.task, tokenizer)
     params = TrainableParams.from_model(model)
+    start_step = nonfinite = 0
+    if resume is not None:
+        start_step = load_snapshot_into(params, Path(resume[0]))
+        nonfinite = int(resume[1].get("nonfinite_in_a_row", 0))
     directions = Directions(seed, cfg.estimator.distribution, mesh.device)
-    engine = ResidentEngine(model, adapter_for(model), params, directions)
+    engine = build_engine(cfg.offload, model, adapter_for(model), params, directions)  # places the model
     estimator = build_estimator(cfg.estimator)
+    if mesh.is_main and resume is not None:
+        for name in ("metrics.jsonl", "trajectory.jsonl"):
+            truncate_after(run_dir / name, start_step)  # the killed run's steps after the snapshot
     metrics = MetricsWriter(run_dir / "metrics.jsonl" if mesh.is_main else None, static={"mesh": str(mesh.shape)})
+    trajectory = JsonlWriter(run_dir / "trajectory.jsonl" if mesh.is_main else None)
     n_evals = len(estimator.plan())
     log.info("Task %s: %d train / %d validation / %d test examples; label words %s",
              task.name, task.size("train"), task.size("validation"), task.size("test"), task.label_words)
     log.info("Training %.1fM parameters with %s (q=%d, eps=%g, %s directions), seed %d, mesh %s "
-             "(%d evaluations per step over %d perturbation ranks, batch %d over %d data ranks), run dir %s",
+             "(%d evaluations per step over %d perturbation ranks, batch %d over %d data ranks), %s, run dir %s",
              params.numel() / 1e6, cfg.estimator.name, cfg.estimator.q, cfg.estimator.eps,
              cfg.estimator.distribution, seed, mesh.shape, n_evals, mesh.shape.pert, cfg.batch_size,
-             mesh.shape.data, run_dir)
+             mesh.shape.data, "blocks offloaded to host memory" if cfg.offload.mode == "cpu" else "resident",
+             run_dir)
+    if resume is not None:
+        log.info("Resuming from %s at step %d of %d", resume[0], start_step, cfg.steps)
     if mesh.shape.pert > n_evals:
         log.warning("mesh P=%d exceeds the %d evaluations a step needs: %d perturbation ranks idle; raise "
                     "estimator.q to use them", mesh.shape.pert, n_evals, mesh.shape.pert - n_evals)
-    return Run(cfg, run_dir, mesh, seed, model, tokenizer, task, params, engine, estimator,
-               TrainSampler(task.size("train"), cfg.batch_size, seed), metrics)
+    return Run(cfg, run_dir, mesh, seed, start_step, nonfinite, model, tokenizer, task, params, engine, estimator,
+               TrainSampler(task.size("train"), cfg.batch_size, seed), metrics, trajectory)
+
+
+def load_snapshot_into(params: TrainableParams, path: Path) -> int:
+    tensors, state = read_snapshot(path)  # verified again on every rank
+    names = {p.name for p in params}
+    if set(tensors) != names:
+        raise TrainingError(f"{path} holds other parameters than this model trains "
+                            f"(missing {sorted(names - set(tensors))[:3]}, extra {sorted(set(tensors) - names)[:3]})")
+    with torch.no_grad():
+        for p in params:
+            p.tensor.copy_(tensors[p.name])
+    return int(state["step"])
+
+
+def snapshot(run: Run, step: int, nonfinite_in_a_row: int) -> None:
+    """Flush deferred updates, then rank 0 writes the snapshot (every rank holds the same weights)."""
+    run.engine.flush()
+    if not run.mesh.is_main:
+        return
+    run.trajectory.sync()
+    state = {"seed": run.seed, "directions_version": DIRECTIONS_VERSION,
+             "distribution": run.cfg.estimator.distribution, "device_type": run.mesh.device.type,
+             "mesh": str(run.mesh.shape), "config_fingerprint": config_fingerprint(run.cfg),
+             "nonfinite_in_a_row": nonfinite_in_a_row, "pending_update": None}
+    path = write_snapshot(run.run_dir, step, {p.name: p.tensor for p in run.params}, state, run.cfg.checkpoint.keep)
+    log.info("Snapshot at step %d: %s", step, path)
 
 
 def evaluate(run: Run, split: str, step: int) -> dict[str, float]:
@@ -120,23 +214,18 @@ def evaluate(run: Run, split: str, step: int) -> dict[str, float]:
     return result
 
 
-def check_fresh_run_dir(run_dir: Path) -> None:
-    """Never mix two runs' outputs in one directory."""
-    if (run_dir / "metrics.jsonl").exists():
-        raise TrainingError(f"{run_dir} already holds a run (metrics.jsonl); choose another hydra.run.dir")
-
-
 def train(cfg, run_dir: Path) -> dict[str, Any]:
     mesh = Mesh.create(cfg.mesh, device_kind(cfg.device), cfg.dist_timeout_s)
     try:
         run_dir = Path(mesh.broadcast_object(str(run_dir)))  # rank 0's directory (see __main__)
         if mesh.is_main:
-            check_fresh_run_dir(run_dir)
+            prepare_run_dir(run_dir, cfg.resume)
         run = build_run(cfg, run_dir, mesh)
         try:
             return _train(run)
         finally:
             run.metrics.close()
+            run.trajectory.close()
             run.engine.directions.close()
     finally:
         mesh.close()
@@ -145,10 +234,11 @@ def train(cfg, run_dir: Path) -> dict[str, Any]:
 def _train(run: Run) -> dict[str, Any]:
     cfg, mesh, run_dir = run.cfg, run.mesh, run.run_dir
     label_ids, eps = run.task.label_ids, run.estimator.eps
-    first = last = evaluate(run, "validation", 0)
+    first = last = evaluate(run, "validation", 0) if run.start_step == 0 else None
     progress = Progress("train step", cfg.steps, every_s=15.0, enabled=mesh.is_main)
-    wall_start, step_times, loss_ema = time.time(), [], None
-    for step in range(cfg.steps):
+    wall_start, step_times, loss_ema, nonfinite = time.time(), [], None, run.nonfinite_in_a_row
+    moved = run.engine.transfer_stats()
+    for step in range(run.start_step, cfg.steps):
         started = time.perf_counter()
         batch = run.task.batch("train", run.sampler.indices(step))              # the global batch
         shard = batch.shard(mesh.data_rank, mesh.shape.data)                     # my data shard
@@ -160,37 +250,53 @@ def _train(run: Run) -> dict[str, Any]:
             local[mine] = cross_entropy_sums(logits.cpu(), shard.labels)          # (loss sum, count)
         sums = mesh.exchange(local)                                               # global, on every rank
         losses = sums[:, 0] / sums[:, 1]
-        if not torch.isfinite(losses).all():
-            raise TrainingError(f"non-finite loss at step {step + 1}: {losses.tolist()}; lower optim.lr "
-                                f"(now {cfg.optim.lr:g}) or estimator.eps (now {eps:g})")
+        if not torch.isfinite(losses).all():                                      # skip, never update
+            nonfinite = skip_nonfinite_step(run, step, losses, nonfinite)
+            continue
+        nonfinite = 0
         result = run.estimator.combine(losses)                                    # projected gradients
         lr = learning_rate(step, cfg.optim.lr, cfg.steps, cfg.optim.schedule, cfg.optim.warmup_steps)
         run.engine.update(step, result.coefficients, lr, cfg.optim.weight_decay)  # same on every rank
         step_time = time.perf_counter() - started
         step_times.append(step_time)
 
+        run.trajectory.append({"step": step + 1, "update": step, "coefficients": [list(c) for c in result.coefficients],
+                               "lr": lr, "weight_decay": cfg.optim.weight_decay, "grads": list(result.grads)})
+        now_moved = run.engine.transfer_stats()
         run.metrics.write("train", step=step + 1, loss=result.loss, projected_grad=result.grads[0],
                           projected_grads=list(result.grads), lr=lr, tokens=batch.tokens,
-                          step_time_s=round(step_time, 4), tokens_per_s=round(batch.tokens / step_time, 1))
+                          step_time_s=round(step_time, 4), tokens_per_s=round(batch.tokens / step_time, 1),
+                          h2d_bytes=now_moved["h2d_bytes"] - moved["h2d_bytes"],
+                          d2h_bytes=now_moved["d2h_bytes"] - moved["d2h_bytes"],
+                          peak_mem_bytes=peak_memory_bytes(mesh.device))
+        moved = now_moved
         loss_ema = result.loss if loss_ema is None else 0.9 * loss_ema + 0.1 * result.loss
         progress.update(step + 1, f"loss {loss_ema:.4f} lr {lr:.2e} {step_time:.2f}s/step",
                         force=(step + 1) % cfg.log_every == 0)
         if cfg.replica_check_every and (step + 1) % cfg.replica_check_every == 0 and step + 1 < cfg.steps:
+            run.engine.flush()  # compare current masters (flushing early changes no value)
             check_replicas(mesh, run.params, step + 1)
+        if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0:
+            snapshot(run, step + 1, nonfinite)
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
             last = evaluate(run, "validation", step + 1)
 
+    run.engine.flush()  # deferred updates reach the master weights before they are checked or saved
     replica_checksums = check_replicas(mesh, run.params, cfg.steps)
-    if cfg.steps:
-        last = evaluate(run, "validation", cfg.steps)
+    if cfg.checkpoint.every and cfg.steps % cfg.checkpoint.every and cfg.steps > run.start_step:
+        snapshot(run, cfg.steps, nonfinite)  # the end of the run, if not on the cadence
+    last = evaluate(run, "validation", cfg.steps)
     test = evaluate(run, "test", cfg.steps)
     summary = {
-        "steps": cfg.steps, "seed": run.seed, "mesh": str(mesh.shape), "directions_version": DIRECTIONS_VERSION,
-        "validation_accuracy_before": first["accuracy"], "validation_accuracy_after": last["accuracy"],
-        "test_accuracy": test["accuracy"], "train_time_s": round(sum(step_times), 1),
+        "steps": cfg.steps, "resumed_from_step": run.start_step, "seed": run.seed, "mesh": str(mesh.shape),
+        "directions_version": DIRECTIONS_VERSION,
+        "validation_accuracy_before": first["accuracy"] if first else None,
+        "validation_accuracy_after": last["accuracy"], "test_accuracy": test["accuracy"],
+        "train_time_s": round(sum(step_times), 1),
         "step_time_s": round(statistics.median(step_times), 3) if step_times else math.nan,
         "wall_time_s": round(time.time() - wall_start, 1),
-        "peak_rss_bytes": peak_rss_bytes(), "trainable_parameters": run.params.numel(),
+        "peak_rss_bytes": peak_rss_bytes(), "peak_mem_bytes": peak_memory_bytes(mesh.device),
+        "trainable_parameters": run.params.numel(), "offload": cfg.offload.mode,
         "replica_checksums": replica_checksums,  # every rank's, in rank order: identical (checked)
     }
     if mesh.is_main:
@@ -200,7 +306,26 @@ def _train(run: Run) -> dict[str, Any]:
             log.info("Saved trained weights to %s", path)
         atomic_write_json(run_dir / "summary.json", summary)
     run.metrics.write("summary", **summary)
-    log.info("Validation accuracy %.4f -> %.4f after %d steps (%s training, median %.2f s/step); "
-             "test accuracy %.4f", first["accuracy"], last["accuracy"], cfg.steps,
-             format_duration(summary["train_time_s"]), summary["step_time_s"], test["accuracy"])
+    before = f"{first['accuracy']:.4f}" if first else f"(resumed at step {run.start_step})"
+    log.info("Validation accuracy %s -> %.4f after %d steps (%s training, median %.2f s/step); test accuracy %.4f",
+             before, last["accuracy"], cfg.steps, format_duration(summary["train_time_s"]),
+             summary["step_time_s"] if step_times else float("nan"), test["accuracy"])
     return summary
+
+
+def skip_nonfinite_step(run: Run, step: int, losses: torch.Tensor, in_a_row: int) -> int:
+    """A step whose losses are not finite changes nothing; too many in a row stop the run with a
+    valid snapshot of the (unchanged) weights."""
+    in_a_row += 1
+    cfg = run.cfg
+    run.metrics.write("train", step=step + 1, skipped=True, losses=[float(x) for x in losses])
+    run.trajectory.append({"step": step + 1, "update": step, "skipped": True})
+    log.warning("step %d: non-finite loss %s; step skipped (%d in a row, limit %d)", step + 1,
+                [float(x) for x in losses], in_a_row, cfg.max_nonfinite_steps)
+    if in_a_row >= cfg.max_nonfinite_steps:
+        if cfg.checkpoint.every:
+            snapshot(run, step + 1, in_a_row)
+        raise TrainingError(f"{in_a_row} steps in a row had non-finite losses (last at step {step + 1}); the weights "
+                            f"were left unchanged{' and snapshotted' if cfg.checkpoint.every else ''}. Lower optim.lr "
+                            f"(now {cfg.optim.lr:g}) or estimator.eps (now {cfg.estimator.eps:g}), then resume=auto")
+    return in_a_row

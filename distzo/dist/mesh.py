@@ -15,62 +15,27 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import re
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
-from ..errors import DistzoError
+from .shape import MeshError, MeshShape, launched_world_size
 
 log = logging.getLogger(__name__)
 
 
-class MeshError(DistzoError):
-    """A mesh that cannot be built; the message names the fix."""
-
-
-def launched_world_size() -> int:
-    """Processes in this job as torchrun (or SLURM via torchrun) reports them; 1 when run plainly."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def launched_rank() -> int:
-    return int(os.environ.get("RANK", "0"))
-
-
-@dataclass(frozen=True)
-class MeshShape:
-    pert: int
-    data: int
-
-    @property
-    def size(self) -> int:
-        return self.pert * self.data
-
-    def __str__(self) -> str:
-        return f"{self.pert}x{self.data}"
-
-    @classmethod
-    def parse(cls, text: str) -> "MeshShape":
-        m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", str(text))
-        if not m:
-            raise MeshError(f"mesh={text!r} is not PxD; write it as mesh=2x2 (P perturbation ranks x D data ranks)")
-        pert, data = int(m.group(1)), int(m.group(2))
-        if pert < 1 or data < 1:
-            raise MeshError(f"mesh={text}: both degrees must be at least 1 (e.g. mesh=1x4, mesh=2x2)")
-        return cls(pert, data)
-
-    def check_world(self, world: int) -> None:
-        if self.size == world:
-            return
-        fits = ", ".join(f"{p}x{world // p}" for p in range(1, world + 1) if world % p == 0)
-        if world == 1:
-            raise MeshError(f"mesh={self} needs {self.size} processes but this is a single process; launch "
-                            f"with torchrun --nproc-per-node {self.size} -m distzo train mesh={self}")
-        raise MeshError(f"mesh={self} needs {self.size} processes but the job has {world}; use a mesh whose "
-                        f"product is {world} ({fits}) or launch {self.size} processes")
+def _restart_safe_store(timeout: datetime.timedelta) -> dict[str, Any]:
+    """Under torchrun the agent's store outlives a restart (`--max-restarts`): a restarted group
+    would read the dead attempt's peer addresses and fail to connect. Namespacing every key by the
+    restart count gives each attempt a clean slate; sub-groups inherit the default group's store."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "TORCHELASTIC_RESTART_COUNT" not in os.environ:
+        return {}
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                         timeout=timeout)
+    store = dist.PrefixStore(f"distzo/attempt-{os.environ['TORCHELASTIC_RESTART_COUNT']}", base)
+    return {"store": store, "rank": rank, "world_size": world}
 
 
 class Mesh:
@@ -119,7 +84,7 @@ class Mesh:
             device, backend, options = torch.device("cpu"), "gloo", dist.ProcessGroupGloo._Options()
         options._timeout = timeout  # DeviceMesh takes its sub-groups' timeout from the options
         if not dist.is_initialized():
-            dist.init_process_group(backend=backend, timeout=timeout)
+            dist.init_process_group(backend=backend, timeout=timeout, **_restart_safe_store(timeout))
         device_mesh = init_device_mesh(device.type, (shape.data, shape.pert), mesh_dim_names=("data", "pert"),
                                        backend_override={"data": (backend, options), "pert": (backend, options)})
         return cls(shape, device, dist.get_rank(), device_mesh)

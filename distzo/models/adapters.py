@@ -6,8 +6,8 @@ and the library's own mask and rotary helpers, mirroring the stock `forward` in 
 family; nothing is copied or patched. `tests/unit/test_adapters.py` checks each family against the
 stock forward.
 
-Weights reach the adapter through a `WeightView`, so the same code computes clean and perturbed
-forwards:
+Weights reach the adapter through a `WeightView` (implemented in `distzo.engine.weights`), so the
+same code computes clean and perturbed forwards, resident or offloaded:
   view.rows(name, index)                 rows of an embedding-like table (lookup or label head)
   view.call(prefix, module, *args, **kw) run a submodule with its (possibly perturbed) parameters
 
@@ -24,7 +24,6 @@ from typing import Any, Callable, Protocol
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from ..errors import DistzoError
 
@@ -37,19 +36,6 @@ class WeightView(Protocol):
     def rows(self, name: str, index: torch.Tensor) -> torch.Tensor: ...
 
     def call(self, prefix: str, module: nn.Module, *args: Any, **kwargs: Any) -> Any: ...
-
-
-class CleanWeights:
-    """The master weights, unperturbed."""
-
-    def __init__(self, model: nn.Module):
-        self.model = model
-
-    def rows(self, name: str, index: torch.Tensor) -> torch.Tensor:
-        return F.embedding(index, self.model.get_parameter(name))
-
-    def call(self, prefix: str, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        return module(*args, **kwargs)
 
 
 @dataclass

@@ -3,7 +3,6 @@ failures that end the job instead of hanging."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -16,7 +15,7 @@ import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
-from distzo.dist.mesh import MeshError, MeshShape
+from distzo.dist.shape import MeshError, MeshShape
 from distzo.metrics import read_metrics
 from tests.distributed.launch import ENV, free_port, spawn_env, torchrun
 
@@ -126,7 +125,8 @@ def test_only_rank_0_writes_one_run_directory(tmp_path):
 
 def _replica_worker(rank, world, port, corrupt_rank, out_dir):
     spawn_env(rank, world, port)
-    from distzo.dist import Mesh, ReplicaDivergence, check_replicas
+    from distzo.dist.consistency import ReplicaDivergence, check_replicas
+    from distzo.dist.mesh import Mesh
     from distzo.models.loading import random_model
     from distzo.zo.params import TrainableParams
 

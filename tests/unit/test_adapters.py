@@ -5,7 +5,8 @@ import torch
 
 from distzo.data.tasks import Batch
 from distzo.engine import ResidentEngine
-from distzo.models.adapters import CleanWeights, UnsupportedModelError, adapter_for
+from distzo.engine.weights import CleanWeights
+from distzo.models.adapters import UnsupportedModelError, adapter_for
 from distzo.models.loading import random_model
 from distzo.zo.directions import Directions
 from distzo.zo.params import TrainableParams

@@ -1,0 +1,94 @@
+"""Rebuild a run's weights at any logged step from a snapshot and the trajectory log (MeZO §2.1).
+
+Each logged step carries what its update needs (coefficients c_k, lr, weight decay); with the run's
+seed the directions z_k are regenerated, so the weights move exactly as they did in training, with
+no data and no forward pass. The update is the same function training calls (`apply_update`), so
+on the same device type the result is bitwise the trained weights.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+from safetensors.torch import save_file
+
+from .checkpoint import CorruptSnapshot, list_snapshots, read_snapshot
+from .engine.update import apply_update
+from .errors import DistzoError
+from .jsonl import read_jsonl
+from .metrics import Progress
+from .models import load_model
+from .zo.directions import DIRECTIONS_VERSION, Directions
+from .zo.params import TrainableParams
+
+log = logging.getLogger("distzo")
+
+
+class ReplayError(DistzoError):
+    pass
+
+
+def replay(run_dir: Path, step: int | None = None, out: Path | None = None, device: str = "cpu",
+           from_step: int | None = None) -> Path:
+    """Write <out> (default <run_dir>/replay/step-NNNNNNNN.safetensors): the trainable weights after
+    `step` updates (default: the last logged step), starting from the newest valid snapshot at or
+    before `from_step` (default: at or before `step`). Returns the written path."""
+    run_dir = Path(run_dir)
+    config_file = run_dir / ".hydra" / "config.yaml"
+    if not config_file.is_file():
+        raise ReplayError(f"{run_dir} is not a distzo run directory (no .hydra/config.yaml)")
+    records = [r for r in read_jsonl(run_dir / "trajectory.jsonl")]
+    if not records:
+        raise ReplayError(f"{run_dir}/trajectory.jsonl is missing or empty: nothing to replay")
+    target = step if step is not None else records[-1]["step"]
+    if from_step is not None and from_step > target:
+        raise ReplayError(f"--from-step {from_step} is after --step {target}")
+    base, tensors, state = _nearest_snapshot(run_dir, target if from_step is None else from_step)
+    if state.get("directions_version") != DIRECTIONS_VERSION:
+        raise ReplayError(f"{base} used direction scheme {state.get('directions_version')}; this distzo "
+                          f"generates scheme {DIRECTIONS_VERSION}")
+    if state.get("device_type", "cpu") != torch.device(device).type:
+        raise ReplayError(f"the run drew its directions on {state['device_type']}; replay with --device "
+                          f"{state['device_type']} (generators differ between device types)")
+    todo = [r for r in records if state["step"] < r["step"] <= target]
+    missing = sorted(set(range(state["step"] + 1, target + 1)) - {r["step"] for r in todo})
+    if missing:
+        raise ReplayError(f"trajectory.jsonl lacks steps {missing[:5]}{'...' if len(missing) > 5 else ''} "
+                          f"between the snapshot at step {state['step']} and step {target}")
+
+    cfg = OmegaConf.load(config_file)
+    model, _ = load_model(cfg.model)
+    model.to(device)
+    params = TrainableParams.from_model(model)
+    with torch.no_grad():
+        for p in params:
+            p.tensor.copy_(tensors[p.name])
+    directions = Directions(state["seed"], state["distribution"], torch.device(device))
+    log.info("Replaying steps %d..%d of %s from %s", state["step"] + 1, target, run_dir, base.name)
+    progress = Progress("replay step", len(todo))
+    for i, r in enumerate(todo):
+        if not r.get("skipped"):
+            apply_update(directions, [(p, p.tensor) for p in params], r["update"],
+                         [tuple(c) for c in r["coefficients"]], r["lr"], r["weight_decay"])
+        progress.update(i + 1)
+    directions.close()
+    out = Path(out) if out else run_dir / "replay" / f"step-{target:08d}.safetensors"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_file({p.name: p.tensor.detach().cpu().contiguous() for p in params}, out, metadata={"step": str(target)})
+    log.info("Wrote the weights after step %d to %s", target, out)
+    return out
+
+
+def _nearest_snapshot(run_dir: Path, target: int):
+    candidates = [p for p in list_snapshots(run_dir) if int(p.name.split("-")[1]) <= target]
+    for path in reversed(candidates):
+        try:
+            tensors, state = read_snapshot(path)
+            return path, tensors, state
+        except CorruptSnapshot as exc:
+            log.warning("Skipping a corrupt snapshot: %s", exc)
+    raise ReplayError(f"no valid snapshot at or before step {target} in {run_dir}/checkpoints "
+                      "(train with checkpoint.every > 0)")

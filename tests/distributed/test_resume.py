@@ -1,0 +1,179 @@
+"""Nothing lost (DESIGN I6): runs killed at any point resume to the weights of an uninterrupted run.
+Every test starts real processes and kills them for real (SIGKILL)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from distzo.checkpoint import list_snapshots, read_snapshot
+from distzo.metrics import read_metrics
+from tests.distributed.launch import ENV, torchrun
+
+BASE = ["model=tiny", "task=synthetic-cue", "eval_every=0", "log_every=1000", "batch_size=8", "optim.lr=1e-3",
+        "estimator.q=2", "seed=9", "task.val_size=32", "task.test_size=32", "checkpoint.every=5",
+        "checkpoint.keep=10"]
+
+
+def launch_cmd(nproc: int, *args: str, restarts: int = 0) -> list[str]:
+    if nproc == 1:
+        return [sys.executable, "-m", "distzo", "train", *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            f"--max-restarts={restarts}", "-m", "distzo", "train", *args]
+
+
+def weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(run_dir / "final" / "model.safetensors")
+
+
+def assert_bitwise(a, b):
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), \
+        max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def trained_steps(run_dir: Path) -> int:
+    records = [r for r in read_metrics(run_dir / "metrics.jsonl")] if (run_dir / "metrics.jsonl").exists() else []
+    return max([r["step"] for r in records if r["type"] == "train"], default=0)
+
+
+def kill_rank_when(proc: subprocess.Popen, run_dir: Path, min_step: int, rank: str, timeout: float = 180) -> None:
+    """SIGKILL the worker with RANK=rank once the run has logged min_step."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"the job ended before step {min_step}")
+        if trained_steps(run_dir) >= min_step:
+            for child in psutil.Process(proc.pid).children(recursive=True) + [psutil.Process(proc.pid)]:
+                try:
+                    env = child.environ()
+                except psutil.Error:
+                    continue
+                if env.get("RANK", "0" if proc.pid == child.pid and "torch.distributed.run" not in " ".join(
+                        proc.args) else None) == rank and "distzo" in " ".join(child.cmdline()):
+                    os.kill(child.pid, signal.SIGKILL)
+                    return
+        time.sleep(0.1)
+    raise AssertionError("never reached the step to kill at")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The reference: 2x2, 30 steps, never interrupted."""
+    root = tmp_path_factory.mktemp("reference")
+    r = torchrun(4, *BASE, "steps=30", "mesh=2x2", f"hydra.run.dir={root / 'run'}", cwd=root)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return root / "run"
+
+
+def test_sigkill_mid_training_then_resume_is_bitwise(tmp_path, uninterrupted):
+    run_dir = tmp_path / "run"
+    args = [*BASE, "steps=30", "mesh=2x2", "resume=auto", f"hydra.run.dir={run_dir}"]
+    proc = subprocess.Popen(launch_cmd(4, *args), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env=ENV, cwd=tmp_path)
+    kill_rank_when(proc, run_dir, min_step=12, rank="2")
+    proc.communicate(timeout=120)
+    assert proc.returncode != 0 and not (run_dir / "final").exists()
+    killed_at = trained_steps(run_dir)
+    assert 12 <= killed_at < 30
+    r = torchrun(4, *args, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert_bitwise(weights(uninterrupted), weights(run_dir))
+    train = [r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if r["type"] == "train"]
+    assert train == list(range(1, 31))  # the killed run's steps after its snapshot were rewritten once
+    traj = [json.loads(line)["step"] for line in open(run_dir / "trajectory.jsonl")]
+    assert traj == list(range(1, 31))
+
+
+def test_torchrun_restarts_a_failed_worker_and_the_run_resumes(tmp_path, uninterrupted):
+    run_dir = tmp_path / "run"
+    args = [*BASE, "steps=30", "mesh=2x2", "resume=auto", f"hydra.run.dir={run_dir}"]
+    proc = subprocess.Popen(launch_cmd(4, *args, restarts=1), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, env=ENV, cwd=tmp_path)
+    kill_rank_when(proc, run_dir, min_step=12, rank="1")
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert_bitwise(weights(uninterrupted), weights(run_dir))
+
+
+def test_killed_while_writing_a_snapshot_resumes_from_the_previous_one(tmp_path):
+    ref, run_dir = tmp_path / "ref", tmp_path / "run"
+    args = [*BASE, "steps=20", "mesh=1x1"]
+    assert torchrun(1, *args, f"hydra.run.dir={ref}", cwd=tmp_path).returncode == 0
+    env = {**ENV, "DISTZO_TEST_KILL_IN_SNAPSHOT": "15"}  # die between writing and renaming step 15's
+    r = subprocess.run(launch_cmd(1, *args, "resume=auto", f"hydra.run.dir={run_dir}"), env=env, cwd=tmp_path,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == -signal.SIGKILL
+    leftovers = list((run_dir / "checkpoints").glob(".step-00000015.tmp-*"))
+    assert leftovers and [p.name for p in list_snapshots(run_dir)] == ["step-00000005", "step-00000010"]
+    r = torchrun(1, *args, "resume=auto", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "Resuming from" in r.stdout and "step-00000010" in r.stdout
+    assert not list((run_dir / "checkpoints").glob(".step-*"))  # the unfinished snapshot was removed
+    assert_bitwise(weights(ref), weights(run_dir))
+
+
+def test_resume_on_another_mesh(tmp_path, uninterrupted):
+    """Snapshots are layout-free: a 2x2 run continued on 1x4 agrees within the layout tolerance."""
+    run_dir = tmp_path / "run"
+    common = [*BASE, "resume=auto", f"hydra.run.dir={run_dir}"]
+    assert torchrun(4, *common, "steps=15", "mesh=2x2", cwd=tmp_path).returncode == 0
+    r = torchrun(4, *common, "steps=30", "mesh=1x4", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    a, b = weights(uninterrupted), weights(run_dir)
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-6  # docs/mesh.md: D > 1 tolerance
+
+
+@pytest.mark.parametrize("offload", ["none", "cpu"])
+def test_replay_rebuilds_the_final_weights_from_the_first_snapshot(tmp_path, offload):
+    run_dir = tmp_path / "run"
+    assert torchrun(1, *BASE, "steps=17", f"offload={offload}", f"hydra.run.dir={run_dir}",
+                    cwd=tmp_path).returncode == 0
+    assert [p.name for p in list_snapshots(run_dir)][0] == "step-00000005"
+    out = tmp_path / "replayed.safetensors"
+    r = subprocess.run([sys.executable, "-m", "distzo", "replay", str(run_dir), "--from-step", "5", "--out", str(out)],
+                       capture_output=True, text=True, env=ENV, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    replayed, final = load_file(out), weights(run_dir)
+    assert all(torch.equal(replayed[k], final[k]) for k in replayed)  # 12 updates, no data, no forward
+    log_bytes = (run_dir / "trajectory.jsonl").stat().st_size
+    assert log_bytes / 17 < 400  # the checkpoint of a step is a few hundred bytes
+
+
+def test_a_corrupt_snapshot_is_rejected_and_the_previous_one_used(tmp_path):
+    ref, run_dir = tmp_path / "ref", tmp_path / "run"
+    assert torchrun(1, *BASE, "steps=20", f"hydra.run.dir={ref}", cwd=tmp_path).returncode == 0
+    common = [*BASE, "resume=auto", f"hydra.run.dir={run_dir}"]
+    assert torchrun(1, *common, "steps=15", cwd=tmp_path).returncode == 0
+    newest = list_snapshots(run_dir)[-1]
+    assert newest.name == "step-00000015"
+    data = bytearray((newest / "weights.safetensors").read_bytes())
+    data[len(data) // 2] ^= 0x40  # one flipped bit in the middle of a weight
+    (newest / "weights.safetensors").write_bytes(bytes(data))
+    r = torchrun(1, *common, "steps=20", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "Skipping a corrupt snapshot" in r.stdout + r.stderr and "step-00000010" in r.stdout
+    assert_bitwise(weights(ref), weights(run_dir))
+
+
+def test_repeated_nonfinite_losses_stop_with_a_valid_snapshot(tmp_path):
+    run_dir = tmp_path / "run"
+    r = torchrun(1, *BASE, "steps=20", "model.dtype=float16", "optim.lr=1e8", "max_nonfinite_steps=2",
+                 f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert r.returncode == 2
+    lines = [x for x in r.stderr.splitlines() if x.startswith("distzo: error:")]
+    assert len(lines) == 1 and "2 steps in a row had non-finite losses" in lines[0] and "resume=auto" in lines[0]
+    skipped = [m for m in read_metrics(run_dir / "metrics.jsonl") if m.get("skipped")]
+    assert len(skipped) == 2
+    newest = list_snapshots(run_dir)[-1]
+    tensors, state = read_snapshot(newest)  # verifies
+    assert state["step"] == skipped[-1]["step"] and state["nonfinite_in_a_row"] == 2

@@ -18,6 +18,7 @@ COMMANDS = {
     "train": "fine-tune a model with zeroth-order SGD (forward passes only)",
     "prepare": "convert and cache the model and data a config needs (run once after install)",
     "replay": "rebuild a run's weights at any logged step from a snapshot and the trajectory log",
+    "bench": "time a ZO step against its forward passes and MeZO's reference loop (bench.json)",
 }
 
 PREPARE_USAGE = """usage: python -m distzo prepare [key=value ...]
@@ -241,6 +242,20 @@ def _train_task(cfg) -> None:
         fail(str(exc))
 
 
+def _bench_task(cfg) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    from .bench import bench
+    from .config import validate
+    from .errors import DistzoError
+
+    try:
+        validate(cfg)
+        bench(cfg, Path(HydraConfig.get().runtime.output_dir))
+    except DistzoError as exc:
+        fail(str(exc))
+
+
 def prepare(args: list[str]) -> None:
     """Convert and cache what a configuration needs, so the first training run starts at once."""
     import logging
@@ -303,6 +318,8 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # distzo never downloads models
     if command == "train":
         run_hydra(_train_task, command, rest)
+    elif command == "bench":
+        run_hydra(_bench_task, command, rest)
     elif command == "prepare":
         prepare(rest)
     elif command == "replay":

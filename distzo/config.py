@@ -94,6 +94,30 @@ class CheckpointConfig:
 
 
 @dataclass
+class EngineConfig:
+    """Switches for the step's optimisations, kept for comparison (`python -m distzo bench`).
+
+    fuse_update: apply each step's update inside the next step's perturbation pass (one pass over
+      the weights) instead of in a pass of its own. "auto": fused for Rademacher directions (cheap
+      draws: memory traffic dominates, fusion wins), separate for Gaussian (expensive draws: a pass
+      of its own spreads them over more work items and threads).
+    row_tokens: prompts are packed into rows of at most this many tokens (block-causal attention)."""
+
+    fuse_update: str = "auto"
+    row_tokens: int = 1024
+
+
+@dataclass
+class BenchConfig:
+    """`python -m distzo bench`: warm-up and timed steps of each phase; `reference` adds the MeZO
+    paper's Algorithm 1 (one process, resident only)."""
+
+    warmup: int = 2
+    steps: int = 5
+    reference: bool = True
+
+
+@dataclass
 class OptimConfig:
     """ZO-SGD: theta -= lr * (sum_k c_k z_k + weight_decay * theta), with c_k the estimator's
     coefficients (for SPSA, c_k = g_k / q)."""
@@ -114,6 +138,8 @@ class Config:
     offload: OffloadConfig = MISSING
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    bench: BenchConfig = field(default_factory=BenchConfig)
     steps: int = 200
     batch_size: int = 16
     seed: Optional[int] = 0
@@ -287,6 +313,10 @@ def validate(cfg: Any, check_world: bool = True) -> None:
     _positive(cfg.max_nonfinite_steps, "max_nonfinite_steps")
     _positive(cfg.checkpoint.every, "checkpoint.every", allow_zero=True)
     _positive(cfg.checkpoint.keep, "checkpoint.keep")
+    _choice(str(cfg.engine.fuse_update).lower(), "engine.fuse_update", ("auto", "true", "false"))
+    _positive(cfg.engine.row_tokens, "engine.row_tokens")
+    _positive(cfg.bench.warmup, "bench.warmup", allow_zero=True)
+    _positive(cfg.bench.steps, "bench.steps")
     _positive(cfg.dist_timeout_s, "dist_timeout_s")
     try:
         shape = MeshShape.parse(cfg.mesh)

@@ -14,7 +14,15 @@ log = logging.getLogger("distzo")
 
 
 def peak_rss_bytes() -> int:
-    """Peak resident set size of this process (Linux reports ru_maxrss in KiB)."""
+    """Peak resident set size of this process since start or the last reset_peak_memory (Linux
+    VmHWM; ru_maxrss where /proc is unavailable)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     import resource
 
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
@@ -27,6 +35,21 @@ def peak_memory_bytes(device) -> int:
     if getattr(device, "type", str(device)) == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     return peak_rss_bytes()
+
+
+def reset_peak_memory(device) -> None:
+    """Start a new peak: CUDA's allocator statistics, or the process's RSS high-water mark (Linux
+    resets VmHWM when 5 is written to /proc/self/clear_refs)."""
+    import torch
+
+    if getattr(device, "type", str(device)) == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as fh:
+            fh.write("5")
+    except OSError:
+        pass
 
 
 class MetricsWriter:

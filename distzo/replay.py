@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
 from .checkpoint import CorruptSnapshot, list_snapshots, read_snapshot
-from .engine.update import apply_update
+from .engine.update import PendingUpdate, apply_update
 from .errors import DistzoError
 from .jsonl import read_jsonl
 from .metrics import Progress
@@ -71,8 +71,8 @@ def replay(run_dir: Path, step: int | None = None, out: Path | None = None, devi
     progress = Progress("replay step", len(todo))
     for i, r in enumerate(todo):
         if not r.get("skipped"):
-            apply_update(directions, [(p, p.tensor) for p in params], r["update"],
-                         [tuple(c) for c in r["coefficients"]], r["lr"], r["weight_decay"])
+            u = PendingUpdate(r["update"], tuple(tuple(c) for c in r["coefficients"]), r["lr"], r["weight_decay"])
+            apply_update(directions, [(p, p.tensor) for p in params], u)
         progress.update(i + 1)
     directions.close()
     out = Path(out) if out else run_dir / "replay" / f"step-{target:08d}.safetensors"

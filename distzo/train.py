@@ -50,13 +50,12 @@ class TrainingError(DistzoError):
 
 
 @dataclass
-class Run:
+class Components:
+    """What any run of a configuration needs, built once (training, benchmarking)."""
+
     cfg: Any
-    run_dir: Path
     mesh: Mesh
     seed: int
-    start_step: int  # updates already done (0, or the resumed snapshot's step)
-    nonfinite_in_a_row: int  # consecutive skipped steps before start_step
     model: torch.nn.Module
     tokenizer: Any
     task: ClassificationTask
@@ -64,8 +63,60 @@ class Run:
     engine: StagedEngine
     estimator: Estimator
     sampler: TrainSampler
-    metrics: MetricsWriter
-    trajectory: JsonlWriter
+
+
+@dataclass
+class Run(Components):
+    """A training run: the components plus its directory, logs and resume point."""
+
+    run_dir: Path = Path(".")
+    start_step: int = 0  # updates already done (0, or the resumed snapshot's step)
+    nonfinite_in_a_row: int = 0  # consecutive skipped steps before start_step
+    metrics: MetricsWriter | None = None
+    trajectory: JsonlWriter | None = None
+
+
+@dataclass
+class StepOutcome:
+    batch: Any  # the global batch
+    losses: torch.Tensor  # mean loss of every evaluation over the global batch
+    result: Any  # the estimator's StepResult, or None when the step was skipped
+    lr: float
+
+
+def build_components(cfg, mesh: Mesh, seed: int, snapshot: Path | None = None) -> tuple[Components, int]:
+    """Model, task, trainable set, engine, estimator and sampler; loads a snapshot's weights when
+    given one. Returns the components and the snapshot's step (0 without one)."""
+    model, tokenizer = load_model(cfg.model)
+    task = ClassificationTask(cfg.task, tokenizer)
+    params = TrainableParams.from_model(model)
+    step = load_snapshot_into(params, snapshot) if snapshot is not None else 0
+    directions = Directions(seed, cfg.estimator.distribution, mesh.device)
+    engine = build_engine(cfg, model, adapter_for(model), params, directions)  # places the model
+    return Components(cfg, mesh, seed, model, tokenizer, task, params, engine, build_estimator(cfg.estimator),
+                      TrainSampler(task.size("train"), cfg.batch_size, seed)), step
+
+
+def zo_step(c: Components, step: int) -> StepOutcome:
+    """One ZO-SGD step on the mesh (DESIGN §2); every rank returns the same outcome."""
+    cfg, mesh, engine = c.cfg, c.mesh, c.engine
+    batch = c.task.batch("train", c.sampler.indices(step))                   # the global batch
+    shard = batch.shard(mesh.data_rank, mesh.shape.data)                      # my data shard
+    plan = c.estimator.plan()                                                  # every forward
+    mine = mesh.my_evaluations(len(plan))                                      # dealt over P
+    local = torch.zeros(len(plan), 2, dtype=torch.float64)
+    if mine:
+        logits = engine.label_logits(shard, c.task.label_ids, [plan[i] for i in mine], step, c.estimator.eps)
+        local[mine] = cross_entropy_sums(logits.cpu(), shard.labels)          # (loss sum, count)
+    with engine.timers("comm"):
+        sums = mesh.exchange(local)                                            # global, on every rank
+    losses = sums[:, 0] / sums[:, 1]
+    lr = learning_rate(step, cfg.optim.lr, cfg.steps, cfg.optim.schedule, cfg.optim.warmup_steps)
+    if not torch.isfinite(losses).all():                                       # skip, never update
+        return StepOutcome(batch, losses, None, lr)
+    result = c.estimator.combine(losses)                                       # projected gradients
+    engine.update(step, result.coefficients, lr, cfg.optim.weight_decay)     # same on every rank
+    return StepOutcome(batch, losses, result, lr)
 
 
 _DEFAULT_THREADS = torch.get_num_threads()
@@ -131,16 +182,9 @@ def build_run(cfg, run_dir: Path, mesh: Mesh) -> Run:
     else:
         # Rank 0 fixes the run seed (the configured one, or one it draws); every direction derives from it.
         seed = mesh.broadcast_object(cfg.seed if cfg.seed is not None else secrets.randbits(63))
-    model, tokenizer = load_model(cfg.model)
-    task = ClassificationTask(cfg.task, tokenizer)
-    params = TrainableParams.from_model(model)
-    start_step = nonfinite = 0
-    if resume is not None:
-        start_step = load_snapshot_into(params, Path(resume[0]))
-        nonfinite = int(resume[1].get("nonfinite_in_a_row", 0))
-    directions = Directions(seed, cfg.estimator.distribution, mesh.device)
-    engine = build_engine(cfg.offload, model, adapter_for(model), params, directions)  # places the model
-    estimator = build_estimator(cfg.estimator)
+    c, start_step = build_components(cfg, mesh, seed, Path(resume[0]) if resume is not None else None)
+    nonfinite = int(resume[1].get("nonfinite_in_a_row", 0)) if resume is not None else 0
+    task, params, estimator = c.task, c.params, c.estimator
     if mesh.is_main and resume is not None:
         for name in ("metrics.jsonl", "trajectory.jsonl"):
             truncate_after(run_dir / name, start_step)  # the killed run's steps after the snapshot
@@ -160,8 +204,8 @@ def build_run(cfg, run_dir: Path, mesh: Mesh) -> Run:
     if mesh.shape.pert > n_evals:
         log.warning("mesh P=%d exceeds the %d evaluations a step needs: %d perturbation ranks idle; raise "
                     "estimator.q to use them", mesh.shape.pert, n_evals, mesh.shape.pert - n_evals)
-    return Run(cfg, run_dir, mesh, seed, start_step, nonfinite, model, tokenizer, task, params, engine, estimator,
-               TrainSampler(task.size("train"), cfg.batch_size, seed), metrics, trajectory)
+    return Run(**vars(c), run_dir=run_dir, start_step=start_step, nonfinite_in_a_row=nonfinite, metrics=metrics,
+               trajectory=trajectory)
 
 
 def load_snapshot_into(params: TrainableParams, path: Path) -> int:
@@ -233,30 +277,17 @@ def train(cfg, run_dir: Path) -> dict[str, Any]:
 
 def _train(run: Run) -> dict[str, Any]:
     cfg, mesh, run_dir = run.cfg, run.mesh, run.run_dir
-    label_ids, eps = run.task.label_ids, run.estimator.eps
     first = last = evaluate(run, "validation", 0) if run.start_step == 0 else None
     progress = Progress("train step", cfg.steps, every_s=15.0, enabled=mesh.is_main)
     wall_start, step_times, loss_ema, nonfinite = time.time(), [], None, run.nonfinite_in_a_row
     moved = run.engine.transfer_stats()
     for step in range(run.start_step, cfg.steps):
         started = time.perf_counter()
-        batch = run.task.batch("train", run.sampler.indices(step))              # the global batch
-        shard = batch.shard(mesh.data_rank, mesh.shape.data)                     # my data shard
-        plan = run.estimator.plan()                                               # every forward
-        mine = mesh.my_evaluations(len(plan))                                     # dealt over P
-        local = torch.zeros(len(plan), 2, dtype=torch.float64)
-        if mine:
-            logits = run.engine.label_logits(shard, label_ids, [plan[i] for i in mine], step, eps)
-            local[mine] = cross_entropy_sums(logits.cpu(), shard.labels)          # (loss sum, count)
-        sums = mesh.exchange(local)                                               # global, on every rank
-        losses = sums[:, 0] / sums[:, 1]
-        if not torch.isfinite(losses).all():                                      # skip, never update
-            nonfinite = skip_nonfinite_step(run, step, losses, nonfinite)
+        out = zo_step(run, step)                     # batch, plan, forwards, exchange, update (DESIGN §2)
+        if out.result is None:                       # non-finite losses: skipped, weights unchanged
+            nonfinite = skip_nonfinite_step(run, step, out.losses, nonfinite)
             continue
-        nonfinite = 0
-        result = run.estimator.combine(losses)                                    # projected gradients
-        lr = learning_rate(step, cfg.optim.lr, cfg.steps, cfg.optim.schedule, cfg.optim.warmup_steps)
-        run.engine.update(step, result.coefficients, lr, cfg.optim.weight_decay)  # same on every rank
+        nonfinite, result, lr, batch = 0, out.result, out.lr, out.batch
         step_time = time.perf_counter() - started
         step_times.append(step_time)
 

@@ -124,6 +124,15 @@ class Mesh:
         dist.all_gather(out, t)
         return [int(x) for x in out]
 
+    def all_gather_floats(self, values: Sequence[float]) -> list[list[float]]:
+        """Every rank's list of floats (same length everywhere), in rank order."""
+        if not self.distributed:
+            return [list(values)]
+        t = torch.tensor(list(values), dtype=torch.float64, device=self._collective_device())
+        out = [torch.zeros_like(t) for _ in range(self.world_size)]
+        dist.all_gather(out, t)
+        return [x.cpu().tolist() for x in out]
+
     def broadcast_object(self, obj: Any) -> Any:
         """Rank 0's object on every rank (seeds, the run directory)."""
         if not self.distributed:

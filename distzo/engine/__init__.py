@@ -10,12 +10,18 @@ from .resident import ResidentEngine
 
 
 def build_engine(cfg, model, adapter, params, directions) -> StagedEngine:
-    """The engine an `offload` config asks for, with the model placed accordingly."""
-    if cfg.mode == "cpu":
-        dtype = getattr(torch, cfg.transfer_dtype) if cfg.transfer_dtype else None
-        return OffloadEngine(model, adapter, params, directions, slots=cfg.slots, transfer_dtype=dtype)
-    model.to(directions.device)
-    return ResidentEngine(model, adapter, params, directions)
+    """The engine a run config asks for (`offload`, `engine`), with the model placed accordingly."""
+    off, opts = cfg.offload, cfg.engine
+    if off.mode == "cpu":
+        dtype = getattr(torch, off.transfer_dtype) if off.transfer_dtype else None
+        engine = OffloadEngine(model, adapter, params, directions, slots=off.slots, transfer_dtype=dtype,
+                               row_tokens=opts.row_tokens)
+    else:
+        model.to(directions.device)
+        engine = ResidentEngine(model, adapter, params, directions, row_tokens=opts.row_tokens)
+    fuse = str(opts.fuse_update).lower()
+    engine.fuse_update = directions.distribution == "rademacher" if fuse == "auto" else fuse == "true"
+    return engine
 
 
 __all__ = ["OffloadEngine", "ResidentEngine", "StagedEngine", "build_engine"]

@@ -2,8 +2,13 @@
 
 For each stage the engine draws the stage's z once per query and runs every evaluation of the step
 through that stage before moving on, so the + and - passes share one noise generation (ZO2's
-"dual forward", generalised to any plan). Engines differ only in where a block's weights are while
-it computes (`block_sources`) and when an update reaches them (`update`, `flush`).
+"dual forward", generalised to any plan).
+
+Updates are deferred (DESIGN I5): `update` records the step's update, and the next step applies it
+to each stage as the stage comes up, fused chunk by chunk with that stage's perturbation (one pass
+over the weights instead of two). `flush` applies whatever is still owed; evaluation, replica
+checks, snapshots and the end of training call it. Engines differ only in where a block's weights
+are while it computes (`block_sources`).
 """
 
 from __future__ import annotations
@@ -16,14 +21,18 @@ from torch import nn
 
 from ..data.tasks import Batch
 from ..models.adapters import DecoderAdapter
+from ..timing import DISABLED
 from ..zo.directions import Directions
 from ..zo.estimators import CLEAN, Evaluation
-from ..zo.params import TrainableParams
+from ..zo.params import TrainableParam, TrainableParams
+from .update import PendingUpdate, apply_update
 from .weights import CleanWeights, PerturbedWeights, StageNoise, Workspace
+
+OUTER = "outer"  # the stage of every trainable parameter outside the blocks (embeddings, norms, head)
 
 
 class StagedEngine:
-    """Evaluates a step's plan stage by stage; subclasses place the weights and apply updates."""
+    """Evaluates a step's plan stage by stage; subclasses place the block weights."""
 
     def __init__(self, model: nn.Module, adapter: DecoderAdapter, params: TrainableParams, directions: Directions,
                  row_tokens: int = 1024):
@@ -34,6 +43,14 @@ class StagedEngine:
         self.device = directions.device
         self.row_tokens = row_tokens
         self.workspace = Workspace(self.device)
+        self.timers = DISABLED  # the bench command swaps in enabled timers
+        self.block_params = [[p for p in params if p.name.startswith(prefix + ".")] for prefix, _ in adapter.blocks]
+        in_blocks = {p.name for ps in self.block_params for p in ps}
+        self.outer_params = [p for p in params if p.name not in in_blocks]
+        self.pending: PendingUpdate | None = None
+        self.fuse_update = True  # apply an owed update inside the next perturbation pass
+
+    # --- where block weights are ----------------------------------------------------------------------
 
     @contextmanager
     def block_sources(self, i: int) -> Iterator[Mapping[str, torch.Tensor] | None]:
@@ -41,15 +58,60 @@ class StagedEngine:
         the parameters themselves)."""
         yield None
 
-    def update(self, step: int, coefficients: Sequence[tuple[int, float]], lr: float, weight_decay: float) -> None:
-        raise NotImplementedError
-
-    def flush(self) -> None:
-        """Apply any deferred update, so the master weights are current (DESIGN I5)."""
-
     def transfer_stats(self) -> dict[str, int]:
         """Cumulative bytes moved host-to-device and back (zero when nothing is offloaded)."""
         return {"h2d_bytes": 0, "d2h_bytes": 0}
+
+    # --- deferred updates ------------------------------------------------------------------------------
+
+    def update(self, step: int, coefficients: Sequence[tuple[int, float]], lr: float, weight_decay: float) -> None:
+        """theta -= lr * (sum_k c_k z_k + weight_decay * theta), applied as each stage next comes up
+        (fused into its perturbation with fuse_update, otherwise in a pass of its own)."""
+        self.flush()  # a rank without evaluations never streamed the previous one
+        stages = {OUTER, *range(len(self.block_params))}
+        self.pending = PendingUpdate(step, tuple(coefficients), lr, weight_decay, stages)
+
+    def take_pending(self, stage) -> PendingUpdate | None:
+        """The update a stage owes, marking it paid."""
+        u = self.pending
+        if u is None or stage not in u.stages:
+            return None
+        u.stages.discard(stage)
+        if not u.stages:
+            self.pending = None
+        return u
+
+    def owes(self, stage) -> bool:
+        return self.pending is not None and stage in self.pending.stages
+
+    @torch.inference_mode()
+    def flush(self) -> None:
+        """Apply the deferred update to every stage that still owes it (DESIGN I5)."""
+        if self.pending is None:
+            return
+        with self.timers("update"):
+            self._apply_outer()
+            for i in range(len(self.block_params)):
+                if self.owes(i):
+                    with self.block_sources(i) as sources:
+                        u = self.take_pending(i)
+                        if u is not None:
+                            apply_update(self.directions, self._targets(i, sources), u)
+            self.after_flush()
+
+    def after_flush(self) -> None:
+        """Hook: wait for anything asynchronous a flush started."""
+
+    def _apply_outer(self) -> None:
+        u = self.take_pending(OUTER)
+        if u is not None:
+            apply_update(self.directions, [(p, p.tensor) for p in self.outer_params], u)
+
+    def _targets(self, i: int, sources) -> list[tuple[TrainableParam, torch.Tensor]]:
+        sources = sources or {}
+        return [(p, sources.get(p.name, p.tensor)) for p in self.block_params[i]]
+
+    # --- the stage loop ------------------------------------------------------------------------------
 
     @torch.inference_mode()
     def label_logits(self, batch: Batch, label_ids: torch.Tensor, plan: Sequence[Evaluation],
@@ -58,23 +120,37 @@ class StagedEngine:
         packed = batch.pack(self.row_tokens).to(self.device)
         label_ids = label_ids.to(self.device)
         ctx = self.adapter.context(packed.input_ids, packed.position_ids)
+        perturbed = any(ev.perturbed for ev in plan)
 
-        def stage_views(sources=None) -> list:
-            noise = StageNoise(self.directions, self.workspace, step, eps)
+        def stage_views(noise: StageNoise, sources=None) -> list:
             clean = CleanWeights(self.model, sources)
-            return [PerturbedWeights(self.model, self.params, noise, self.workspace, ev, sources) if ev.perturbed
-                    else clean for ev in plan]
+            return [PerturbedWeights(self.model, self.params, noise, i, sources) if ev.perturbed else clean
+                    for i, ev in enumerate(plan)]
 
-        hidden = [self.adapter.stem(ctx, w) for w in stage_views()]
+        if self.owes(OUTER):
+            with self.timers("update"):
+                self._apply_outer()
+        hidden = [self.adapter.stem(ctx, w) for w in stage_views(self._noise(step, eps, plan))]
         for i in range(len(self.adapter.blocks)):
             with self.block_sources(i) as sources:
-                hidden = [self.adapter.block(i, h, ctx, w) for h, w in zip(hidden, stage_views(sources))]
+                noise = self._noise(step, eps, plan)
+                u = self.take_pending(i)
+                if u is not None and not (perturbed and self.fuse_update):
+                    with self.timers("update"):
+                        apply_update(self.directions, self._targets(i, sources), u)
+                    u = None
+                if perturbed:  # an owed update still in hand is fused into this block's perturbation
+                    noise.prepare(self.block_params[i], lambda p, s=sources: (s or {}).get(p.name, p.tensor), u)
+                hidden = [self.adapter.block(i, h, ctx, w) for h, w in zip(hidden, stage_views(noise, sources))]
         logits = []
-        for h, w in zip(hidden, stage_views()):
+        for h, w in zip(hidden, stage_views(self._noise(step, eps, plan))):
             features = self.adapter.final(h[packed.last_row, packed.last_col], w)
             out = self.adapter.head(features, label_ids, w)
             logits.append(out.to(torch.promote_types(out.dtype, torch.float32)))  # >= fp32 for the loss
         return torch.stack(logits)
+
+    def _noise(self, step: int, eps: float, plan: Sequence[Evaluation]) -> StageNoise:
+        return StageNoise(self.directions, self.workspace, step, eps, plan, self.timers)
 
     def clean_label_logits(self, batch: Batch, label_ids: torch.Tensor) -> torch.Tensor:
         """Label-word logits [B, C] at the master weights (deferred updates applied first)."""

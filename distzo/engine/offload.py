@@ -8,8 +8,8 @@ host master. On CUDA, uploads and write-backs run on their own streams and are o
 compute stream with events (ZO2's Algorithm 2), so block i+1 uploads and block i-1 writes back
 while block i computes. On CPU the same code runs with host-to-host copies.
 
-The update is the same chunked function as the resident engine's, applied to the uploaded copy, so
-offloaded and resident training agree bitwise. With `transfer_dtype` (bf16/fp16) a block travels
+The deferred update is the same chunked function as the resident engine's (fused with the block's
+perturbation), applied to the uploaded copy, so offloaded and resident training agree bitwise. With `transfer_dtype` (bf16/fp16) a block travels
 at reduced precision and is widened on the device; the host keeps the full-precision master and
 receives the update as a reduced-precision delta (4 bytes a parameter per step instead of 8 for a
 full-precision round trip, and no update is lost to rounding the master).
@@ -26,7 +26,7 @@ from torch import nn
 
 from ..models.adapters import DecoderAdapter
 from ..zo.directions import Directions
-from ..zo.params import TrainableParam, TrainableParams
+from ..zo.params import TrainableParams
 from .base import StagedEngine
 from .update import apply_update
 
@@ -209,15 +209,6 @@ class BlockStreamer:
             self.upload_stream.synchronize()
 
 
-@dataclass
-class PendingUpdate:
-    step: int
-    coefficients: tuple[tuple[int, float], ...]
-    lr: float
-    weight_decay: float
-    blocks: set[int]
-
-
 class OffloadEngine(StagedEngine):
     def __init__(self, model: nn.Module, adapter: DecoderAdapter, params: TrainableParams, directions: Directions,
                  slots: int = 3, transfer_dtype: torch.dtype | None = None, row_tokens: int = 1024):
@@ -226,50 +217,30 @@ class OffloadEngine(StagedEngine):
         place_resident(model, device, self.host_blocks)
         super().__init__(model, adapter, params, directions, row_tokens)
         self.streamer = BlockStreamer(self.host_blocks, device, slots, transfer_dtype)
-        block_names = {n for b in self.host_blocks for n in b.names}
-        self.resident_params = [p for p in params if p.name not in block_names]
-        self.block_params = [[params.get(n) for n in b.names if params.get(n) is not None] for b in self.host_blocks]
-        self.pending: PendingUpdate | None = None
 
     @contextmanager
     def block_sources(self, i: int) -> Iterator[Mapping[str, torch.Tensor]]:
-        for j in range(i, min(i + len(self.streamer.slots), len(self.host_blocks))):
-            self.streamer.prefetch(j)  # uploads of the next blocks overlap this block's compute
-        views = self.streamer.acquire(i)
-        updated = self._apply_pending(i, views)
+        """Upload block i (prefetching the next ones), let it compute, write it back if the deferred
+        update changed it."""
+        updated = self.owes(i)
+        with self.timers("transfer"):
+            for j in range(i, min(i + len(self.streamer.slots), len(self.host_blocks))):
+                self.streamer.prefetch(j)  # uploads of the next blocks overlap this block's compute
+            views = self.streamer.acquire(i)
+        if updated and self.streamer.transfer_dtype is not None:
+            # Reduced-precision transfer: apply the update here, recording the deltas to send back.
+            with self.timers("update"):
+                u = self.take_pending(i)
+                deltas = self.streamer.delta_views(i)
+                targets = [(p, views[p.name]) for p in self.block_params[i]]
+                apply_update(self.directions, targets, u, deltas=[deltas[p.name] for p, _ in targets])
         try:
             yield views
         finally:
-            self.streamer.release(i, write_back=updated)
+            with self.timers("transfer"):
+                self.streamer.release(i, write_back=updated)
 
-    def _apply_pending(self, i: int, views: dict[str, torch.Tensor]) -> bool:
-        pending = self.pending
-        if pending is None or i not in pending.blocks:
-            return False
-        targets: list[tuple[TrainableParam, torch.Tensor]] = [(p, views[p.name]) for p in self.block_params[i]]
-        deltas = self.streamer.delta_views(i)
-        apply_update(self.directions, targets, pending.step, pending.coefficients, pending.lr, pending.weight_decay,
-                     deltas=None if deltas is None else [deltas[p.name] for p, _ in targets])
-        pending.blocks.discard(i)
-        if not pending.blocks:
-            self.pending = None
-        return True
-
-    def update(self, step: int, coefficients: Sequence[tuple[int, float]], lr: float, weight_decay: float) -> None:
-        """Resident parameters now; offloaded blocks when they next pass through the device."""
-        if self.pending is not None:  # a rank without evaluations never streamed the last one
-            self.flush()
-        apply_update(self.directions, [(p, p.tensor) for p in self.resident_params], step, coefficients, lr,
-                     weight_decay)
-        self.pending = PendingUpdate(step, tuple(coefficients), lr, weight_decay, set(range(len(self.host_blocks))))
-
-    @torch.inference_mode()
-    def flush(self) -> None:
-        """Stream every block that still owes the deferred update: upload, update, write back."""
-        while self.pending is not None:
-            i = min(self.pending.blocks)
-            with self.block_sources(i):
-                pass
+    def after_flush(self) -> None:
         self.streamer.synchronize()
 
     def transfer_stats(self) -> dict[str, int]:

@@ -1,30 +1,57 @@
 """The ZO-SGD update, chunk by chunk: theta <- theta * (1 - lr wd) - sum_k (lr c_k) z_k.
 
-One function for every engine, so resident, offloaded and (later) sliced runs perform the same
-floating-point operations on every element and agree bitwise. Each term is its own rounded
-operation (scale z, then subtract), so a chunk's result never depends on how a tensor is split
-across threads, ranks or transfers.
+One per-chunk function (`update_chunk`) serves every path: the plain update pass, the update fused
+into the next step's perturbation, offloaded blocks on their device slots. So resident, fused,
+offloaded and (later) sliced runs perform the same floating-point operations on every element and
+agree bitwise. Each term is its own rounded operation (scale z, then subtract), so a chunk's result
+never depends on how a tensor is split across threads, ranks or transfers.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
-from ..zo.directions import Directions, chunks_of
+from ..zo.directions import ChunkRef, Directions, chunks_of
 from ..zo.params import TrainableParam
 
 
-def apply_update(directions: Directions, targets: Sequence[tuple[TrainableParam, torch.Tensor]], step: int,
-                 coefficients: Sequence[tuple[int, float]], lr: float, weight_decay: float,
+@dataclass
+class PendingUpdate:
+    """An update decided but not yet applied everywhere (DESIGN I5): which stages still owe it."""
+
+    step: int
+    coefficients: tuple[tuple[int, float], ...]
+    lr: float
+    weight_decay: float
+    stages: set = field(default_factory=set)
+
+    @property
+    def terms(self) -> list[tuple[int, float]]:
+        return [(k, self.lr * c) for k, c in self.coefficients if c != 0.0]
+
+
+def update_chunk(directions: Directions, p: TrainableParam, ref: ChunkRef, flat: torch.Tensor,
+                 u: PendingUpdate) -> None:
+    """Apply update u to one chunk of p, held in `flat` (the chunk's elements, wherever they live)."""
+    if p.decay and u.weight_decay:
+        flat.mul_(1.0 - u.lr * u.weight_decay)
+    terms = u.terms
+    if terms:
+        z = directions.scratch(ref.stop - ref.start)
+        for k, a in terms:
+            directions.fill_chunk(z, u.step, k, ref)
+            flat.sub_(z.to(flat.dtype).mul_(a))
+
+
+def apply_update(directions: Directions, targets: Sequence[tuple[TrainableParam, torch.Tensor]], u: PendingUpdate,
                  deltas: Sequence[torch.Tensor] | None = None) -> None:
     """Update each target tensor (the master of its parameter, wherever it lives now) in place.
 
     deltas: optional float32 tensors, one per target, that receive the change made to each
     element (for transferring an update at reduced precision to a full-precision master)."""
-    decay = 1.0 - lr * weight_decay
-    terms = [(k, lr * c) for k, c in coefficients if c != 0.0]
     work = []
     for i, (p, target) in enumerate(targets):
         work += [(p, target, None if deltas is None else deltas[i], ref) for ref in chunks_of(p.key, p.shape)]
@@ -33,13 +60,7 @@ def apply_update(directions: Directions, targets: Sequence[tuple[TrainableParam,
         p, target, delta, ref = item
         flat = target.view(-1)[ref.start:ref.stop]
         before = None if delta is None else flat.to(torch.float32, copy=True)
-        if p.decay and weight_decay:
-            flat.mul_(decay)
-        if terms:
-            z = directions.scratch(ref.stop - ref.start)
-            for k, a in terms:
-                directions.fill_chunk(z, step, k, ref)
-                flat.sub_(z.to(flat.dtype).mul_(a))
+        update_chunk(directions, p, ref, flat, u)
         if delta is not None:
             torch.sub(flat, before, out=delta.view(-1)[ref.start:ref.stop])
 

@@ -7,15 +7,17 @@ block's slot). Views read a parameter through `source()`, so the same code serve
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
 from torch.func import functional_call
 from torch.nn import functional as F
 
-from ..zo.directions import Directions
+from ..zo.directions import Directions, chunks_of
 from ..zo.estimators import Evaluation
+from ..timing import DISABLED, Timers
+from .update import PendingUpdate, update_chunk
 from ..zo.params import TrainableParam, TrainableParams
 
 
@@ -52,36 +54,82 @@ class Workspace:
 
 
 class StageNoise:
-    """eps * z for the trainable parameters one stage touches, drawn on first use, once per query."""
+    """The perturbed working copies one stage needs, for every evaluation of the plan at once.
 
-    def __init__(self, directions: Directions, workspace: Workspace, step: int, eps: float):
+    Dense parameters are perturbed chunk by chunk: a chunk's z is drawn into a small per-thread
+    scratch buffer, scaled by eps, and every evaluation's copy of that chunk (`W + s * eps * z`) is
+    written at once, so z never travels through main memory and the master is read once for all
+    signs. Embedding-like tables are perturbed by rows (only the rows an index reads)."""
+
+    def __init__(self, directions: Directions, workspace: Workspace, step: int, eps: float,
+                 plan: Sequence[Evaluation], timers: Timers = DISABLED):
         self.directions, self.workspace, self.step, self.eps = directions, workspace, step, eps
-        self._dense: dict[tuple[str, int], torch.Tensor] = {}
-        self._used: dict[int, int] = {}
+        self.plan, self.timers = list(plan), timers
+        self._copies: dict[tuple[str, int], torch.Tensor] = {}  # (parameter, evaluation index) -> copy
+        self._used: dict[tuple[int, torch.dtype], int] = {}
         self._rows: dict[tuple[str, int, int], tuple[torch.Tensor, ...]] = {}
 
-    def dense(self, entries: Sequence[TrainableParam], query: int) -> dict[str, torch.Tensor]:
-        todo = [p for p in entries if (p.name, query) not in self._dense]
+    def copies(self, entries: Sequence[TrainableParam], index: int,
+               source: Callable[[TrainableParam], torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Working copies of `entries` for evaluation plan[index] (built for all evaluations on first use)."""
+        todo = [p for p in entries if (p.name, index) not in self._copies]
         if todo:
-            start = self._used.get(query, 0)
-            views = self.workspace.carve(f"z{query}", [p.shape for p in todo], torch.float32, start)
-            self._used[query] = start + sum(v.numel() for v in views)
-            self.directions.generate_many([(p.shape, p.key) for p in todo], self.step, query, out=views)
-            for p, z in zip(todo, views):
-                self._dense[(p.name, query)] = z.mul_(self.eps) if p.tensor.dtype == torch.float32 \
-                    else z.to(p.tensor.dtype).mul_(self.eps)
-        return {p.name: self._dense[(p.name, query)] for p in entries}
+            self.prepare(todo, source)
+        return {p.name: self._copies[(p.name, index)] for p in entries}
+
+    def prepare(self, entries: Sequence[TrainableParam], source: Callable[[TrainableParam], torch.Tensor],
+                pending: PendingUpdate | None = None) -> None:
+        """Build every evaluation's working copies of `entries` in one pass over their chunks, first
+        applying `pending` (the previous step's update) to each master chunk: the deferred update
+        fused with the next perturbation, while the chunk is in cache."""
+        with self.timers("perturb"):
+            self._build(list(entries), source, pending)
+
+    def _build(self, todo: Sequence[TrainableParam], source: Callable[[TrainableParam], torch.Tensor],
+               pending: PendingUpdate | None) -> None:
+        perturbed = [(i, ev) for i, ev in enumerate(self.plan) if ev.perturbed]
+        out: dict[tuple[str, int], torch.Tensor] = {}
+        for i, _ in perturbed:
+            for dtype in {p.tensor.dtype for p in todo}:
+                group = [p for p in todo if p.tensor.dtype == dtype]
+                start = self._used.get((i, dtype), 0)
+                views = self.workspace.carve(f"work{i}", [p.shape for p in group], dtype, start)
+                self._used[(i, dtype)] = start + sum(v.numel() for v in views)
+                out.update({(p.name, i): v for p, v in zip(group, views)})
+        queries = sorted({ev.query for _, ev in perturbed})
+        work = [(p, ref) for p in todo for ref in chunks_of(p.key, p.shape)]  # all queries of a chunk: one item
+        masters = {p.name: source(p).view(-1) for p in todo}
+
+        def one(item) -> None:
+            p, ref = item
+            master = masters[p.name][ref.start:ref.stop]
+            if pending is not None:
+                update_chunk(self.directions, p, ref, master, pending)
+            for q in queries:
+                z = self.directions.fill_chunk(self.directions.scratch(ref.stop - ref.start), self.step, q, ref)
+                z = z.mul_(self.eps) if p.tensor.dtype == torch.float32 else z.to(p.tensor.dtype).mul_(self.eps)
+                for i, ev in perturbed:
+                    if ev.query == q:
+                        op = torch.add if ev.sign > 0 else torch.sub
+                        op(master, z, out=out[(p.name, i)].view(-1)[ref.start:ref.stop])
+
+        self.directions.map(one, work)
+        self._copies.update(out)
 
     def rows(self, p: TrainableParam, query: int, index: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(unique rows u, inverse map, eps * z[u]) for the rows an index tensor reads."""
         key = (p.name, query, id(index))
         if key not in self._rows:
-            unique, inverse = torch.unique(index, return_inverse=True)
-            z = self.directions.rows(p.shape, p.key, self.step, query, unique)
-            z = z.view((unique.numel(),) + tuple(p.shape[1:])).to(p.tensor.dtype).mul_(self.eps)
-            # Holding `index` keeps its id from being reused by another tensor while this entry lives.
-            self._rows[key] = (unique, inverse, z, index)
+            with self.timers("perturb"):
+                self._rows[key] = self._draw_rows(p, query, index)
         return self._rows[key][:3]
+
+    def _draw_rows(self, p: TrainableParam, query: int, index: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        unique, inverse = torch.unique(index, return_inverse=True)
+        z = self.directions.rows(p.shape, p.key, self.step, query, unique)
+        z = z.view((unique.numel(),) + tuple(p.shape[1:])).to(p.tensor.dtype).mul_(self.eps)
+        # Holding `index` keeps its id from being reused by another tensor while this entry lives.
+        return unique, inverse, z, index
 
 
 def _module_sources(prefix: str, module: nn.Module, sources: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -107,27 +155,25 @@ class CleanWeights:
 
 
 class PerturbedWeights:
-    """The WeightView of one evaluation: theta + sign * eps * z_query, as working copies."""
+    """The WeightView of evaluation plan[index]: theta + sign * eps * z_query, as working copies."""
 
-    def __init__(self, model: nn.Module, params: TrainableParams, noise: StageNoise, workspace: Workspace,
-                 evaluation: Evaluation, sources: Mapping[str, torch.Tensor] | None = None):
-        self.model, self.params, self.noise, self.workspace, self.ev = model, params, noise, workspace, evaluation
+    def __init__(self, model: nn.Module, params: TrainableParams, noise: StageNoise, index: int,
+                 sources: Mapping[str, torch.Tensor] | None = None):
+        self.model, self.params, self.noise, self.index = model, params, noise, index
+        self.ev = noise.plan[index]
         self.sources = sources or {}
 
     def source(self, p: TrainableParam) -> torch.Tensor:
         """Where the master value of p is on the compute device now."""
         return self.sources.get(p.name, p.tensor)
 
-    def _apply(self, master: torch.Tensor, scaled_z: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        op = torch.add if self.ev.sign > 0 else torch.sub
-        return op(master, scaled_z) if out is None else op(master, scaled_z, out=out)
-
     def rows(self, name: str, index: torch.Tensor) -> torch.Tensor:
         p = self.params.get(name)
         if p is None:
             return CleanWeights(self.model, self.sources).rows(name, index)
         unique, inverse, z = self.noise.rows(p, self.ev.query, index)
-        return self._apply(self.source(p)[unique], z)[inverse]
+        master = self.source(p)[unique]
+        return (master + z if self.ev.sign > 0 else master - z)[inverse]
 
     def call(self, prefix: str, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         local: dict[str, TrainableParam] = {}
@@ -138,13 +184,7 @@ class PerturbedWeights:
         if not local:
             return CleanWeights(self.model, self.sources).call(prefix, module, *args, **kwargs)
         unique = list({p.name: p for p in local.values()}.values())
-        scaled = self.noise.dense(unique, self.ev.query)
-        # One call runs at a time, so every evaluation reuses the same working-copy buffer.
-        buffers = {}
-        for dtype in {p.tensor.dtype for p in unique}:
-            group = [p for p in unique if p.tensor.dtype == dtype]
-            buffers.update(zip((p.name for p in group), self.workspace.carve("work", [p.shape for p in group], dtype)))
-        working = {p.name: self._apply(self.source(p), scaled[p.name], out=buffers[p.name]) for p in unique}
+        working = self.noise.copies(unique, self.index, self.source)
         tensors = _module_sources(prefix, module, self.sources)  # frozen parameters of an offloaded block
         tensors.update({rel: working[p.name] for rel, p in local.items()})
         return functional_call(module, tensors, args, kwargs, tie_weights=False, strict=False)

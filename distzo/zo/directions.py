@@ -22,8 +22,9 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-# Bump when the seed -> z mapping changes; run summaries record it.
-DIRECTIONS_VERSION = 1
+# Bump when the seed -> z mapping changes; snapshots and run summaries record it.
+# 2: Rademacher signs unpacked from random bytes (8 per byte) instead of one draw per element.
+DIRECTIONS_VERSION = 2
 CHUNK_NUMEL = 1 << 20
 _MASK64 = (1 << 64) - 1
 
@@ -111,8 +112,27 @@ class Directions:
         if self.distribution == "gaussian":
             out.normal_(generator=gen)
         else:
-            out.random_(0, 2, generator=gen).mul_(2.0).sub_(1.0)
+            self._signs(out, gen)
         return out
+
+    def _signs(self, out: torch.Tensor, gen: torch.Generator) -> None:
+        """Rademacher +-1: one random byte gives eight signs through a 256 x 8 table, eight times
+        fewer draws than one per element."""
+        n = out.numel()
+        table = self._sign_table()
+        packed = torch.empty((n + 7) // 8, dtype=torch.uint8, device=self.device).random_(0, 256, generator=gen)
+        if n % 8 == 0:
+            torch.index_select(table, 0, packed.long(), out=out.view(-1, 8))
+        else:
+            out.copy_(table[packed.long()].view(-1)[:n])
+
+    def _sign_table(self) -> torch.Tensor:
+        table = getattr(self, "_table", None)
+        if table is None:
+            bits = (torch.arange(256)[:, None] >> torch.arange(8)[None, :]) & 1
+            with torch.inference_mode(False):
+                table = self._table = (bits.float() * 2 - 1).to(self.device)
+        return table
 
     def map(self, fn: Callable[[Any], None], items: Iterable[Any]) -> None:
         """Run fn over work items, in parallel on CPU. fn must touch only its own item's memory."""

@@ -48,4 +48,6 @@ def test_a_zo_step_changes_only_through_the_update(default_run):
     assert torch.isfinite(logits).all() and not torch.equal(logits[0], logits[1])
     assert torch.equal(before, params.get("model.layers.0.mlp.down_proj.weight").tensor)
     engine.update(0, [(0, 1.0)], 1e-6, 0.0)
+    assert torch.equal(before, params.get("model.layers.0.mlp.down_proj.weight").tensor)  # deferred (I5)
+    engine.flush()
     assert not torch.equal(before, params.get("model.layers.0.mlp.down_proj.weight").tensor)

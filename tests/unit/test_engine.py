@@ -83,6 +83,9 @@ def test_update_is_the_formula_chunked_and_thread_count_invariant():
     expected = expected_update(engine1, params1, step, coeffs, lr, wd, no_decay)
     engine1.update(step, coeffs, lr, wd)
     engine2.update(step, coeffs, lr, wd)
+    assert torch.equal(params1.get("model.norm.weight").tensor, model2.model.norm.weight)  # deferred: unchanged
+    engine1.flush()
+    engine2.flush()
     for p1, p2 in zip(params1, params2):
         assert torch.equal(p1.tensor, expected[p1.name]), p1.name
         assert torch.equal(p1.tensor, p2.tensor), p1.name
@@ -92,8 +95,26 @@ def test_tied_head_is_updated_once():
     model, params, engine = build()
     expected = expected_update(engine, params, 0, [(0, 1.0)], 1e-2, 0.0, set())["model.embed_tokens.weight"]
     engine.update(0, [(0, 1.0)], 1e-2, 0.0)
+    engine.flush()
     # applying the update under both names would move the shared tensor twice
     assert torch.equal(model.lm_head.weight, expected)
+
+
+def test_fused_deferred_update_equals_update_then_perturb():
+    """The next step's perturbation applies the owed update chunk by chunk (fused); the result must be
+    the update applied on its own, then the perturbation."""
+    model_a, params_a, fused = build()
+    model_b, params_b, plain = build()
+    batch, coeffs = sample_batch(), [(0, 0.9), (1, -0.4)]
+    fused.update(0, coeffs, 1e-2, 0.1)
+    plain.update(0, coeffs, 1e-2, 0.1)
+    plain.flush()  # update first, on its own
+    assert fused.pending is not None and plain.pending is None
+    got = fused.label_logits(batch, LABELS, PLAN, step=1, eps=EPS)  # update fused into this perturbation
+    assert fused.pending is None
+    assert torch.equal(got, plain.label_logits(batch, LABELS, PLAN, step=1, eps=EPS))
+    a, b = model_a.state_dict(), model_b.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_workspace_is_reused_across_steps():

@@ -68,6 +68,7 @@ def test_flush_is_what_evaluation_needs():
     block = off.host_blocks[0]
     stale = block.flat.clone()
     off.flush()
+    res.flush()
     assert not torch.equal(stale, block.flat)  # the flush moved the host master
     assert torch.equal(res.model.model.layers[0].mlp.up_proj.weight, off_model.model.layers[0].mlp.up_proj.weight)
 
@@ -94,6 +95,7 @@ def test_reduced_precision_transfer_keeps_a_full_precision_master():
     init = {k: v.clone() for k, v in res_model.state_dict().items()}
     g_res, g_off = train_steps(res, lr=1e-3), train_steps(off, lr=1e-3)
     off.flush()
+    res.flush()
     g_scale = max(abs(g) for gs in g_res for g in gs)
     g_gap = max(abs(a - b) for ga, gb in zip(g_res, g_off) for a, b in zip(ga, gb))
     r, o = res_model.state_dict(), off_model.state_dict()

@@ -1,0 +1,197 @@
+"""`python -m distzo bench`: what a ZO step costs next to its forward passes, measured in one run.
+
+Three measurements on the same model and the same batches, in this order:
+
+1. **inference alone**: the forward passes a step needs (one per evaluation this rank runs) at the
+   master weights, nothing else. Its peak memory is the baseline for training's.
+2. **training**: the configured ZO step (any estimator, mesh, offloading), with the time split into
+   noise generation, building perturbed copies, forward, update, communication and transfers.
+3. **the MeZO reference** (one process only): the paper's Algorithm 1 as published: the global RNG
+   re-seeded before each of four passes over the parameters (perturb +eps, perturb -2 eps,
+   restore +eps, update), z drawn per parameter with `torch.normal`, parameters changed in place
+   (`p.add_(z, alpha=...)`, the paper's in-place update; its code's `p.data = p.data + s * z * eps`
+   allocates three temporaries and is about twice as slow here, so it would flatter distzo), losses
+   from the stock model forward on right-padded batches with the full vocabulary head.
+
+Every figure is a median over the timed steps; ratios are taken within this one invocation.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.nn import functional as F
+
+from .dist.mesh import Mesh
+from .metrics import peak_memory_bytes, reset_peak_memory
+from .timing import Timers
+from .train import Components, build_components, device_kind, zo_step
+from .zo.estimators import CLEAN, Evaluation
+
+log = logging.getLogger("distzo")
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def forward_baseline(c: Components, steps: range) -> list[float]:
+    """Seconds per step of the forward passes alone: the same evaluations on the same shards."""
+    mesh, times = c.mesh, []
+    n_mine = len(mesh.my_evaluations(len(c.estimator.plan())))
+    for step in steps:
+        shard = c.task.batch("train", c.sampler.indices(step)).shard(mesh.data_rank, mesh.shape.data)
+        started = time.perf_counter()
+        if n_mine:
+            c.engine.label_logits(shard, c.task.label_ids, [Evaluation(CLEAN, 0)] * n_mine, step, 0.0)
+        if mesh.device.type == "cuda":
+            torch.cuda.synchronize(mesh.device)
+        times.append(time.perf_counter() - started)
+    return times
+
+
+def training_steps(c: Components, steps: range) -> tuple[list[float], list[dict[str, float]]]:
+    times, phases = [], []
+    c.engine.timers.take()
+    for step in steps:
+        started = time.perf_counter()
+        zo_step(c, step)
+        if c.mesh.device.type == "cuda":
+            torch.cuda.synchronize(c.mesh.device)
+        times.append(time.perf_counter() - started)
+        phases.append(c.engine.timers.take())
+    return times, phases
+
+
+def mezo_reference_steps(c: Components, steps: range, lr: float, eps: float) -> list[float]:
+    """MeZO's Algorithm 1 as published (see the module docstring); changes the model's weights."""
+    model, device = c.model, c.mesh.device
+    params = [p for _, p in model.named_parameters() if p.requires_grad]
+    label_ids = c.task.label_ids.to(device)
+    times = []
+
+    @torch.no_grad()
+    def perturb(seed: int, scale: float) -> None:  # Algorithm 1: theta_i <- theta_i + scale * eps * z, in place
+        torch.manual_seed(seed)
+        for p in params:
+            z = torch.normal(mean=0, std=1, size=p.size(), device=p.device, dtype=p.dtype)
+            p.add_(z, alpha=scale * eps)
+
+    @torch.inference_mode()
+    def loss(ids, mask, last, labels) -> float:
+        logits = model(input_ids=ids, attention_mask=mask).logits  # every position, the whole vocabulary
+        return float(F.cross_entropy(logits[torch.arange(ids.shape[0]), last][:, label_ids].float(), labels))
+
+    for step in steps:
+        batch = c.task.batch("train", c.sampler.indices(step))
+        ids = torch.nn.utils.rnn.pad_sequence([torch.tensor(s) for s in batch.sequences], batch_first=True,
+                                              padding_value=c.task.pad_id).to(device)
+        mask = (torch.arange(ids.shape[1])[None] < torch.tensor([len(s) for s in batch.sequences])[:, None]).to(device)
+        last = torch.tensor([len(s) - 1 for s in batch.sequences], device=device)
+        labels = batch.labels.to(device)
+        started = time.perf_counter()
+        seed = int(torch.randint(0, 10**9, (1,)))
+        perturb(seed, 1.0)
+        plus = loss(ids, mask, last, labels)
+        perturb(seed, -2.0)
+        minus = loss(ids, mask, last, labels)
+        perturb(seed, 1.0)
+        g = (plus - minus) / (2 * eps)
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            for p in params:
+                z = torch.normal(mean=0, std=1, size=p.size(), device=p.device, dtype=p.dtype)
+                p.add_(z, alpha=-lr * g)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - started)
+    return times
+
+
+def bench(cfg, run_dir: Path) -> dict[str, Any]:
+    mesh = Mesh.create(cfg.mesh, device_kind(cfg.device), cfg.dist_timeout_s)
+    try:
+        torch.set_num_threads(cfg.threads or torch.get_num_threads())
+        run_dir = Path(mesh.broadcast_object(str(run_dir)))
+        seed = mesh.broadcast_object(cfg.seed if cfg.seed is not None else 0)
+        c, _ = build_components(cfg, mesh, seed)
+        return _bench(cfg, c, run_dir)
+    finally:
+        mesh.close()
+
+
+def _bench(cfg, c: Components, run_dir: Path) -> dict[str, Any]:
+    b, mesh, device = cfg.bench, c.mesh, c.mesh.device
+    warm, timed = range(b.warmup), range(b.warmup, b.warmup + b.steps)
+    tokens = [c.task.batch("train", c.sampler.indices(s)).tokens for s in timed]
+    log.info("bench: %d warm-up and %d timed steps of each phase", b.warmup, b.steps)
+
+    reset_peak_memory(device)
+    forward_baseline(c, warm)
+    forward_times = forward_baseline(c, timed)
+    inference_peak = peak_memory_bytes(device)
+    log.info("bench: forward passes alone %.3f s/step", _median(forward_times))
+
+    c.engine.timers = Timers(True, device)
+    reset_peak_memory(device)
+    training_steps(c, warm)
+    step_times, phases = training_steps(c, timed)
+    c.engine.flush()
+    training_peak = peak_memory_bytes(device)
+    log.info("bench: ZO step %.3f s/step", _median(step_times))
+
+    all_steps = mesh.all_gather_floats(step_times)  # the slowest rank sets the pace
+    pace = [max(col) for col in zip(*all_steps)]
+    step_time = _median(pace)
+    forward_time = _median(forward_times)
+    breakdown = {k: round(_median([p.get(k, 0.0) for p in phases]), 4)
+                 for k in ("noise", "perturb", "update", "comm", "transfer")}
+    breakdown["forward"] = round(max(0.0, _median([t - sum(p.values()) for t, p in zip(step_times, phases)])), 4)
+    result: dict[str, Any] = {
+        "model": cfg.model.name, "estimator": cfg.estimator.name, "q": cfg.estimator.q,
+        "distribution": cfg.estimator.distribution, "mesh": str(mesh.shape), "offload": cfg.offload.mode,
+        "device": str(device.type), "threads_per_rank": torch.get_num_threads(), "batch_size": cfg.batch_size,
+        "warmup_steps": b.warmup, "timed_steps": b.steps,
+        "step_time_s": round(step_time, 4),
+        "tokens_per_s": round(_median([t / s for t, s in zip(tokens, pace)]), 1),
+        "forward_time_s": round(forward_time, 4),
+        "overhead_ratio": round(_median(step_times) / forward_time, 3) if forward_time else None,
+        "breakdown_s": breakdown,
+        "peak_memory_bytes": {"inference": inference_peak, "training": training_peak},
+        "memory_ratio": round(training_peak / inference_peak, 3) if inference_peak else None,
+    }
+    if b.reference and mesh.world_size == 1 and cfg.offload.mode == "none":
+        mezo_reference_steps(c, warm, cfg.optim.lr, cfg.estimator.eps)
+        ref = _median(mezo_reference_steps(c, timed, cfg.optim.lr, cfg.estimator.eps))
+        result["mezo_reference"] = {"step_time_s": round(ref, 4), "distzo_over_reference": round(step_time / ref, 3),
+                                    "speedup": round(ref / step_time, 3)}
+        log.info("bench: MeZO reference %.3f s/step", ref)
+    if mesh.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "bench.json").write_text(json.dumps(result, indent=2) + "\n")
+        print(report(result))
+    return result
+
+
+def report(r: dict[str, Any]) -> str:
+    gib = 2**30
+    lines = [
+        f"distzo bench: {r['model']}, {r['estimator']} q={r['q']} ({r['distribution']}), mesh {r['mesh']}, "
+        f"offload {r['offload']}, {r['device']} x {r['threads_per_rank']} thread(s)/rank, batch {r['batch_size']}",
+        f"  step time          {r['step_time_s']:.3f} s   ({r['tokens_per_s']:.0f} tokens/s)",
+        f"  forward passes     {r['forward_time_s']:.3f} s   overhead ratio {r['overhead_ratio']}",
+        "  step breakdown     " + ", ".join(f"{k} {v:.3f}" for k, v in r["breakdown_s"].items()),
+        f"  peak memory        inference {r['peak_memory_bytes']['inference'] / gib:.2f} GiB, training "
+        f"{r['peak_memory_bytes']['training'] / gib:.2f} GiB (x{r['memory_ratio']})",
+    ]
+    if "mezo_reference" in r:
+        m = r["mezo_reference"]
+        lines.append(f"  MeZO reference     {m['step_time_s']:.3f} s   distzo/reference {m['distzo_over_reference']} "
+                     f"({m['speedup']}x faster)")
+    return "\n".join(lines)

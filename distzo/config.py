@@ -85,6 +85,18 @@ class OffloadConfig:
 
 
 @dataclass
+class CommConfig:
+    """How offloaded blocks reach the ranks of a node (DistZO2 §6.1).
+
+    sliced: with offload=cpu and several ranks per node, keep ONE host master per node (shared
+      memory) and let each rank upload, update and write back only its 1/n slice of every block,
+      all-gathering the rest from its peers; false: every rank keeps its own host master and moves
+      whole blocks (the naive path, kept for comparison). Both give the same weights."""
+
+    sliced: bool = True
+
+
+@dataclass
 class CheckpointConfig:
     """Snapshots of the trainable weights and run state every `every` steps (0: none), the newest
     `keep` kept. They make `resume=auto` and `distzo replay` possible."""
@@ -136,6 +148,7 @@ class Config:
     task: TaskConfig = MISSING
     estimator: EstimatorConfig = MISSING
     offload: OffloadConfig = MISSING
+    comm: CommConfig = field(default_factory=CommConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)

@@ -92,7 +92,7 @@ def build_components(cfg, mesh: Mesh, seed: int, snapshot: Path | None = None) -
     params = TrainableParams.from_model(model)
     step = load_snapshot_into(params, snapshot) if snapshot is not None else 0
     directions = Directions(seed, cfg.estimator.distribution, mesh.device)
-    engine = build_engine(cfg, model, adapter_for(model), params, directions)  # places the model
+    engine = build_engine(cfg, model, adapter_for(model), params, directions, mesh.node)  # places the model
     return Components(cfg, mesh, seed, model, tokenizer, task, params, engine, build_estimator(cfg.estimator),
                       TrainSampler(task.size("train"), cfg.batch_size, seed)), step
 
@@ -105,7 +105,7 @@ def zo_step(c: Components, step: int) -> StepOutcome:
     plan = c.estimator.plan()                                                  # every forward
     mine = mesh.my_evaluations(len(plan))                                      # dealt over P
     local = torch.zeros(len(plan), 2, dtype=torch.float64)
-    if mine:
+    if mine or engine.collective_blocks:                                       # (sliced: walk with peers)
         logits = engine.label_logits(shard, c.task.label_ids, [plan[i] for i in mine], step, c.estimator.eps)
         local[mine] = cross_entropy_sums(logits.cpu(), shard.labels)          # (loss sum, count)
     with engine.timers("comm"):
@@ -280,8 +280,9 @@ def _train(run: Run) -> dict[str, Any]:
     first = last = evaluate(run, "validation", 0) if run.start_step == 0 else None
     progress = Progress("train step", cfg.steps, every_s=15.0, enabled=mesh.is_main)
     wall_start, step_times, loss_ema, nonfinite = time.time(), [], None, run.nonfinite_in_a_row
-    moved = run.engine.transfer_stats()
+    offloaded = cfg.offload.mode != "none"
     for step in range(run.start_step, cfg.steps):
+        moved_before = run.engine.transfer_stats()
         started = time.perf_counter()
         out = zo_step(run, step)                     # batch, plan, forwards, exchange, update (DESIGN §2)
         if out.result is None:                       # non-finite losses: skipped, weights unchanged
@@ -293,14 +294,11 @@ def _train(run: Run) -> dict[str, Any]:
 
         run.trajectory.append({"step": step + 1, "update": step, "coefficients": [list(c) for c in result.coefficients],
                                "lr": lr, "weight_decay": cfg.optim.weight_decay, "grads": list(result.grads)})
-        now_moved = run.engine.transfer_stats()
+        transfers = step_transfers(run, moved_before) if offloaded else {}
         run.metrics.write("train", step=step + 1, loss=result.loss, projected_grad=result.grads[0],
                           projected_grads=list(result.grads), lr=lr, tokens=batch.tokens,
                           step_time_s=round(step_time, 4), tokens_per_s=round(batch.tokens / step_time, 1),
-                          h2d_bytes=now_moved["h2d_bytes"] - moved["h2d_bytes"],
-                          d2h_bytes=now_moved["d2h_bytes"] - moved["d2h_bytes"],
-                          peak_mem_bytes=peak_memory_bytes(mesh.device))
-        moved = now_moved
+                          **transfers, peak_mem_bytes=peak_memory_bytes(mesh.device))
         loss_ema = result.loss if loss_ema is None else 0.9 * loss_ema + 0.1 * result.loss
         progress.update(step + 1, f"loss {loss_ema:.4f} lr {lr:.2e} {step_time:.2f}s/step",
                         force=(step + 1) % cfg.log_every == 0)
@@ -328,6 +326,7 @@ def _train(run: Run) -> dict[str, Any]:
         "wall_time_s": round(time.time() - wall_start, 1),
         "peak_rss_bytes": peak_rss_bytes(), "peak_mem_bytes": peak_memory_bytes(mesh.device),
         "trainable_parameters": run.params.numel(), "offload": cfg.offload.mode,
+        **host_master_summary(run),
         "replica_checksums": replica_checksums,  # every rank's, in rank order: identical (checked)
     }
     if mesh.is_main:
@@ -342,6 +341,28 @@ def _train(run: Run) -> dict[str, Any]:
              before, last["accuracy"], cfg.steps, format_duration(summary["train_time_s"]),
              summary["step_time_s"] if step_times else float("nan"), test["accuracy"])
     return summary
+
+
+def host_master_summary(run: Run) -> dict[str, Any]:
+    """The offloaded master's host memory: one copy's size, and what the node holds resident of it
+    (summed over the node's ranks: one copy when node-shared, one per rank when not)."""
+    if run.cfg.offload.mode == "none":
+        return {}
+    mem = run.engine.host_master_bytes()
+    (node_resident,) = run.mesh.node.all_sum([mem["resident"]])
+    return {"host_master_copy_bytes": mem["copy"], "host_master_node_bytes": int(node_resident),
+            "node_ranks": run.mesh.node.size, "comm_sliced": bool(getattr(run.engine, "sliced", False))}
+
+
+def step_transfers(run: Run, before: dict[str, float]) -> dict[str, Any]:
+    """This step's offloading traffic: this rank's bytes per link and transfer time, and the bytes
+    its whole node moved over the host link (one collective over the node's ranks)."""
+    now = run.engine.transfer_stats()
+    mine = {k: now[k] - before[k] for k in now}
+    h2d_node, d2h_node = run.mesh.node.all_sum([mine["h2d_bytes"], mine["d2h_bytes"]])
+    return {"h2d_bytes_per_rank": int(mine["h2d_bytes"]), "d2h_bytes_per_rank": int(mine["d2h_bytes"]),
+            "peer_bytes_per_rank": int(mine["peer_bytes"]), "h2d_bytes_node": int(h2d_node),
+            "d2h_bytes_node": int(d2h_node), "transfer_s": round(mine["transfer_s"], 4)}
 
 
 def skip_nonfinite_step(run: Run, step: int, losses: torch.Tensor, in_a_row: int) -> int:

@@ -20,6 +20,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from .node import Node
 from .shape import MeshError, MeshShape, launched_world_size
 
 log = logging.getLogger(__name__)
@@ -41,10 +42,12 @@ def _restart_safe_store(timeout: datetime.timedelta) -> dict[str, Any]:
 class Mesh:
     """Ranks, roles and the step's collectives for one run."""
 
-    def __init__(self, shape: MeshShape, device: torch.device, rank: int = 0, device_mesh: Any = None):
+    def __init__(self, shape: MeshShape, device: torch.device, rank: int = 0, device_mesh: Any = None,
+                 node: Node | None = None):
         self.shape, self.device, self.rank = shape, device, rank
         self.world_size = shape.size
         self.device_mesh = device_mesh
+        self.node = node or Node.single()  # the ranks of this machine (shared host memory, slices)
         if device_mesh is None:  # 1x1, or roles computed for a rank without processes (tests, planning)
             self.pert_rank, self.data_rank = rank % shape.pert, rank // shape.pert
             self._pert_group = self._data_group = None
@@ -87,7 +90,7 @@ class Mesh:
             dist.init_process_group(backend=backend, timeout=timeout, **_restart_safe_store(timeout))
         device_mesh = init_device_mesh(device.type, (shape.data, shape.pert), mesh_dim_names=("data", "pert"),
                                        backend_override={"data": (backend, options), "pert": (backend, options)})
-        return cls(shape, device, dist.get_rank(), device_mesh)
+        return cls(shape, device, dist.get_rank(), device_mesh, Node.create(backend, timeout))
 
     # --- roles -------------------------------------------------------------------------------------
 

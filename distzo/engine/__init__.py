@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import torch
 
+from ..dist.node import Node
 from .base import StagedEngine
 from .offload import OffloadEngine
 from .resident import ResidentEngine
 
 
-def build_engine(cfg, model, adapter, params, directions) -> StagedEngine:
-    """The engine a run config asks for (`offload`, `engine`), with the model placed accordingly."""
+def build_engine(cfg, model, adapter, params, directions, node: Node | None = None) -> StagedEngine:
+    """The engine a run config asks for (`offload`, `comm`, `engine`), with the model placed
+    accordingly. node: this rank's node (shared host memory, slices), when launched with peers."""
     off, opts = cfg.offload, cfg.engine
     if off.mode == "cpu":
         dtype = getattr(torch, off.transfer_dtype) if off.transfer_dtype else None
         engine = OffloadEngine(model, adapter, params, directions, slots=off.slots, transfer_dtype=dtype,
-                               row_tokens=opts.row_tokens)
+                               row_tokens=opts.row_tokens, node=node, sliced=cfg.comm.sliced)
     else:
         model.to(directions.device)
         engine = ResidentEngine(model, adapter, params, directions, row_tokens=opts.row_tokens)

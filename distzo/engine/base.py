@@ -49,6 +49,9 @@ class StagedEngine:
         self.outer_params = [p for p in params if p.name not in in_blocks]
         self.pending: PendingUpdate | None = None
         self.fuse_update = True  # apply an owed update inside the next perturbation pass
+        # True when streaming a block involves collectives over the node (sliced offloading): then a
+        # rank with no evaluation this step must still walk every block with its peers.
+        self.collective_blocks = False
 
     # --- where block weights are ----------------------------------------------------------------------
 
@@ -58,9 +61,15 @@ class StagedEngine:
         the parameters themselves)."""
         yield None
 
-    def transfer_stats(self) -> dict[str, int]:
-        """Cumulative bytes moved host-to-device and back (zero when nothing is offloaded)."""
-        return {"h2d_bytes": 0, "d2h_bytes": 0}
+    def transfer_stats(self) -> dict[str, float]:
+        """Cumulative bytes this rank moved host-to-device, back, and from node peers (sliced
+        offloading), and seconds spent in those transfers; all zero when nothing is offloaded."""
+        return {"h2d_bytes": 0, "d2h_bytes": 0, "peer_bytes": 0, "transfer_s": 0.0}
+
+    def host_master_bytes(self) -> dict[str, int]:
+        """Host memory of the offloaded master: `copy` (one copy of it) and `resident` (what this
+        rank holds resident of it: its share of a node-shared master); zeros when not offloading."""
+        return {"copy": 0, "resident": 0}
 
     # --- deferred updates ------------------------------------------------------------------------------
 
@@ -93,14 +102,23 @@ class StagedEngine:
             self._apply_outer()
             for i in range(len(self.block_params)):
                 if self.owes(i):
-                    with self.block_sources(i) as sources:
-                        u = self.take_pending(i)
-                        if u is not None:
-                            apply_update(self.directions, self._targets(i, sources), u)
+                    self._flush_block(i)
             self.after_flush()
+
+    def _flush_block(self, i: int) -> None:
+        with self.block_sources(i) as sources:
+            u = self.take_pending(i)
+            if u is not None:
+                apply_update(self.directions, self._targets(i, sources), u)
 
     def after_flush(self) -> None:
         """Hook: wait for anything asynchronous a flush started."""
+
+    @contextmanager
+    def local_reads(self) -> Iterator[None]:
+        """Hook: the forwards inside read the (flushed) master without collectives (evaluation,
+        where ranks run different numbers of batches)."""
+        yield
 
     def _apply_outer(self) -> None:
         u = self.take_pending(OUTER)
@@ -116,9 +134,18 @@ class StagedEngine:
     @torch.inference_mode()
     def label_logits(self, batch: Batch, label_ids: torch.Tensor, plan: Sequence[Evaluation],
                      step: int, eps: float) -> torch.Tensor:
-        """Label-word logits [len(plan), B, C] of every evaluation of the plan on one batch."""
-        packed = batch.pack(self.row_tokens).to(self.device)
+        """Label-word logits [len(plan), B, C] of every evaluation of the plan on one batch.
+
+        An empty plan computes nothing; with `collective_blocks` it still streams every block with
+        the node's peers (and pays the deferred update), as a rank without evaluations must."""
         label_ids = label_ids.to(self.device)
+        if not plan:
+            if self.collective_blocks:
+                for i in range(len(self.adapter.blocks)):
+                    with self.block_sources(i):
+                        pass
+            return torch.empty(0, batch.size, label_ids.numel(), device=self.device)
+        packed = batch.pack(self.row_tokens).to(self.device)
         ctx = self.adapter.context(packed.input_ids, packed.position_ids)
         perturbed = any(ev.perturbed for ev in plan)
 
@@ -155,4 +182,5 @@ class StagedEngine:
     def clean_label_logits(self, batch: Batch, label_ids: torch.Tensor) -> torch.Tensor:
         """Label-word logits [B, C] at the master weights (deferred updates applied first)."""
         self.flush()
-        return self.label_logits(batch, label_ids, [Evaluation(CLEAN, 0)], step=0, eps=0.0)[0]
+        with self.local_reads():
+            return self.label_logits(batch, label_ids, [Evaluation(CLEAN, 0)], step=0, eps=0.0)[0]

@@ -34,8 +34,12 @@ class PendingUpdate:
 
 
 def update_chunk(directions: Directions, p: TrainableParam, ref: ChunkRef, flat: torch.Tensor,
-                 u: PendingUpdate) -> None:
-    """Apply update u to one chunk of p, held in `flat` (the chunk's elements, wherever they live)."""
+                 u: PendingUpdate, part: tuple[int, int] | None = None) -> None:
+    """Apply update u to one chunk of p, held in `flat` (the chunk's elements, wherever they live).
+
+    part=(lo, hi): `flat` holds only elements [lo, hi) of the chunk (a rank's slice of a block ends
+    inside a chunk). z is still drawn for the whole chunk (a chunk's stream cannot be entered in the
+    middle), and every element receives exactly the operations it would in a whole-chunk update."""
     if p.decay and u.weight_decay:
         flat.mul_(1.0 - u.lr * u.weight_decay)
     terms = u.terms
@@ -43,26 +47,35 @@ def update_chunk(directions: Directions, p: TrainableParam, ref: ChunkRef, flat:
         z = directions.scratch(ref.stop - ref.start)
         for k, a in terms:
             directions.fill_chunk(z, u.step, k, ref)
-            flat.sub_(z.to(flat.dtype).mul_(a))
+            zk = z if part is None else z[part[0]:part[1]]
+            flat.sub_(zk.to(flat.dtype).mul_(a))
 
 
 def apply_update(directions: Directions, targets: Sequence[tuple[TrainableParam, torch.Tensor]], u: PendingUpdate,
-                 deltas: Sequence[torch.Tensor] | None = None) -> None:
+                 deltas: Sequence[torch.Tensor] | None = None,
+                 windows: Sequence[tuple[int, int]] | None = None) -> None:
     """Update each target tensor (the master of its parameter, wherever it lives now) in place.
 
     deltas: optional float32 tensors, one per target, that receive the change made to each
-    element (for transferring an update at reduced precision to a full-precision master)."""
+    element (for transferring an update at reduced precision to a full-precision master).
+    windows: optional (start, stop) flat element range per target: only those elements are updated
+    (a rank's slice of an offloaded block); each costs whole chunks of noise where it cuts one."""
     work = []
     for i, (p, target) in enumerate(targets):
-        work += [(p, target, None if deltas is None else deltas[i], ref) for ref in chunks_of(p.key, p.shape)]
+        lo, hi = windows[i] if windows is not None else (0, p.numel())
+        for ref in chunks_of(p.key, p.shape):
+            a, b = max(ref.start, lo), min(ref.stop, hi)
+            if a < b:
+                part = None if (a, b) == (ref.start, ref.stop) else (a - ref.start, b - ref.start)
+                work.append((p, target, None if deltas is None else deltas[i], ref, a, b, part))
 
     def one(item) -> None:
-        p, target, delta, ref = item
-        flat = target.view(-1)[ref.start:ref.stop]
+        p, target, delta, ref, a, b, part = item
+        flat = target.view(-1)[a:b]
         before = None if delta is None else flat.to(torch.float32, copy=True)
-        update_chunk(directions, p, ref, flat, u)
+        update_chunk(directions, p, ref, flat, u, part)
         if delta is not None:
-            torch.sub(flat, before, out=delta.view(-1)[ref.start:ref.stop])
+            torch.sub(flat, before, out=delta.view(-1)[a:b])
 
     with torch.no_grad():
         directions.map(one, work)

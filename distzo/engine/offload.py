@@ -491,6 +491,10 @@ class OffloadEngine(StagedEngine):
             yield
         finally:
             self._local = False
+            # Ranks ran different numbers of local reads, so which blocks sit whole in which slot now
+            # differs between them; forget it, or the next collective walk would skip the all-gather on
+            # some ranks only and deadlock.
+            self.streamer.owner = [None] * len(self.streamer.slots)
 
     def host_master_bytes(self) -> dict[str, int]:
         copy = sum(b.numel * b.flat.element_size() for b in self.host_blocks)

@@ -241,6 +241,7 @@ def evaluate(run: Run, split: str, step: int) -> dict[str, float]:
     mesh = run.mesh
     batches = list(run.task.batches(split, run.cfg.eval_batch_size))
     mine = batches[mesh.rank::mesh.world_size]
+    run.engine.flush()  # on every rank: a sliced flush is collective, and some ranks may have no batch
     progress = Progress(f"eval {split}", len(batches), enabled=mesh.is_main)
     correct = seen = 0
     loss_sum = 0.0

@@ -113,10 +113,15 @@ class EngineConfig:
       the weights) instead of in a pass of its own. "auto": fused for Rademacher directions (cheap
       draws: memory traffic dominates, fusion wins), separate for Gaussian (expensive draws: a pass
       of its own spreads them over more work items and threads).
-    row_tokens: prompts are packed into rows of at most this many tokens (block-causal attention)."""
+    row_tokens: prompts are packed into rows of at most this many tokens (block-causal attention).
+    divide_work: several ranks on one machine, resident on CPU: share one master in host memory and
+      divide the step's noise generation and update among the node's ranks instead of repeating them
+      on every rank (engine/division.py). "auto": wherever it applies (every rank has a perturbed
+      evaluation, no offloading, CPU); "true": required (an error where it cannot apply)."""
 
     fuse_update: str = "auto"
     row_tokens: int = 1024
+    divide_work: str = "auto"
 
 
 @dataclass
@@ -327,6 +332,7 @@ def validate(cfg: Any, check_world: bool = True) -> None:
     _positive(cfg.checkpoint.every, "checkpoint.every", allow_zero=True)
     _positive(cfg.checkpoint.keep, "checkpoint.keep")
     _choice(str(cfg.engine.fuse_update).lower(), "engine.fuse_update", ("auto", "true", "false"))
+    _choice(str(cfg.engine.divide_work).lower(), "engine.divide_work", ("auto", "true", "false"))
     _positive(cfg.engine.row_tokens, "engine.row_tokens")
     _positive(cfg.bench.warmup, "bench.warmup", allow_zero=True)
     _positive(cfg.bench.steps, "bench.steps")

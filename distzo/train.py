@@ -31,7 +31,7 @@ from .checkpoint import (atomic_write_json, newest_valid_snapshot, read_snapshot
 from .data.tasks import ClassificationTask, TrainSampler
 from .dist.consistency import check_replicas
 from .dist.mesh import Mesh
-from .engine import StagedEngine, build_engine
+from .engine import StagedEngine, build_engine, division_applies
 from .errors import DistzoError
 from .jsonl import JsonlWriter, truncate_after
 from .metrics import MetricsWriter, Progress, format_duration, peak_memory_bytes, peak_rss_bytes
@@ -92,9 +92,30 @@ def build_components(cfg, mesh: Mesh, seed: int, snapshot: Path | None = None) -
     params = TrainableParams.from_model(model)
     step = load_snapshot_into(params, snapshot) if snapshot is not None else 0
     directions = Directions(seed, cfg.estimator.distribution, mesh.device)
-    engine = build_engine(cfg, model, adapter_for(model), params, directions, mesh.node)  # places the model
-    return Components(cfg, mesh, seed, model, tokenizer, task, params, engine, build_estimator(cfg.estimator),
+    estimator = build_estimator(cfg.estimator)
+    divide = work_division(cfg, mesh, estimator)
+    engine = build_engine(cfg, model, adapter_for(model), params, directions, mesh.node, divide)  # places the model
+    return Components(cfg, mesh, seed, model, tokenizer, task, params, engine, estimator,
                       TrainSampler(task.size("train"), cfg.batch_size, seed)), step
+
+
+def work_division(cfg, mesh: Mesh, estimator: Estimator) -> bool:
+    """Whether the node's ranks share the master and divide noise and update work (engine.divide_work)."""
+    mode = str(cfg.engine.divide_work).lower()
+    if mode == "false":
+        return False
+    why = None
+    if not mesh.node.shared:
+        why = "this process has no peers on its machine"
+    elif mesh.device.type != "cpu":
+        why = "it divides host-side work (CPU runs only)"
+    elif cfg.offload.mode != "none":
+        why = "offloaded runs divide the update by slices already (comm.sliced)"
+    elif not division_applies(estimator.plan(), mesh.shape.pert):
+        why = f"a perturbation rank of mesh {mesh.shape} would have no perturbed evaluation in the estimator's plan"
+    if why is not None and mode == "true":
+        raise TrainingError(f"engine.divide_work=true cannot apply: {why}; use engine.divide_work=auto")
+    return why is None
 
 
 def zo_step(c: Components, step: int) -> StepOutcome:
@@ -106,7 +127,8 @@ def zo_step(c: Components, step: int) -> StepOutcome:
     mine = mesh.my_evaluations(len(plan))                                      # dealt over P
     local = torch.zeros(len(plan), 2, dtype=torch.float64)
     if mine or engine.collective_blocks:                                       # (sliced: walk with peers)
-        logits = engine.label_logits(shard, c.task.label_ids, [plan[i] for i in mine], step, c.estimator.eps)
+        logits = engine.label_logits(shard, c.task.label_ids, [plan[i] for i in mine], step, c.estimator.eps,
+                                     node_plan=plan)
         local[mine] = cross_entropy_sums(logits.cpu(), shard.labels)          # (loss sum, count)
     with engine.timers("comm"):
         sums = mesh.exchange(local)                                            # global, on every rank
@@ -327,7 +349,7 @@ def _train(run: Run) -> dict[str, Any]:
         "wall_time_s": round(time.time() - wall_start, 1),
         "peak_rss_bytes": peak_rss_bytes(), "peak_mem_bytes": peak_memory_bytes(mesh.device),
         "trainable_parameters": run.params.numel(), "offload": cfg.offload.mode,
-        **host_master_summary(run),
+        **host_master_summary(run), "work_divided": run.engine.division is not None,
         "replica_checksums": replica_checksums,  # every rank's, in rank order: identical (checked)
     }
     if mesh.is_main:

@@ -25,6 +25,7 @@ from ..timing import DISABLED
 from ..zo.directions import Directions
 from ..zo.estimators import CLEAN, Evaluation
 from ..zo.params import TrainableParam, TrainableParams
+from .division import WorkDivision
 from .update import PendingUpdate, apply_update
 from .weights import CleanWeights, PerturbedWeights, StageNoise, Workspace
 
@@ -52,6 +53,8 @@ class StagedEngine:
         # True when streaming a block involves collectives over the node (sliced offloading): then a
         # rank with no evaluation this step must still walk every block with its peers.
         self.collective_blocks = False
+        # The node's ranks share the master and divide noise and update work (engine/division.py).
+        self.division: WorkDivision | None = None
 
     # --- where block weights are ----------------------------------------------------------------------
 
@@ -109,10 +112,12 @@ class StagedEngine:
         with self.block_sources(i) as sources:
             u = self.take_pending(i)
             if u is not None:
-                apply_update(self.directions, self._targets(i, sources), u)
+                apply_update(self.directions, self._targets(i, sources), u, division=self.division)
 
     def after_flush(self) -> None:
-        """Hook: wait for anything asynchronous a flush started."""
+        """Hook: wait for anything asynchronous a flush started (divided: for the node's peers)."""
+        if self.division is not None:
+            self.division.barrier()
 
     @contextmanager
     def local_reads(self) -> Iterator[None]:
@@ -123,7 +128,9 @@ class StagedEngine:
     def _apply_outer(self) -> None:
         u = self.take_pending(OUTER)
         if u is not None:
-            apply_update(self.directions, [(p, p.tensor) for p in self.outer_params], u)
+            apply_update(self.directions, [(p, p.tensor) for p in self.outer_params], u, division=self.division)
+            if self.division is not None:
+                self.division.barrier()  # the peers' chunks are updated before anyone reads them
 
     def _targets(self, i: int, sources) -> list[tuple[TrainableParam, torch.Tensor]]:
         sources = sources or {}
@@ -133,11 +140,13 @@ class StagedEngine:
 
     @torch.inference_mode()
     def label_logits(self, batch: Batch, label_ids: torch.Tensor, plan: Sequence[Evaluation],
-                     step: int, eps: float) -> torch.Tensor:
+                     step: int, eps: float, node_plan: Sequence[Evaluation] | None = None) -> torch.Tensor:
         """Label-word logits [len(plan), B, C] of every evaluation of the plan on one batch.
 
         An empty plan computes nothing; with `collective_blocks` it still streams every block with
-        the node's peers (and pays the deferred update), as a rank without evaluations must."""
+        the node's peers (and pays the deferred update), as a rank without evaluations must.
+        node_plan: the step's whole plan (over all ranks); with work division this rank draws its
+        share of z for every perturbed query in it, for its peers as well as for itself."""
         label_ids = label_ids.to(self.device)
         if not plan:
             if self.collective_blocks:
@@ -148,6 +157,7 @@ class StagedEngine:
         packed = batch.pack(self.row_tokens).to(self.device)
         ctx = self.adapter.context(packed.input_ids, packed.position_ids)
         perturbed = any(ev.perturbed for ev in plan)
+        node_queries = sorted({ev.query for ev in (node_plan or plan) if ev.perturbed})
 
         def stage_views(noise: StageNoise, sources=None) -> list:
             clean = CleanWeights(self.model, sources)
@@ -164,10 +174,11 @@ class StagedEngine:
                 u = self.take_pending(i)
                 if u is not None and not (perturbed and self.fuse_update):
                     with self.timers("update"):
-                        apply_update(self.directions, self._targets(i, sources), u)
+                        apply_update(self.directions, self._targets(i, sources), u, division=self.division)
                     u = None
                 if perturbed:  # an owed update still in hand is fused into this block's perturbation
-                    noise.prepare(self.block_params[i], lambda p, s=sources: (s or {}).get(p.name, p.tensor), u)
+                    noise.prepare(self.block_params[i], lambda p, s=sources: (s or {}).get(p.name, p.tensor), u,
+                                  division=self.division, parity=i % 2, node_queries=node_queries)
                 hidden = [self.adapter.block(i, h, ctx, w) for h, w in zip(hidden, stage_views(noise, sources))]
         logits = []
         for h, w in zip(hidden, stage_views(self._noise(step, eps, plan))):

@@ -10,12 +10,15 @@ never depends on how a tensor is split across threads, ranks or transfers.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
 from ..zo.directions import ChunkRef, Directions, chunks_of
 from ..zo.params import TrainableParam
+
+if TYPE_CHECKING:
+    from .division import WorkDivision
 
 
 @dataclass
@@ -53,13 +56,15 @@ def update_chunk(directions: Directions, p: TrainableParam, ref: ChunkRef, flat:
 
 def apply_update(directions: Directions, targets: Sequence[tuple[TrainableParam, torch.Tensor]], u: PendingUpdate,
                  deltas: Sequence[torch.Tensor] | None = None,
-                 windows: Sequence[tuple[int, int]] | None = None) -> None:
+                 windows: Sequence[tuple[int, int]] | None = None, division: WorkDivision | None = None) -> None:
     """Update each target tensor (the master of its parameter, wherever it lives now) in place.
 
     deltas: optional float32 tensors, one per target, that receive the change made to each
     element (for transferring an update at reduced precision to a full-precision master).
     windows: optional (start, stop) flat element range per target: only those elements are updated
-    (a rank's slice of an offloaded block); each costs whole chunks of noise where it cuts one."""
+    (a rank's slice of an offloaded block); each costs whole chunks of noise where it cuts one.
+    division: only the chunks this rank owns among its node's ranks (a node-shared master); the
+    caller synchronises the node before anyone reads the result."""
     work = []
     for i, (p, target) in enumerate(targets):
         lo, hi = windows[i] if windows is not None else (0, p.numel())
@@ -68,6 +73,9 @@ def apply_update(directions: Directions, targets: Sequence[tuple[TrainableParam,
             if a < b:
                 part = None if (a, b) == (ref.start, ref.stop) else (a - ref.start, b - ref.start)
                 work.append((p, target, None if deltas is None else deltas[i], ref, a, b, part))
+
+    if division is not None:
+        work = division.mine(work, lambda item: item[5] - item[4])
 
     def one(item) -> None:
         p, target, delta, ref, a, b, part = item

@@ -17,6 +17,7 @@ from torch.nn import functional as F
 from ..zo.directions import Directions, chunks_of
 from ..zo.estimators import Evaluation
 from ..timing import DISABLED, Timers
+from .division import WorkDivision
 from .update import PendingUpdate, update_chunk
 from ..zo.params import TrainableParam, TrainableParams
 
@@ -78,24 +79,25 @@ class StageNoise:
         return {p.name: self._copies[(p.name, index)] for p in entries}
 
     def prepare(self, entries: Sequence[TrainableParam], source: Callable[[TrainableParam], torch.Tensor],
-                pending: PendingUpdate | None = None) -> None:
+                pending: PendingUpdate | None = None, division: WorkDivision | None = None,
+                parity: int = 0, node_queries: Sequence[int] = ()) -> None:
         """Build every evaluation's working copies of `entries` in one pass over their chunks, first
         applying `pending` (the previous step's update) to each master chunk: the deferred update
-        fused with the next perturbation, while the chunk is in cache."""
+        fused with the next perturbation, while the chunk is in cache.
+
+        division: the node's ranks share the master; this rank updates and draws z only for the
+        chunks it owns (for every query in node_queries), into the node-shared z buffer of this
+        parity, and reads everyone's z from there (see engine/division.py)."""
         with self.timers("perturb"):
-            self._build(list(entries), source, pending)
+            if division is None:
+                self._build(list(entries), source, pending)
+            else:
+                self._build_divided(list(entries), source, pending, division, parity, node_queries)
 
     def _build(self, todo: Sequence[TrainableParam], source: Callable[[TrainableParam], torch.Tensor],
                pending: PendingUpdate | None) -> None:
         perturbed = [(i, ev) for i, ev in enumerate(self.plan) if ev.perturbed]
-        out: dict[tuple[str, int], torch.Tensor] = {}
-        for i, _ in perturbed:
-            for dtype in {p.tensor.dtype for p in todo}:
-                group = [p for p in todo if p.tensor.dtype == dtype]
-                start = self._used.get((i, dtype), 0)
-                views = self.workspace.carve(f"work{i}", [p.shape for p in group], dtype, start)
-                self._used[(i, dtype)] = start + sum(v.numel() for v in views)
-                out.update({(p.name, i): v for p, v in zip(group, views)})
+        out = self._outputs(todo)
         queries = sorted({ev.query for _, ev in perturbed})
         work = [(p, ref) for p in todo for ref in chunks_of(p.key, p.shape)]  # all queries of a chunk: one item
         masters = {p.name: source(p).view(-1) for p in todo}
@@ -114,6 +116,67 @@ class StageNoise:
                         op(master, z, out=out[(p.name, i)].view(-1)[ref.start:ref.stop])
 
         self.directions.map(one, work)
+        self._copies.update(out)
+
+    def _outputs(self, todo: Sequence[TrainableParam]) -> dict[tuple[str, int], torch.Tensor]:
+        """Workspace views for every perturbed evaluation's copy of every entry of `todo`."""
+        out: dict[tuple[str, int], torch.Tensor] = {}
+        for i, ev in enumerate(self.plan):
+            if not ev.perturbed:
+                continue
+            for dtype in {p.tensor.dtype for p in todo}:
+                group = [p for p in todo if p.tensor.dtype == dtype]
+                start = self._used.get((i, dtype), 0)
+                views = self.workspace.carve(f"work{i}", [p.shape for p in group], dtype, start)
+                self._used[(i, dtype)] = start + sum(v.numel() for v in views)
+                out.update({(p.name, i): v for p, v in zip(group, views)})
+        return out
+
+    def _build_divided(self, todo: Sequence[TrainableParam], source: Callable[[TrainableParam], torch.Tensor],
+                       pending: PendingUpdate | None, division: WorkDivision, parity: int,
+                       node_queries: Sequence[int]) -> None:
+        perturbed = [(i, ev) for i, ev in enumerate(self.plan) if ev.perturbed]
+        out = self._outputs(todo)
+        queries = list(node_queries)
+        work = [(p, ref) for p in todo for ref in chunks_of(p.key, p.shape)]
+        offsets, total = [], 0
+        for _, ref in work:
+            offsets.append(total)
+            total += ref.stop - ref.start
+        # eps * z of every chunk and query, float32 (exact for any narrower parameter dtype)
+        zbuf = division.z_buffer(parity, total * len(queries), torch.float32)
+        masters = {p.name: source(p).view(-1) for p in todo}
+        items = list(zip(work, offsets))
+
+        def draw(item) -> None:  # my chunks: the owed update, then every query's eps * z
+            (p, ref), off = item
+            n = ref.stop - ref.start
+            if pending is not None:
+                update_chunk(self.directions, p, ref, masters[p.name][ref.start:ref.stop], pending)
+            for qi, q in enumerate(queries):
+                z = self.directions.fill_chunk(zbuf[qi * total + off:qi * total + off + n], self.step, q, ref)
+                if p.tensor.dtype == torch.float32:
+                    z.mul_(self.eps)
+                else:
+                    z.copy_(z.to(p.tensor.dtype).mul_(self.eps))
+
+        def build(item) -> None:  # every chunk: the copies my evaluations need
+            (p, ref), off = item
+            n = ref.stop - ref.start
+            master = masters[p.name][ref.start:ref.stop]
+            for qi, q in enumerate(queries):
+                evs = [(i, ev) for i, ev in perturbed if ev.query == q]
+                if not evs:
+                    continue
+                z = zbuf[qi * total + off:qi * total + off + n]
+                z = z if p.tensor.dtype == torch.float32 else z.to(p.tensor.dtype)
+                for i, ev in evs:
+                    op = torch.add if ev.sign > 0 else torch.sub
+                    op(master, z, out=out[(p.name, i)].view(-1)[ref.start:ref.stop])
+
+        self.directions.map(draw, division.mine(items, lambda item: item[0][1].stop - item[0][1].start))
+        division.barrier()  # every owner's update and z are in shared memory
+        self.directions.map(build, items)
         self._copies.update(out)
 
     def rows(self, p: TrainableParam, query: int, index: torch.Tensor) -> tuple[torch.Tensor, ...]:

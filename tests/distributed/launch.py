@@ -1,12 +1,25 @@
-"""Helpers that start real multi-process jobs: torchrun for whole runs, torch.multiprocessing for
-collective-level checks. Every process uses the gloo backend on CPU."""
+"""Helpers that start real multi-process jobs: whole runs with torchrun's worker environment,
+torch.multiprocessing for collective-level checks. Every process uses the gloo backend on CPU.
+
+Importing torch and transformers costs a process about 6 s of CPU, which on the 2-core CI machine
+dominated the suite when every rank of every run paid it. `torchrun()` therefore forks each run's
+ranks from a forkserver that imported distzo, torch and transformers once, and gives them the
+environment torchrun gives its workers (RANK, LOCAL_RANK, WORLD_SIZE, ..., a fresh MASTER_PORT), so
+rank 0 hosts the rendezvous store as under `torchrun --standalone`. Like torchrun, it stops the other
+ranks once one has failed. Tests of torchrun's own behaviour (its agent store, `--max-restarts`, its
+error reporting) pass `real=True`, which runs the real `torchrun` command.
+"""
 
 from __future__ import annotations
 
+import multiprocessing
+import multiprocessing.forkserver
 import os
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -18,8 +31,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(nproc: int, *args: str, cwd: Path | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    """`torchrun --standalone --nproc-per-node N -m distzo train ARGS` (plain python for N=1)."""
+def torchrun(nproc: int, *args: str, cwd: Path | None = None, timeout: float = 600,
+             real: bool = False) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc-per-node N -m distzo train ARGS` (plain python for N=1); by
+    default its workers are forked from the preloaded server (see the module docstring)."""
+    if not real:
+        return run_forked(nproc, ["train", *args], cwd=cwd, timeout=timeout)
     if nproc == 1:
         cmd = [sys.executable, "-m", "distzo", "train", *args]
     else:
@@ -32,3 +49,109 @@ def spawn_env(rank: int, world: int, port: int) -> None:
     os.environ.update(ENV)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+# --- forked runs ------------------------------------------------------------------------------------
+
+PRELOAD = ["distzo.__main__", "distzo.train", "distzo.bench", "distzo.replay", "transformers",
+           "transformers.models.llama.modeling_llama", "transformers.models.opt.modeling_opt",
+           "transformers.models.qwen2.modeling_qwen2"]
+_server_lock = threading.Lock()
+_context = None
+
+
+def _forkserver():
+    """The multiprocessing context whose server has imported PRELOAD (started once per session).
+    The server starts with ENV (OMP_NUM_THREADS=1 among it): OpenMP reads it when torch loads."""
+    global _context
+    with _server_lock:
+        if _context is None:
+            ctx = multiprocessing.get_context("forkserver")
+            ctx.set_forkserver_preload(PRELOAD)
+            saved = dict(os.environ)
+            os.environ.update(ENV)
+            try:
+                multiprocessing.forkserver.ensure_running()
+            finally:
+                os.environ.clear()
+                os.environ.update(saved)
+            _context = ctx
+    return _context
+
+
+def _worker(argv: list[str], env: dict[str, str], cwd: str, out: str, err: str) -> None:
+    """One rank: torchrun's environment, its own stdout / stderr files, then `python -m distzo ARGV`."""
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    for fd, path in ((1, out), (2, err)):
+        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(f, fd)
+        os.close(f)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
+    sys.argv = ["distzo", *argv]
+    from distzo.__main__ import main
+
+    code = 0
+    try:
+        main(argv)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def run_forked(nproc: int, argv: list[str], cwd: Path | None = None, timeout: float = 600,
+               grace_s: float = 30.0) -> subprocess.CompletedProcess:
+    """`python -m distzo ARGV` as nproc ranks of one standalone job; returns the ranks' outputs
+    concatenated in rank order and the first failing rank's exit code (0 when all succeed)."""
+    import tempfile
+
+    ctx = _forkserver()
+    cwd = str(cwd or os.getcwd())
+    port = free_port()
+    logs = Path(tempfile.mkdtemp(prefix="distzo-ranks-"))
+    procs = []
+    for rank in range(nproc):
+        env = dict(ENV)
+        if nproc > 1:
+            env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+                       GROUP_RANK="0", GROUP_WORLD_SIZE="1", ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(nproc),
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        p = ctx.Process(target=_worker, args=(argv, env, cwd, str(logs / f"{rank}.out"), str(logs / f"{rank}.err")))
+        p.start()
+        procs.append(p)
+    deadline, failed_at = time.time() + timeout, None
+    try:
+        while any(p.exitcode is None for p in procs):
+            now = time.time()
+            if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
+                failed_at = now  # as torchrun does: the others get a grace period, then are stopped
+            if now > deadline or (failed_at is not None and now > failed_at + grace_s):
+                break
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.exitcode is None:
+                p.kill()
+            p.join()
+    timed_out = time.time() > deadline and failed_at is None
+    codes = [p.exitcode for p in procs]
+    returncode = next((c for c in codes if c != 0), 0)
+    if timed_out:
+        raise subprocess.TimeoutExpired(["distzo", *argv], timeout)
+    read = lambda name: "".join((logs / f"{r}.{name}").read_text(errors="replace") for r in range(nproc))  # noqa: E731
+    stdout, stderr = read("out"), read("err")
+    for f in logs.iterdir():
+        f.unlink()
+    logs.rmdir()
+    # A killed rank has a negative exit code; report it the way a shell would.
+    return subprocess.CompletedProcess(["distzo", *argv], returncode if returncode >= 0 else 128 - returncode,
+                                       stdout, stderr)

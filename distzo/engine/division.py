@@ -1,0 +1,100 @@
+"""Dividing a step's noise generation and update among the ranks of one node (resident, CPU).
+
+Without division every rank of a node draws the same z for every chunk and applies the same update
+to its own copy of the weights: with two ranks, half the node's noise work is redundant, and noise
+is most of a ZO step's overhead. With division the node's ranks share one master in host memory
+(`Node.shared_tensor`), and for each block every chunk has one owner rank, chosen once by a
+size-balanced deterministic assignment. Per block:
+
+  1. each rank applies the owed update to the chunks it owns (in the shared master) and draws
+     eps * z of those chunks for every query of the step into a node-shared z buffer;
+  2. node barrier;
+  3. every rank builds the working copies its evaluations need from the shared master and the
+     shared z (the same `master +- eps*z` operations as without division, so results agree bitwise).
+
+The z buffer alternates between two halves by block parity: a rank writes block i+2's z only after
+the barrier of block i+1, which every rank reaches only after it finished reading block i's.
+Updates outside the block walk (the embedding-like outer stage, flushes) are divided the same way
+and end with a barrier before anyone reads the master.
+
+The design requires every rank of the node to run at least one perturbed evaluation per step (it
+walks every block with its peers); `division_applies` checks that for a plan and mesh.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence, TypeVar
+
+import torch
+
+from ..dist.node import Node
+from ..zo.estimators import Evaluation
+from ..zo.params import TrainableParams
+
+T = TypeVar("T")
+
+
+def division_applies(plan: Sequence[Evaluation], pert: int) -> bool:
+    """True when every perturbation rank is dealt (round-robin, as Mesh.my_evaluations does) at
+    least one perturbed evaluation of the plan."""
+    return all(any(plan[i].perturbed for i in range(r, len(plan), pert)) for r in range(pert))
+
+
+def share_master(params: TrainableParams, node: Node) -> None:
+    """Move every trainable parameter into node-shared host memory (one buffer per dtype); local
+    rank 0 fills it (every rank holds the same weights, I1), the others map it. The Parameter objects
+    stay the same: only `.data` is re-pointed, so the model and every holder keep working."""
+    by_dtype: dict[torch.dtype, list] = {}
+    for p in params:
+        by_dtype.setdefault(p.tensor.dtype, []).append(p)
+    views = []
+    for dtype, group in sorted(by_dtype.items(), key=lambda kv: str(kv[0])):
+        shared = node.shared_tensor(sum(p.numel() for p in group), dtype, "params")
+        offset = 0
+        for p in group:
+            view = shared[offset:offset + p.numel()].view(p.shape)
+            if node.local_rank == 0:
+                view.copy_(p.tensor.data)
+            views.append((p, view))
+            offset += p.numel()
+    node.barrier()  # local rank 0 has filled the master
+    for p, view in views:
+        p.tensor.data = view
+
+
+class WorkDivision:
+    """A node's division of per-chunk noise and update work (see the module docstring)."""
+
+    def __init__(self, node: Node):
+        self.node = node
+        self._z: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+
+    @property
+    def rank(self) -> int:
+        return self.node.local_rank
+
+    def mine(self, items: Sequence[T], size: Callable[[T], int]) -> list[T]:
+        """The items this rank owns: largest first, each to the least loaded rank (ties to the lower
+        rank), so every rank computes the same assignment and the loads differ by under one item."""
+        load = [0] * self.node.size
+        owner = {}
+        for j in sorted(range(len(items)), key=lambda j: (-size(items[j]), j)):
+            r = min(range(self.node.size), key=lambda r: (load[r], r))
+            owner[j] = r
+            load[r] += size(items[j])
+        return [items[j] for j in range(len(items)) if owner[j] == self.rank]
+
+    def z_buffer(self, parity: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A node-shared buffer of at least `numel` elements for one half of the double buffer.
+        Growing it is collective; every rank asks for the same sizes in the same order."""
+        key = (parity, dtype)
+        buf = self._z.get(key)
+        if buf is None or buf.numel() < numel:
+            self._z[key] = buf = self.node.shared_tensor(numel, dtype, f"z{parity}")
+        return buf[:numel]
+
+    def barrier(self) -> None:
+        self.node.barrier()
+
+    def summary(self) -> dict[str, Any]:
+        return {"divided_ranks": self.node.size}

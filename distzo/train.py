@@ -111,6 +111,8 @@ def work_division(cfg, mesh: Mesh, estimator: Estimator) -> bool:
         why = "it divides host-side work (CPU runs only)"
     elif cfg.offload.mode != "none":
         why = "offloaded runs divide the update by slices already (comm.sliced)"
+    elif cfg.estimator.name != "mezo":
+        why = f"estimator={cfg.estimator.name} has its own evaluation path (division serves mezo)"
     elif not division_applies(estimator.plan(), mesh.shape.pert):
         why = f"a perturbation rank of mesh {mesh.shape} would have no perturbed evaluation in the estimator's plan"
     if why is not None and mode == "true":

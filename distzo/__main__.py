@@ -346,7 +346,8 @@ def sweep_command(args: list[str]) -> None:
         root = Path(str(OmegaConf.select(cfgs[0], "hydra.sweep.dir")))
     except Exception as exc:
         fail(f"hydra.sweep.dir: {explain(exc)}")
-    jobs = [Job(n, combo, swept, str(cfg.mesh), root / str(n)) for n, ((combo, swept), cfg) in enumerate(zip(combos, cfgs))]
+    jobs = [Job(n, combo, swept, str(cfg.mesh), root / str(n))
+            for n, ((combo, swept), cfg) in enumerate(zip(combos, cfgs))]
     try:
         rows = Sweep(jobs, root, cfgs[0]).run()
     except DistzoError as exc:

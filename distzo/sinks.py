@@ -55,10 +55,15 @@ class WandbSink:
         self._wandb = wandb
         # console="off": stdout stays the training log's, not a copy captured by wandb;
         # x_disable_stats: no system-metrics sampler competing with training for CPU.
-        self.run = wandb.init(project=lc.project, entity=lc.entity, group=lc.group, tags=list(lc.tags),
-                              name=lc.run_name or run_dir.name, dir=str(run_dir), mode=mode, config=config,
-                              settings=wandb.Settings(console="off", x_disable_stats=True, silent=True,
-                                                      save_code=False))
+        try:
+            self.run = wandb.init(project=lc.project, entity=lc.entity, group=lc.group, tags=list(lc.tags),
+                                  name=lc.run_name or run_dir.name, dir=str(run_dir), mode=mode, config=config,
+                                  settings=wandb.Settings(console="off", x_disable_stats=True, silent=True,
+                                                          save_code=False))
+        except Exception as exc:  # wandb raises several types (no login, no network, bad entity)
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise SinkError(f"logger=wandb could not start an {mode} run ({first}); use logger.mode=offline "
+                            "(the default) or logger=none") from None
         log.info("wandb: %s run %s in %s", mode, self.run.id, getattr(self.run, "dir", run_dir))
 
     def write(self, record: dict[str, Any]) -> None:

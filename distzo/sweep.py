@@ -206,13 +206,13 @@ class Sweep:
 
     def __init__(self, jobs: list[Job], root: Path, cfg, say: Callable[[str], None] | None = None):
         self.jobs, self.root, self.sc = jobs, root, cfg.sweep
+        self.tools = {"scontrol": "scontrol", "scancel": "scancel"}
         self.say = say or (lambda text: print(f"[sweep] {text}", flush=True))
 
     def run(self) -> list[Row]:
         if (self.root / "sweep.json").exists():
             raise SweepError(f"{self.root} already holds a sweep (sweep.json); choose another hydra.sweep.dir")
-        if self.sc.launcher == "slurm":
-            script = self._check_slurm()
+        script = self._check_slurm() if self.sc.launcher == "slurm" else None
         self.root.mkdir(parents=True, exist_ok=True)
         for job in self.jobs:
             job.run_dir.mkdir(parents=True, exist_ok=True)
@@ -253,9 +253,13 @@ class Sweep:
     # SLURM: all submitted, then waited for --------------------------------------------------------
 
     def _check_slurm(self) -> Path:
-        if shutil.which(self.sc.sbatch) is None:
+        sbatch = shutil.which(self.sc.sbatch)
+        if sbatch is None:
             raise SweepError(f"sweep.launcher=slurm needs sbatch, but '{self.sc.sbatch}' was not found; run on a SLURM "
                              "login node, set sweep.sbatch=/path/to/sbatch, or use sweep.launcher=local")
+        # scontrol (to wait) and scancel (on Ctrl-C): beside sbatch, else on PATH
+        self.tools = {name: str(Path(sbatch).with_name(name)) if Path(sbatch).with_name(name).is_file() else name
+                      for name in ("scontrol", "scancel")}
         script = Path(self.sc.script).expanduser() if self.sc.script else default_script()
         if script is None or not script.is_file():
             raise SweepError(f"the SLURM job script {script or 'slurm/train.sbatch'} was not found; pass "
@@ -287,7 +291,7 @@ class Sweep:
                 for job in self.jobs:
                     if job.n in rows:
                         continue
-                    state, code = slurm_job_state(submitted[job.n])
+                    state, code = slurm_job_state(submitted[job.n], self.tools["scontrol"])
                     log = next(job.run_dir.glob(f"slurm-{submitted[job.n]}.out"), None)
                     if state in FINISHED_STATES:
                         code = code if state == "COMPLETED" or code else 1
@@ -300,7 +304,7 @@ class Sweep:
         except BaseException:
             pending = [jid for n, jid in submitted.items() if n not in rows]
             if pending:
-                subprocess.run(["scancel", *pending], capture_output=True)
+                subprocess.run([self.tools["scancel"], *pending], capture_output=True)
             raise
         return [rows[j.n] for j in self.jobs]
 
@@ -330,10 +334,10 @@ FINISHED_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "
                    "BOOT_FAIL", "DEADLINE", "GONE"}
 
 
-def slurm_job_state(job_id: str) -> tuple[str, int]:
+def slurm_job_state(job_id: str, scontrol: str = "scontrol") -> tuple[str, int]:
     """(state, exit code) from `scontrol show job` (no accounting database needed). A job that
     scontrol no longer knows (older than MinJobAge) reads as GONE: its metrics decide."""
-    r = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True)
+    r = subprocess.run([scontrol, "show", "job", "-o", job_id], capture_output=True, text=True)
     if r.returncode != 0:
         return "GONE", 0
     state = re.search(r"JobState=(\S+)", r.stdout)
@@ -353,13 +357,14 @@ def _fmt(value: Any, spec: str) -> str:
 
 
 def markdown_table(rows: Sequence[Row]) -> str:
-    head = "| n | run | mesh | tokens/s | median step (s) | peak memory (MiB) | val accuracy | val loss | steps | status |"
+    head = ("| n | run | mesh | tokens/s | median step (s) | peak memory (MiB) | val accuracy | val loss | steps "
+            "| status |")
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for r in rows:
         mem = r.peak_mem_bytes / 2**20 if not math.isnan(r.peak_mem_bytes) else math.nan
         lines.append(f"| {r.n} | {r.label} | {r.mesh} | {_fmt(r.tokens_per_s, '.1f')} | {_fmt(r.step_time_s, '.4f')} | "
                      f"{_fmt(mem, '.0f')} | {_fmt(r.val_accuracy, '.4f')} | {_fmt(r.val_loss, '.4f')} | {r.steps} | "
-                     f"{r.status}{': ' + r.error if r.error else ''} |")
+                     f"{r.status}{': ' + r.error.replace('|', '/') if r.error else ''} |")
     return "\n".join(lines) + "\n"
 
 

@@ -16,8 +16,7 @@ def slurm(tmp_path_factory):
         pytest.skip("SLURM tests need root: they install slurm-wlm and munge and start a one-node cluster on localhost")
     root = tmp_path_factory.mktemp("slurm")
     os.chmod(root, 0o700)  # munged refuses a socket directory that others can write
-    # 4 CPUs even on 2 cores: the two sbatch test jobs (1 and 2 tasks) then run side by side
-    cluster = LocalSlurm(root, cpus=max(4, os.cpu_count() or 1))
+    cluster = LocalSlurm(root, cpus=max(2, os.cpu_count() or 1))
     try:
         cluster.start()
     except SlurmUnavailable as exc:

@@ -63,5 +63,19 @@ def test_the_writer_forwards_every_record(tmp_path, fake_wandb):
     run = fake_wandb["run"]
     assert run.logged == [(0, {"validation/accuracy": 0.5, "validation/loss": 0.7, "validation/examples": 16}),
                           (1, {"train/loss": 0.6, "train/lr": 1e-3, "train/tokens": 90})]
-    assert run.summary["test_accuracy"] == 0.75 and run.summary["mesh"] == "1x1" and "replica_checksums" not in run.summary
+    assert run.summary["test_accuracy"] == 0.75 and run.summary["mesh"] == "1x1"
+    assert "replica_checksums" not in run.summary  # lists stay in metrics.jsonl
     assert run.finished and (tmp_path / "metrics.jsonl").read_text().count("\n") == 3
+
+
+def test_a_wandb_that_cannot_start_is_one_clear_error(tmp_path, monkeypatch):
+    import wandb
+
+    from distzo.sinks import SinkError
+
+    def init(**kwargs):
+        raise wandb.errors.UsageError("api_key not configured (no-tty). call wandb.login(key=[your_api_key])")
+
+    monkeypatch.setattr(wandb, "init", init)
+    with pytest.raises(SinkError, match=r"could not start an online run \(api_key not configured .*logger=none"):
+        WandbSink(make_config("logger=wandb", "logger.mode=online"), tmp_path, {})

@@ -208,6 +208,10 @@ def check_run_dir(cfg) -> None:
              "to continue it")
 
 
+def _key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
 def run_hydra(task: Callable, command: str, args: list[str]) -> None:
     import hydra
 
@@ -219,6 +223,9 @@ def run_hydra(task: Callable, command: str, args: list[str]) -> None:
     if multirun and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         fail("-m (multirun) cannot run under torchrun: every rank would sweep on its own; run one torchrun "
              "per configuration instead")
+    if multirun and any(_key(o) == "mesh" and ("," in o or "(" in o) for o in overrides):
+        fail(f"{command} -m runs every configuration in this one process, so the mesh cannot vary; sweep layouts "
+             "with python -m distzo sweep mesh=1x2,2x1 ... (one torchrun job per layout)")
     if not _SKIP_PRECHECK.intersection(flags):
         cfg = compose_and_validate(overrides, multirun=multirun)
         if not multirun and int(os.environ.get("RANK", "0")) == 0:

@@ -27,6 +27,10 @@ def test_wrappers_explain_missing_arguments():
     env = {k: v for k, v in SCRIPT_ENV.items() if k not in ("NNODES", "NODE_RANK", "MASTER_ADDR")}
     r = subprocess.run(["bash", str(MULTINODE), "mesh=1x2"], env=env, capture_output=True, text=True)
     assert r.returncode == 2 and "set NNODES NODE_RANK MASTER_ADDR" in r.stderr
+    env = {k: v for k, v in SCRIPT_ENV.items() if not k.startswith("SLURM_")}
+    r = subprocess.run(["bash", str(ROOT / "slurm" / "train.sbatch"), "mesh=1x2"], env=env, capture_output=True,
+                       text=True)
+    assert r.returncode != 0 and "submit this script with sbatch" in r.stderr
 
 
 def test_local_two_processes_with_wandb_offline(tmp_path):

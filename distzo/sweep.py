@@ -164,9 +164,6 @@ def default_script() -> Path | None:
 
 
 def slurm_command(job: Job, sc, script: Path) -> list[str]:
-    if job.nproc % sc.nodes:
-        raise SweepError(f"{job.label}: mesh={job.mesh} has {job.nproc} ranks, which do not split evenly over "
-                         f"sweep.nodes={sc.nodes}")
     return [sc.sbatch, "--parsable", f"--nodes={sc.nodes}", f"--job-name=distzo-sweep-{job.n}",
             f"--output={job.run_dir}/slurm-%j.out",
             f"--export=ALL,NPROC_PER_NODE={job.nproc // sc.nodes},PYTHON={sys.executable}",
@@ -260,6 +257,10 @@ class Sweep:
         # scontrol (to wait) and scancel (on Ctrl-C): beside sbatch, else on PATH
         self.tools = {name: str(Path(sbatch).with_name(name)) if Path(sbatch).with_name(name).is_file() else name
                       for name in ("scontrol", "scancel")}
+        for job in self.jobs:  # before anything is submitted
+            if job.nproc % self.sc.nodes:
+                raise SweepError(f"{job.label}: mesh={job.mesh} has {job.nproc} ranks, which do not split evenly over "
+                                 f"sweep.nodes={self.sc.nodes}; choose layouts whose P*D is a multiple of the nodes")
         script = Path(self.sc.script).expanduser() if self.sc.script else default_script()
         if script is None or not script.is_file():
             raise SweepError(f"the SLURM job script {script or 'slurm/train.sbatch'} was not found; pass "

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 PACKAGES = ("slurm-wlm", "munge")
-DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol")
+DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "sinfo")
 
 
 class SlurmUnavailable(Exception):

@@ -259,7 +259,7 @@ class Sweep:
                       for name in ("scontrol", "scancel")}
         for job in self.jobs:  # before anything is submitted
             if job.nproc % self.sc.nodes:
-                raise SweepError(f"{job.label}: mesh={job.mesh} has {job.nproc} ranks, which do not split evenly over "
+                raise SweepError(f"mesh={job.mesh} has {job.nproc} rank(s), which do not split evenly over "
                                  f"sweep.nodes={self.sc.nodes}; choose layouts whose P*D is a multiple of the nodes")
         script = Path(self.sc.script).expanduser() if self.sc.script else default_script()
         if script is None or not script.is_file():

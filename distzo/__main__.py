@@ -19,7 +19,19 @@ COMMANDS = {
     "prepare": "convert and cache the model and data a config needs (run once after install)",
     "replay": "rebuild a run's weights at any logged step from a snapshot and the trajectory log",
     "bench": "time a ZO step against its forward passes and MeZO's reference loop (bench.json)",
+    "sweep": "run every combination of comma-separated values as its own torchrun/SLURM job; table and plot",
 }
+
+SWEEP_USAGE = """usage: python -m distzo sweep key=a,b[,c ...] [key=value ...]
+
+Runs every combination of the comma-separated values (cartesian product) as its own training job of
+P*D processes, in <hydra.sweep.dir>/<n>: locally one after another (sweep.launcher=local, torchrun
+--standalone), or all at once on SLURM through slurm/train.sbatch (sweep.launcher=slurm, sweep.nodes,
+sweep.sbatch_args). Then prints and writes sweep.md, sweep.csv, sweep.json and sweep.png there:
+tokens/s, median step time, peak memory, final validation accuracy and exit status per run, read from
+each run's metrics.jsonl. Exits 1 if any run failed. Example:
+
+  python -m distzo sweep mesh=1x2,2x1,1x1 model=tiny task=synthetic-cue steps=50 hydra.sweep.dir=sweeps/a"""
 
 PREPARE_USAGE = """usage: python -m distzo prepare [key=value ...]
 
@@ -196,6 +208,10 @@ def check_run_dir(cfg) -> None:
              "to continue it")
 
 
+def _key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
 def run_hydra(task: Callable, command: str, args: list[str]) -> None:
     import hydra
 
@@ -207,6 +223,9 @@ def run_hydra(task: Callable, command: str, args: list[str]) -> None:
     if multirun and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         fail("-m (multirun) cannot run under torchrun: every rank would sweep on its own; run one torchrun "
              "per configuration instead")
+    if multirun and any(_key(o) == "mesh" and ("," in o or "(" in o) for o in overrides):
+        fail(f"{command} -m runs every configuration in this one process, so the mesh cannot vary; sweep layouts "
+             "with python -m distzo sweep mesh=1x2,2x1 ... (one torchrun job per layout)")
     if not _SKIP_PRECHECK.intersection(flags):
         cfg = compose_and_validate(overrides, multirun=multirun)
         if not multirun and int(os.environ.get("RANK", "0")) == 0:
@@ -306,6 +325,50 @@ def replay_command(args: list[str]) -> None:
     print(path)
 
 
+def sweep_command(args: list[str]) -> None:
+    """Expand the sweep, check every combination before launching anything, run, report."""
+    from omegaconf import OmegaConf
+
+    from .errors import DistzoError
+    from .sweep import Job, Sweep, expand, split_overrides
+
+    flags, overrides = split_args(args)
+    if {"-h", "--help"}.intersection(flags):
+        print(SWEEP_USAGE)
+        return
+    if flags:
+        fail(f"sweep takes key=value overrides only, not {' '.join(flags)} (every comma-separated value is swept)")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        fail("sweep cannot run under torchrun: it launches one torchrun job per configuration itself; run "
+             "python -m distzo sweep ...")
+    try:
+        run_overrides, own = split_overrides(overrides)
+        combos = expand(run_overrides)
+    except DistzoError as exc:
+        fail(str(exc))
+    except Exception as exc:  # Hydra's override grammar
+        fail(explain(exc))
+    cfgs = [compose_and_validate(combo + own, check_world=False) for combo, _ in combos]
+    try:
+        root = Path(str(OmegaConf.select(cfgs[0], "hydra.sweep.dir")))
+    except Exception as exc:
+        fail(f"hydra.sweep.dir: {explain(exc)}")
+    jobs = [Job(n, combo, swept, str(cfg.mesh), root / str(n))
+            for n, ((combo, swept), cfg) in enumerate(zip(combos, cfgs))]
+    try:
+        rows = Sweep(jobs, root, cfgs[0]).run()
+    except DistzoError as exc:
+        fail(str(exc))
+    from .sweep import markdown_table
+
+    print(markdown_table(rows), end="", flush=True)
+    failed = [r for r in rows if r.status != "ok"]
+    print(f"[sweep] {len(rows) - len(failed)}/{len(rows)} runs ok; table and plot: {root}/sweep.md, sweep.csv, "
+          f"sweep.json, sweep.png", flush=True)
+    if failed:
+        raise SystemExit(1)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     commands = "\n".join(f"  {name:9s} {text}" for name, text in COMMANDS.items())
@@ -324,6 +387,8 @@ def main(argv: list[str] | None = None) -> None:
         prepare(rest)
     elif command == "replay":
         replay_command(rest)
+    elif command == "sweep":
+        sweep_command(rest)
 
 
 if __name__ == "__main__":

@@ -135,6 +135,43 @@ class BenchConfig:
 
 
 @dataclass
+class LoggerConfig:
+    """Where metrics go besides metrics.jsonl (conf group `logger`: none | wandb).
+
+    wandb: rank 0 logs every metrics line, the resolved configuration and the mesh to a Weights &
+      Biases run under <run dir>/wandb. mode=offline (the default) needs no network and no account;
+      upload later with `wandb sync <run dir>/wandb/offline-run-*`. The WANDB_MODE environment
+      variable, when set, overrides mode. No API key is ever read or written by distzo."""
+
+    name: str = "none"
+    project: str = "distzo"
+    entity: Optional[str] = None
+    group: Optional[str] = None
+    run_name: Optional[str] = None  # null: the run directory's name
+    tags: List[str] = field(default_factory=list)
+    mode: str = "offline"
+
+
+@dataclass
+class SweepConfig:
+    """`python -m distzo sweep`: how each configuration of a sweep is launched.
+
+    launcher: local runs one torchrun job after another on this machine (timings do not compete);
+      slurm submits every job at once with `sbatch` through `script` and waits for all of them.
+    nodes: SLURM nodes per job; each runs P*D / nodes ranks.
+    sbatch / script / sbatch_args: the sbatch command, the job script (null: slurm/train.sbatch of the
+      source tree) and extra sbatch options (e.g. [--partition=gpu, --account=proj]).
+    progress_every_s: seconds between progress lines while a job runs."""
+
+    launcher: str = "local"
+    nodes: int = 1
+    sbatch: str = "sbatch"
+    script: Optional[str] = None
+    sbatch_args: List[str] = field(default_factory=list)
+    progress_every_s: float = 15.0
+
+
+@dataclass
 class OptimConfig:
     """ZO-SGD: theta -= lr * (sum_k c_k z_k + weight_decay * theta), with c_k the estimator's
     coefficients (for SPSA, c_k = g_k / q)."""
@@ -153,11 +190,13 @@ class Config:
     task: TaskConfig = MISSING
     estimator: EstimatorConfig = MISSING
     offload: OffloadConfig = MISSING
+    logger: LoggerConfig = MISSING
     comm: CommConfig = field(default_factory=CommConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
     steps: int = 200
     batch_size: int = 16
     seed: Optional[int] = 0
@@ -186,6 +225,9 @@ DEVICES = ("auto", "cpu", "cuda")
 OFFLOAD_MODES = ("none", "cpu")
 RESUME_MODES = ("never", "auto")
 TRANSFER_DTYPES = ("bfloat16", "float16")
+LOGGERS = ("none", "wandb")
+WANDB_MODES = ("offline", "online", "disabled")
+LAUNCHERS = ("local", "slurm")
 
 
 def register_configs() -> None:
@@ -309,6 +351,12 @@ def validate(cfg: Any, check_world: bool = True) -> None:
         _choice(off.transfer_dtype, "offload.transfer_dtype", TRANSFER_DTYPES)
         if off.mode == "none":
             raise ConfigError("offload.transfer_dtype only applies to offloaded blocks; add offload=cpu")
+
+    _choice(cfg.logger.name, "logger.name", LOGGERS)
+    _choice(cfg.logger.mode, "logger.mode", WANDB_MODES)
+    _choice(cfg.sweep.launcher, "sweep.launcher", LAUNCHERS)
+    _positive(cfg.sweep.nodes, "sweep.nodes")
+    _positive(cfg.sweep.progress_every_s, "sweep.progress_every_s")
 
     o = cfg.optim
     _choice(o.schedule, "optim.schedule", SCHEDULES)

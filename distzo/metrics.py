@@ -6,7 +6,7 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from .jsonl import JsonlWriter, read_jsonl
 
@@ -54,17 +54,25 @@ def reset_peak_memory(device) -> None:
 
 class MetricsWriter:
     """<run_dir>/metrics.jsonl: one record per line with a `type` and the run's static fields (its
-    mesh). A no-op when `path` is None (ranks other than 0)."""
+    mesh), each also forwarded to `sinks` (e.g. wandb, see sinks.py). A no-op when `path` is None
+    and there are no sinks (ranks other than 0)."""
 
-    def __init__(self, path: Path | None, static: dict[str, Any] | None = None):
+    def __init__(self, path: Path | None, static: dict[str, Any] | None = None, sinks: Sequence[Any] = ()):
         self._out = JsonlWriter(path)
         self.static = dict(static or {})
+        self.sinks = list(sinks)
 
     def write(self, kind: str, **fields: Any) -> None:
-        self._out.append({"type": kind, **fields, **self.static, "time": round(time.time(), 3)})
+        record = {"type": kind, **fields, **self.static, "time": round(time.time(), 3)}
+        self._out.append(record)
+        for sink in self.sinks:
+            sink.write(record)
 
     def close(self) -> None:
         self._out.close()
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
 
 
 read_metrics = read_jsonl

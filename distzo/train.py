@@ -37,6 +37,7 @@ from .jsonl import JsonlWriter, truncate_after
 from .metrics import MetricsWriter, Progress, format_duration, peak_memory_bytes, peak_rss_bytes
 from .models import adapter_for, load_model
 from .objectives import accuracy_counts, cross_entropy_sums
+from .sinks import open_sinks
 from .zo.directions import DIRECTIONS_VERSION, Directions
 from .zo.estimators import Estimator, build_estimator
 from .zo.params import TrainableParams
@@ -212,7 +213,10 @@ def build_run(cfg, run_dir: Path, mesh: Mesh) -> Run:
     if mesh.is_main and resume is not None:
         for name in ("metrics.jsonl", "trajectory.jsonl"):
             truncate_after(run_dir / name, start_step)  # the killed run's steps after the snapshot
-    metrics = MetricsWriter(run_dir / "metrics.jsonl" if mesh.is_main else None, static={"mesh": str(mesh.shape)})
+    sinks = open_sinks(cfg, run_dir, {"world_size": mesh.world_size, "pert": mesh.shape.pert, "data": mesh.shape.data,
+                                      "nodes": mesh.world_size // mesh.node.size, "seed": seed}) if mesh.is_main else []
+    metrics = MetricsWriter(run_dir / "metrics.jsonl" if mesh.is_main else None, static={"mesh": str(mesh.shape)},
+                            sinks=sinks)
     trajectory = JsonlWriter(run_dir / "trajectory.jsonl" if mesh.is_main else None)
     n_evals = len(estimator.plan())
     log.info("Task %s: %d train / %d validation / %d test examples; label words %s",

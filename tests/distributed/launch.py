@@ -4,9 +4,9 @@ torch.multiprocessing for collective-level checks. Every process uses the gloo b
 Importing torch and transformers costs a process about 6 s of CPU, which on the 2-core CI machine
 dominated the suite when every rank of every run paid it. `torchrun()` therefore forks each run's
 ranks from a forkserver that imported distzo, torch and transformers once, and gives them the
-environment torchrun gives its workers (RANK, LOCAL_RANK, WORLD_SIZE, ..., a fresh MASTER_PORT), so
-rank 0 hosts the rendezvous store as under `torchrun --standalone`. Like torchrun, it stops the other
-ranks once one has failed. Tests of torchrun's own behaviour (its agent store, `--max-restarts`, its
+environment torchrun gives its workers (RANK, LOCAL_RANK, WORLD_SIZE, ..., TORCHELASTIC_*), and hosts
+the job's TCP store itself as torchrun's agent does (`TORCHELASTIC_USE_AGENT_STORE=True`). Like
+torchrun, it stops the other ranks once one has failed. Tests of torchrun's own behaviour (its agent store, `--max-restarts`, its
 error reporting) pass `real=True`, which runs the real `torchrun` command.
 """
 
@@ -114,9 +114,18 @@ def run_forked(nproc: int, argv: list[str], cwd: Path | None = None, timeout: fl
     concatenated in rank order and the first failing rank's exit code (0 when all succeed)."""
     import tempfile
 
+    import datetime
+    import uuid
+
+    import torch.distributed as dist
+
     ctx = _forkserver()
     cwd = str(cwd or os.getcwd())
     port = free_port()
+    # As torchrun's agent does: host the job's store here, and tell the ranks to use it.
+    store = dist.TCPStore("127.0.0.1", port, nproc, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout)) if nproc > 1 else None
+    run_id = uuid.uuid4().hex[:12]
     logs = Path(tempfile.mkdtemp(prefix="distzo-ranks-"))
     procs = []
     for rank in range(nproc):
@@ -124,7 +133,8 @@ def run_forked(nproc: int, argv: list[str], cwd: Path | None = None, timeout: fl
         if nproc > 1:
             env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
                        GROUP_RANK="0", GROUP_WORLD_SIZE="1", ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(nproc),
-                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True",
+                       TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0", TORCHELASTIC_RUN_ID=run_id)
         p = ctx.Process(target=_worker, args=(argv, env, cwd, str(logs / f"{rank}.out"), str(logs / f"{rank}.err")))
         p.start()
         procs.append(p)
@@ -142,12 +152,14 @@ def run_forked(nproc: int, argv: list[str], cwd: Path | None = None, timeout: fl
             if p.exitcode is None:
                 p.kill()
             p.join()
+    del store
     timed_out = time.time() > deadline and failed_at is None
     codes = [p.exitcode for p in procs]
     returncode = next((c for c in codes if c != 0), 0)
     if timed_out:
         raise subprocess.TimeoutExpired(["distzo", *argv], timeout)
-    read = lambda name: "".join((logs / f"{r}.{name}").read_text(errors="replace") for r in range(nproc))  # noqa: E731
+    read = lambda name: "".join((logs / f"{r}.{name}").read_text(errors="replace")  # noqa: E731
+                                for r in range(nproc) if (logs / f"{r}.{name}").exists())
     stdout, stderr = read("out"), read("err")
     for f in logs.iterdir():
         f.unlink()

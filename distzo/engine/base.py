@@ -52,6 +52,9 @@ class StagedEngine:
         # True when streaming a block involves collectives over the node (sliced offloading): then a
         # rank with no evaluation this step must still walk every block with its peers.
         self.collective_blocks = False
+        # P-RGE: None, or "materialize" / "on_the_fly": a rank's perturbed evaluations run as one
+        # batched forward over stacked LoRA B copies (`distzo.engine.stacked`).
+        self.stacked_lora: str | None = None
 
     # --- where block weights are ----------------------------------------------------------------------
 
@@ -139,6 +142,10 @@ class StagedEngine:
         An empty plan computes nothing; with `collective_blocks` it still streams every block with
         the node's peers (and pays the deferred update), as a rank without evaluations must."""
         label_ids = label_ids.to(self.device)
+        if self.stacked_lora is not None and any(ev.perturbed for ev in plan):
+            from .stacked import stacked_label_logits
+
+            return stacked_label_logits(self, batch, label_ids, plan, step, eps, self.stacked_lora == "materialize")
         if not plan:
             if self.collective_blocks:
                 for i in range(len(self.adapter.blocks)):

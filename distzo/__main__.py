@@ -109,6 +109,18 @@ def split_args(args: list[str]) -> tuple[list[str], list[str]]:
     return flags, overrides
 
 
+def overrides_only(args: list[str], command: str, usage: str, note: str = "") -> list[str] | None:
+    """The key=value overrides of a command that takes no Hydra flags; None after printing its usage
+    for -h / --help; one clear error for any other flag."""
+    flags, overrides = split_args(args)
+    if {"-h", "--help"}.intersection(flags):
+        print(usage)
+        return None
+    if flags:
+        fail(f"{command} takes key=value overrides only, not {' '.join(flags)}{note}")
+    return overrides
+
+
 def explain(exc: BaseException) -> str:
     """One line from Hydra's and OmegaConf's multi-line composition errors."""
     text = str(exc)
@@ -284,12 +296,9 @@ def prepare(args: list[str]) -> None:
     from .errors import DistzoError
     from .models import load_model
 
-    flags, overrides = split_args(args)
-    if {"-h", "--help"}.intersection(flags):
-        print(PREPARE_USAGE)
+    overrides = overrides_only(args, "prepare", PREPARE_USAGE)
+    if overrides is None:
         return
-    if flags:
-        fail(f"prepare takes key=value overrides only, not {' '.join(flags)}")
     cfg = compose_and_validate(overrides, with_hydra=False, check_world=False)
     try:
         _, tokenizer = load_model(cfg.model)
@@ -332,12 +341,9 @@ def sweep_command(args: list[str]) -> None:
     from .errors import DistzoError
     from .sweep import Job, Sweep, expand, split_overrides
 
-    flags, overrides = split_args(args)
-    if {"-h", "--help"}.intersection(flags):
-        print(SWEEP_USAGE)
+    overrides = overrides_only(args, "sweep", SWEEP_USAGE, " (every comma-separated value is swept)")
+    if overrides is None:
         return
-    if flags:
-        fail(f"sweep takes key=value overrides only, not {' '.join(flags)} (every comma-separated value is swept)")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         fail("sweep cannot run under torchrun: it launches one torchrun job per configuration itself; run "
              "python -m distzo sweep ...")

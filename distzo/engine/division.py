@@ -23,7 +23,7 @@ walks every block with its peers); `division_applies` checks that for a plan and
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Callable, Sequence, TypeVar
 
 import torch
 
@@ -95,6 +95,3 @@ class WorkDivision:
 
     def barrier(self) -> None:
         self.node.barrier()
-
-    def summary(self) -> dict[str, Any]:
-        return {"divided_ranks": self.node.size}

@@ -74,8 +74,9 @@ def apply_update(directions: Directions, targets: Sequence[tuple[TrainableParam,
                 part = None if (a, b) == (ref.start, ref.stop) else (a - ref.start, b - ref.start)
                 work.append((p, target, None if deltas is None else deltas[i], ref, a, b, part))
 
+    size = lambda item: item[5] - item[4]  # noqa: E731
     if division is not None:
-        work = division.mine(work, lambda item: item[5] - item[4])
+        work = division.mine(work, size)
 
     def one(item) -> None:
         p, target, delta, ref, a, b, part = item
@@ -86,4 +87,4 @@ def apply_update(directions: Directions, targets: Sequence[tuple[TrainableParam,
             torch.sub(flat, before, out=delta.view(-1)[a:b])
 
     with torch.no_grad():
-        directions.map(one, work)
+        directions.map(one, work, size)

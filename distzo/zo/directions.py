@@ -64,6 +64,18 @@ class ChunkRef:
     stop: int
 
 
+def _serial_worker() -> None:
+    """Initialiser of the chunk threads: their torch ops run single-threaded. Otherwise each thread's
+    first large op starts an OpenMP team of its own (intra-op threads are per calling thread), the
+    teams oversubscribe the cores, and they keep spinning into the next forward. The calling
+    thread's own intra-op threads are unaffected."""
+    torch.set_num_threads(1)
+
+
+def _ref_size(ref: ChunkRef) -> int:
+    return ref.stop - ref.start
+
+
 def chunks_of(key: int, shape: Sequence[int]) -> list[ChunkRef]:
     numel = math.prod(int(s) for s in shape)
     c = chunk_numel(shape)
@@ -87,7 +99,7 @@ class Directions:
         # On CPU, torch's RNG kernels are single-threaded: run independent chunks on several threads
         # (the ops release the GIL). On CUDA the kernels are asynchronous already.
         n = threads if threads is not None else torch.get_num_threads()
-        self._pool = ThreadPoolExecutor(max_workers=n) if self.device.type == "cpu" and n > 1 else None
+        self._pool = ThreadPoolExecutor(max_workers=n, initializer=_serial_worker) if self.device.type == "cpu" and n > 1 else None
         self._local = threading.local()
 
     def scratch(self, numel: int) -> torch.Tensor:
@@ -134,13 +146,20 @@ class Directions:
                 table = self._table = (bits.float() * 2 - 1).to(self.device)
         return table
 
-    def map(self, fn: Callable[[Any], None], items: Iterable[Any]) -> None:
-        """Run fn over work items, in parallel on CPU. fn must touch only its own item's memory."""
+    def map(self, fn: Callable[[Any], None], items: Iterable[Any], cost: Callable[[Any], float] | None = None) -> None:
+        """Run fn over work items, in parallel on CPU. fn must touch only its own item's memory.
+
+        cost: an item's relative work. Items then start largest first: the pool's threads take
+        items in submission order, so this is longest-processing-time scheduling. A block's chunks
+        differ in size by up to 8x (attention vs MLP projections), and in submission order the last
+        large chunk often runs alone while the other threads idle."""
         items = list(items)
         if self._pool is None or len(items) < 2:
             for item in items:
                 fn(item)
             return
+        if cost is not None:
+            items.sort(key=cost, reverse=True)  # stable: equal costs keep their order
         # Grad and inference modes are thread-local: carry the caller's into the workers.
         inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
 
@@ -155,7 +174,7 @@ class Directions:
         """The full z of one parameter (float32, contiguous)."""
         z = torch.empty(tuple(shape), dtype=torch.float32, device=self.device)
         flat = z.view(-1)
-        self.map(lambda r: self.fill_chunk(flat[r.start:r.stop], step, query, r), chunks_of(key, shape))
+        self.map(lambda r: self.fill_chunk(flat[r.start:r.stop], step, query, r), chunks_of(key, shape), _ref_size)
         return z
 
     def generate_many(self, requests: Sequence[tuple[Sequence[int], int]], step: int, query: int,
@@ -168,7 +187,8 @@ class Directions:
         for buf, (shape, key) in zip(out, requests):
             flat = buf.view(-1)
             work += [(flat, r) for r in chunks_of(key, shape)]
-        self.map(lambda fr: self.fill_chunk(fr[0][fr[1].start:fr[1].stop], step, query, fr[1]), work)
+        self.map(lambda fr: self.fill_chunk(fr[0][fr[1].start:fr[1].stop], step, query, fr[1]), work,
+                 lambda fr: _ref_size(fr[1]))
         return list(out)
 
     def rows(self, shape: Sequence[int], key: int, step: int, query: int, rows: torch.Tensor) -> torch.Tensor:

@@ -168,8 +168,9 @@ def zo_step(c: Components, step: int) -> StepOutcome:
         if mesh.rank == 0:                                                     # counted once in the exchange
             local[shared] = objective_sums(logits.cpu(), batch.labels, cfg.objective)
     if mine or engine.collective_blocks:                                       # (sliced: walk with peers)
+        node_plan = [plan[dealt[j]] for j in mesh.node_evaluations(len(dealt))]  # (work division)
         logits = engine.label_logits(shard, c.task.label_ids, [plan[i] for i in mine], step, c.estimator.eps,
-                                     node_plan=plan)
+                                     node_plan=node_plan)
         local[mine] = objective_sums(logits.cpu(), shard.labels, cfg.objective)  # (loss sum, count)
     with engine.timers("comm"):
         sums = mesh.exchange(local)                                            # global, on every rank

@@ -94,9 +94,22 @@ class Mesh:
 
     # --- roles -------------------------------------------------------------------------------------
 
+    @staticmethod
+    def dealt(n: int, pert_rank: int, pert: int) -> list[int]:
+        """Indices, among n evaluations, that perturbation rank `pert_rank` of `pert` runs: dealt
+        round-robin. The one rule for who runs what (work division checks plans against it too)."""
+        return list(range(pert_rank, n, pert))
+
     def my_evaluations(self, n: int) -> list[int]:
-        """Indices of the plan's evaluations this rank runs: dealt round-robin over the P ranks."""
-        return list(range(self.pert_rank, n, self.shape.pert))
+        """Indices of the plan's evaluations this rank runs."""
+        return self.dealt(n, self.pert_rank, self.shape.pert)
+
+    def node_evaluations(self, n: int) -> list[int]:
+        """Indices of the plan's evaluations some rank of this node runs (a node holds consecutive
+        ranks, `Node.create`)."""
+        first = self.rank - self.node.local_rank
+        perts = {(first + j) % self.shape.pert for j in range(self.node.size)}
+        return sorted(i for r in perts for i in self.dealt(n, r, self.shape.pert))
 
     # --- collectives -------------------------------------------------------------------------------
 

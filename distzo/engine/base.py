@@ -148,8 +148,8 @@ class StagedEngine:
 
         An empty plan computes nothing; with `collective_blocks` it still streams every block with
         the node's peers (and pays the deferred update), as a rank without evaluations must.
-        node_plan: the step's whole plan (over all ranks); with work division this rank draws its
-        share of z for every perturbed query in it, for its peers as well as for itself."""
+        node_plan: the evaluations any rank of this node runs this step; with work division this
+        rank builds its share of every working copy they need, for its peers as well as for itself."""
         label_ids = label_ids.to(self.device)
         if self.stacked_lora is not None and any(ev.perturbed for ev in plan):
             from .stacked import stacked_label_logits
@@ -164,7 +164,7 @@ class StagedEngine:
         packed = batch.pack(self.row_tokens).to(self.device)
         ctx = self.adapter.context(packed.input_ids, packed.position_ids)
         perturbed = any(ev.perturbed for ev in plan)
-        node_queries = sorted({ev.query for ev in (node_plan or plan) if ev.perturbed})
+        node_evals = sorted({(ev.query, ev.sign) for ev in (node_plan or plan) if ev.perturbed})
 
         def stage_views(noise: StageNoise, sources=None) -> list:
             clean = CleanWeights(self.model, sources)
@@ -185,7 +185,7 @@ class StagedEngine:
                     u = None
                 if perturbed:  # an owed update still in hand is fused into this block's perturbation
                     noise.prepare(self.block_params[i], lambda p, s=sources: (s or {}).get(p.name, p.tensor), u,
-                                  division=self.division, parity=i % 2, node_queries=node_queries)
+                                  division=self.division, parity=i % 2, node_evals=node_evals)
                 hidden = [self.adapter.block(i, h, ctx, w) for h, w in zip(hidden, stage_views(noise, sources))]
         logits = []
         for h, w in zip(hidden, stage_views(self._noise(step, eps, plan))):

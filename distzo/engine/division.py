@@ -6,16 +6,18 @@ is most of a ZO step's overhead. With division the node's ranks share one master
 (`Node.shared_tensor`), and for each block every chunk has one owner rank, chosen once by a
 size-balanced deterministic assignment. Per block:
 
-  1. each rank applies the owed update to the chunks it owns (in the shared master) and draws
-     eps * z of those chunks for every query of the step into a node-shared z buffer;
+  1. each rank applies the owed update to the chunks it owns (in the shared master), draws eps * z
+     of those chunks once per query, and writes them into every working copy the node's ranks need
+     (`master +- eps*z`, the operations of an undivided run, so results agree bitwise), in a
+     node-shared stage buffer;
   2. node barrier;
-  3. every rank builds the working copies its evaluations need from the shared master and the
-     shared z (the same `master +- eps*z` operations as without division, so results agree bitwise).
+  3. every rank runs its evaluations of the block on its copies in the stage buffer.
 
-The z buffer alternates between two halves by block parity: a rank writes block i+2's z only after
-the barrier of block i+1, which every rank reaches only after it finished reading block i's.
-Updates outside the block walk (the embedding-like outer stage, flushes) are divided the same way
-and end with a barrier before anyone reads the master.
+Each chunk is thus read, drawn and written once per node, and z never leaves the owner's cache.
+The stage buffer alternates between two halves by block parity: a rank writes block i+2's copies
+only after the barrier of block i+1, which every rank reaches only after its forward through block
+i, the last read of block i's copies. Updates outside the block walk (the embedding-like outer
+stage, flushes) are divided the same way and end with a barrier before anyone reads the master.
 
 The design requires every rank of the node to run at least one perturbed evaluation per step (it
 walks every block with its peers); `division_applies` checks that for a plan and mesh.
@@ -27,6 +29,7 @@ from typing import Callable, Sequence, TypeVar
 
 import torch
 
+from ..dist.mesh import Mesh
 from ..dist.node import Node
 from ..zo.estimators import Evaluation
 from ..zo.params import TrainableParams
@@ -35,9 +38,9 @@ T = TypeVar("T")
 
 
 def division_applies(plan: Sequence[Evaluation], pert: int) -> bool:
-    """True when every perturbation rank is dealt (round-robin, as Mesh.my_evaluations does) at
-    least one perturbed evaluation of the plan."""
-    return all(any(plan[i].perturbed for i in range(r, len(plan), pert)) for r in range(pert))
+    """True when every perturbation rank is dealt (`Mesh.dealt`) at least one perturbed evaluation
+    of the plan."""
+    return all(any(plan[i].perturbed for i in Mesh.dealt(len(plan), r, pert)) for r in range(pert))
 
 
 def share_master(params: TrainableParams, node: Node) -> None:
@@ -67,7 +70,7 @@ class WorkDivision:
 
     def __init__(self, node: Node):
         self.node = node
-        self._z: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        self._stage: dict[tuple[int, torch.dtype], torch.Tensor] = {}
 
     @property
     def rank(self) -> int:
@@ -84,13 +87,13 @@ class WorkDivision:
             load[r] += size(items[j])
         return [items[j] for j in range(len(items)) if owner[j] == self.rank]
 
-    def z_buffer(self, parity: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A node-shared buffer of at least `numel` elements for one half of the double buffer.
-        Growing it is collective; every rank asks for the same sizes in the same order."""
+    def stage_buffer(self, parity: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A node-shared buffer of at least `numel` elements for one half of the double buffer of
+        working copies. Growing it is collective; every rank asks for the same sizes in the same order."""
         key = (parity, dtype)
-        buf = self._z.get(key)
+        buf = self._stage.get(key)
         if buf is None or buf.numel() < numel:
-            self._z[key] = buf = self.node.shared_tensor(numel, dtype, f"z{parity}")
+            self._stage[key] = buf = self.node.shared_tensor(numel, dtype, f"stage{parity}")
         return buf[:numel]
 
     def barrier(self) -> None:

@@ -14,7 +14,7 @@ from torch import nn
 from torch.func import functional_call
 from torch.nn import functional as F
 
-from ..zo.directions import Directions, chunks_of
+from ..zo.directions import ChunkRef, Directions, chunks_of
 from ..zo.estimators import Evaluation
 from ..timing import DISABLED, Timers
 from .division import WorkDivision
@@ -80,42 +80,48 @@ class StageNoise:
 
     def prepare(self, entries: Sequence[TrainableParam], source: Callable[[TrainableParam], torch.Tensor],
                 pending: PendingUpdate | None = None, division: WorkDivision | None = None,
-                parity: int = 0, node_queries: Sequence[int] = ()) -> None:
+                parity: int = 0, node_evals: Sequence[tuple[int, int]] = ()) -> None:
         """Build every evaluation's working copies of `entries` in one pass over their chunks, first
         applying `pending` (the previous step's update) to each master chunk: the deferred update
         fused with the next perturbation, while the chunk is in cache.
 
-        division: the node's ranks share the master; this rank updates and draws z only for the
-        chunks it owns (for every query in node_queries), into the node-shared z buffer of this
-        parity, and reads everyone's z from there (see engine/division.py)."""
-        with self.timers("perturb"):
-            if division is None:
+        division: the node's ranks share the master; this rank updates and builds only the chunks it
+        owns, of every copy any rank of the node needs (node_evals: their (query, sign) pairs), in
+        node-shared memory of this parity, and reads its copies from there (engine/division.py)."""
+        if division is None:
+            with self.timers("perturb"):
                 self._build(list(entries), source, pending)
-            else:
-                self._build_divided(list(entries), source, pending, division, parity, node_queries)
+        else:
+            self._build_divided(list(entries), source, pending, division, parity, node_evals)
+
+    def _perturb_chunk(self, p: TrainableParam, ref: ChunkRef, master: torch.Tensor, pending: PendingUpdate | None,
+                       targets: Mapping[int, Sequence[tuple[int, torch.Tensor]]]) -> None:
+        """One chunk of p: pay the owed update on the master, then for each query draw eps * z once
+        and write every copy of that query, master +- eps * z (targets: query -> [(sign, flat copy)])."""
+        chunk = master[ref.start:ref.stop]
+        if pending is not None:
+            update_chunk(self.directions, p, ref, chunk, pending)
+        for q, outs in targets.items():
+            z = self.directions.fill_chunk(self.directions.scratch(ref.stop - ref.start), self.step, q, ref)
+            z = z.mul_(self.eps) if p.tensor.dtype == torch.float32 else z.to(p.tensor.dtype).mul_(self.eps)
+            for sign, out in outs:
+                (torch.add if sign > 0 else torch.sub)(chunk, z, out=out[ref.start:ref.stop])
 
     def _build(self, todo: Sequence[TrainableParam], source: Callable[[TrainableParam], torch.Tensor],
                pending: PendingUpdate | None) -> None:
         perturbed = [(i, ev) for i, ev in enumerate(self.plan) if ev.perturbed]
         out = self._outputs(todo)
         queries = sorted({ev.query for _, ev in perturbed})
-        work = [(p, ref) for p in todo for ref in chunks_of(p.key, p.shape)]  # all queries of a chunk: one item
+        targets = {p.name: {q: [(ev.sign, out[(p.name, i)].view(-1)) for i, ev in perturbed if ev.query == q]
+                            for q in queries} for p in todo}
         masters = {p.name: source(p).view(-1) for p in todo}
+        work = [(p, ref) for p in todo for ref in chunks_of(p.key, p.shape)]  # all queries of a chunk: one item
 
         def one(item) -> None:
             p, ref = item
-            master = masters[p.name][ref.start:ref.stop]
-            if pending is not None:
-                update_chunk(self.directions, p, ref, master, pending)
-            for q in queries:
-                z = self.directions.fill_chunk(self.directions.scratch(ref.stop - ref.start), self.step, q, ref)
-                z = z.mul_(self.eps) if p.tensor.dtype == torch.float32 else z.to(p.tensor.dtype).mul_(self.eps)
-                for i, ev in perturbed:
-                    if ev.query == q:
-                        op = torch.add if ev.sign > 0 else torch.sub
-                        op(master, z, out=out[(p.name, i)].view(-1)[ref.start:ref.stop])
+            self._perturb_chunk(p, ref, masters[p.name], pending, targets[p.name])
 
-        self.directions.map(one, work)
+        self.directions.map(one, work, lambda item: item[1].stop - item[1].start)
         self._copies.update(out)
 
     def _outputs(self, todo: Sequence[TrainableParam]) -> dict[tuple[str, int], torch.Tensor]:
@@ -134,50 +140,40 @@ class StageNoise:
 
     def _build_divided(self, todo: Sequence[TrainableParam], source: Callable[[TrainableParam], torch.Tensor],
                        pending: PendingUpdate | None, division: WorkDivision, parity: int,
-                       node_queries: Sequence[int]) -> None:
-        perturbed = [(i, ev) for i, ev in enumerate(self.plan) if ev.perturbed]
-        out = self._outputs(todo)
-        queries = list(node_queries)
-        work = [(p, ref) for p in todo for ref in chunks_of(p.key, p.shape)]
-        offsets, total = [], 0
-        for _, ref in work:
-            offsets.append(total)
-            total += ref.stop - ref.start
-        # eps * z of every chunk and query, float32 (exact for any narrower parameter dtype)
-        zbuf = division.z_buffer(parity, total * len(queries), torch.float32)
+                       node_evals: Sequence[tuple[int, int]]) -> None:
+        node_evals = list(node_evals)
+        # Node-shared layout, per dtype: for each node evaluation in turn, the stage's parameters end to end.
+        offset: dict[str, int] = {}
+        segment: dict[torch.dtype, int] = {}
+        for p in todo:
+            offset[p.name] = segment.get(p.tensor.dtype, 0)
+            segment[p.tensor.dtype] = offset[p.name] + p.numel()
+        buffers = {dtype: division.stage_buffer(parity, n * len(node_evals), dtype)
+                   for dtype, n in sorted(segment.items(), key=lambda kv: str(kv[0]))}
+
+        def copy_of(p: TrainableParam, e: int) -> torch.Tensor:
+            start = e * segment[p.tensor.dtype] + offset[p.name]
+            return buffers[p.tensor.dtype][start:start + p.numel()]
+
+        queries = sorted({q for q, _ in node_evals})
+        targets = {p.name: {q: [(sign, copy_of(p, e)) for e, (qq, sign) in enumerate(node_evals) if qq == q]
+                            for q in queries} for p in todo}
         masters = {p.name: source(p).view(-1) for p in todo}
-        items = list(zip(work, offsets))
+        work = [(p, ref) for p in todo for ref in chunks_of(p.key, p.shape)]
+        size = lambda item: item[1].stop - item[1].start  # noqa: E731
 
-        def draw(item) -> None:  # my chunks: the owed update, then every query's eps * z
-            (p, ref), off = item
-            n = ref.stop - ref.start
-            if pending is not None:
-                update_chunk(self.directions, p, ref, masters[p.name][ref.start:ref.stop], pending)
-            for qi, q in enumerate(queries):
-                z = self.directions.fill_chunk(zbuf[qi * total + off:qi * total + off + n], self.step, q, ref)
-                if p.tensor.dtype == torch.float32:
-                    z.mul_(self.eps)
-                else:
-                    z.copy_(z.to(p.tensor.dtype).mul_(self.eps))
+        def one(item) -> None:  # a chunk I own: its update, then every node copy of it
+            p, ref = item
+            self._perturb_chunk(p, ref, masters[p.name], pending, targets[p.name])
 
-        def build(item) -> None:  # every chunk: the copies my evaluations need
-            (p, ref), off = item
-            n = ref.stop - ref.start
-            master = masters[p.name][ref.start:ref.stop]
-            for qi, q in enumerate(queries):
-                evs = [(i, ev) for i, ev in perturbed if ev.query == q]
-                if not evs:
-                    continue
-                z = zbuf[qi * total + off:qi * total + off + n]
-                z = z if p.tensor.dtype == torch.float32 else z.to(p.tensor.dtype)
-                for i, ev in evs:
-                    op = torch.add if ev.sign > 0 else torch.sub
-                    op(master, z, out=out[(p.name, i)].view(-1)[ref.start:ref.stop])
-
-        self.directions.map(draw, division.mine(items, lambda item: item[0][1].stop - item[0][1].start))
-        division.barrier()  # every owner's update and z are in shared memory
-        self.directions.map(build, items)
-        self._copies.update(out)
+        with self.timers("perturb"):
+            self.directions.map(one, division.mine(work, size), size)
+        with self.timers("wait"):
+            division.barrier()  # every owner's chunks of every copy are in shared memory
+        for i, ev in enumerate(self.plan):
+            if ev.perturbed:
+                e = node_evals.index((ev.query, ev.sign))
+                self._copies.update({(p.name, i): copy_of(p, e).view(p.shape) for p in todo})
 
     def rows(self, p: TrainableParam, query: int, index: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(unique rows u, inverse map, eps * z[u]) for the rows an index tensor reads."""

@@ -48,6 +48,21 @@ def test_roles():
     assert Mesh(MeshShape(4, 1), torch.device("cpu"), rank=3).my_evaluations(2) == []
 
 
+def test_node_evaluations_are_those_of_the_nodes_ranks():
+    """Work division builds the copies a node's ranks need: on a 4x1 mesh over two 2-rank nodes
+    (4 evaluations), node 0 runs 0 and 1, node 1 runs 2 and 3; with one node, every evaluation."""
+    from distzo.dist.mesh import Mesh
+    from distzo.dist.node import Node
+
+    for rank in range(4):
+        node = Node(local_rank=rank % 2, size=2, index=rank // 2)
+        m = Mesh(MeshShape(4, 1), torch.device("cpu"), rank=rank, node=node)
+        assert m.node_evaluations(4) == ([0, 1] if rank < 2 else [2, 3])
+        assert set(m.my_evaluations(4)) <= set(m.node_evaluations(4))
+    whole = Mesh(MeshShape(2, 2), torch.device("cpu"), rank=3, node=Node(local_rank=3, size=4))
+    assert whole.node_evaluations(2) == [0, 1]
+
+
 # --- layout invariance over real torchrun jobs ------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,8 @@ Three measurements on the same model and the same batches, in this order:
 1. **inference alone**: the forward passes a step needs (one per evaluation this rank runs) at the
    master weights, nothing else. Its peak memory is the baseline for training's.
 2. **training**: the configured ZO step (any estimator, mesh, offloading), with the time split into
-   noise generation, building perturbed copies, forward, update, communication and transfers.
+   noise generation, building perturbed copies, forward, update, waits for the node's peers (work
+   division), communication and transfers.
 3. **the MeZO reference** (one process only): the paper's Algorithm 1 as published: the global RNG
    re-seeded before each of four passes over the parameters (perturb +eps, perturb -2 eps,
    restore +eps, update), z drawn per parameter with `torch.normal`, parameters changed in place
@@ -13,7 +14,9 @@ Three measurements on the same model and the same batches, in this order:
    allocates three temporaries and is about twice as slow here, so it would flatter distzo), losses
    from the stock model forward on right-padded batches with the full vocabulary head.
 
-Every figure is a median over the timed steps; ratios are taken within this one invocation.
+The forward passes alone and the training step are timed in interleaved rounds on the same batch
+(a shared machine's speed drifts over minutes); the reference runs after them. Every figure is a
+median over the timed steps or rounds; ratios are taken within this one invocation.
 """
 
 from __future__ import annotations
@@ -128,30 +131,42 @@ def bench(cfg, run_dir: Path) -> dict[str, Any]:
 
 def _bench(cfg, c: Components, run_dir: Path) -> dict[str, Any]:
     b, mesh, device = cfg.bench, c.mesh, c.mesh.device
-    warm, timed = range(b.warmup), range(b.warmup, b.warmup + b.steps)
+    warm = range(b.warmup)
+    # Timed rounds, interleaved so that slow drift of a shared machine's speed hits both sides of a
+    # ratio alike: round i times the forward passes alone and then a ZO step, on the same batch.
+    # Each round's timed step follows an untimed one, so it pays the fused deferred update as every
+    # step of a run does (the forwards alone must not pay it: the engine is flushed before them).
+    rounds = [(b.warmup + 2 * i, b.warmup + 2 * i + 1) for i in range(b.steps)]
+    timed = [t for _, t in rounds]
     tokens = [c.task.batch("train", c.sampler.indices(s)).tokens for s in timed]
-    log.info("bench: %d warm-up and %d timed steps of each phase", b.warmup, b.steps)
+    log.info("bench: %d warm-up steps, then %d rounds of (forward passes alone, ZO step)", b.warmup, b.steps)
 
     reset_peak_memory(device)
-    forward_baseline(c, warm)
-    forward_times = forward_baseline(c, timed)
-    inference_peak = peak_memory_bytes(device)
-    log.info("bench: forward passes alone %.3f s/step", _median(forward_times))
+    forward_baseline(c, [*warm, *timed])
+    inference_peak = peak_memory_bytes(device)  # on the timed batches, before training allocates anything
 
     c.engine.timers = Timers(True, device)
     reset_peak_memory(device)
     training_steps(c, warm)
-    step_times, phases = training_steps(c, timed)
+    forward_times, step_times, phases = [], [], []
+    for untimed, step in rounds:
+        c.engine.flush()
+        forward_times += forward_baseline(c, [step])
+        training_steps(c, [untimed])
+        t, p = training_steps(c, [step])
+        step_times += t
+        phases += p
     c.engine.flush()
     training_peak = peak_memory_bytes(device)
-    log.info("bench: ZO step %.3f s/step", _median(step_times))
+    log.info("bench: forward passes alone %.3f s/step, ZO step %.3f s/step", _median(forward_times),
+             _median(step_times))
 
     all_steps = mesh.all_gather_floats(step_times)  # the slowest rank sets the pace
     pace = [max(col) for col in zip(*all_steps)]
     step_time = _median(pace)
     forward_time = _median(forward_times)
     breakdown = {k: round(_median([p.get(k, 0.0) for p in phases]), 4)
-                 for k in ("noise", "perturb", "update", "comm", "transfer")}
+                 for k in ("noise", "perturb", "update", "wait", "comm", "transfer")}
     breakdown["forward"] = round(max(0.0, _median([t - sum(p.values()) for t, p in zip(step_times, phases)])), 4)
     result: dict[str, Any] = {
         "model": cfg.model.name, "estimator": cfg.estimator.name, "q": cfg.estimator.q,
@@ -161,7 +176,7 @@ def _bench(cfg, c: Components, run_dir: Path) -> dict[str, Any]:
         "step_time_s": round(step_time, 4),
         "tokens_per_s": round(_median([t / s for t, s in zip(tokens, pace)]), 1),
         "forward_time_s": round(forward_time, 4),
-        "overhead_ratio": round(_median(step_times) / forward_time, 3) if forward_time else None,
+        "overhead_ratio": round(_median([t / f for t, f in zip(step_times, forward_times)]), 3),
         "breakdown_s": breakdown,
         "peak_memory_bytes": {"inference": inference_peak, "training": training_peak},
         "memory_ratio": round(training_peak / inference_peak, 3) if inference_peak else None,

@@ -156,9 +156,7 @@ class EngineConfig:
     """Switches for the step's optimisations, kept for comparison (`python -m distzo bench`).
 
     fuse_update: apply each step's update inside the next step's perturbation pass (one pass over
-      the weights) instead of in a pass of its own. "auto": fused for Rademacher directions (cheap
-      draws: memory traffic dominates, fusion wins), separate for Gaussian (expensive draws: a pass
-      of its own spreads them over more work items and threads).
+      the weights) instead of in a pass of its own. "auto" fuses ("true"); "false" is for comparison.
     row_tokens: prompts are packed into rows of at most this many tokens (block-causal attention).
     divide_work: several ranks on one machine, resident on CPU: share one master in host memory and
       divide the step's noise generation and update among the node's ranks instead of repeating them

@@ -28,7 +28,7 @@ def build_engine(cfg, model, adapter, params, directions, node: Node | None = No
             share_master(params, node)
             engine.division = WorkDivision(node)
     fuse = str(opts.fuse_update).lower()
-    engine.fuse_update = directions.distribution == "rademacher" if fuse == "auto" else fuse == "true"
+    engine.fuse_update = fuse != "false"
     return engine
 
 

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.distributed.launch import run_forked
+
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 DOC = Path(__file__).resolve().parents[2] / "docs" / "errors.md"
 
@@ -43,29 +45,33 @@ def folders(tmp_path_factory):
     used.mkdir()
     (used / "metrics.jsonl").write_text('{"type": "train", "step": 1}\n')
     other = root / "other"
-    r = subprocess.run([sys.executable, "-m", "distzo", "train", "model=tiny", "task=synthetic-cue", "steps=2",
-                        "checkpoint.every=2", "eval_every=0", "task.val_size=16", "task.test_size=16",
-                        f"hydra.run.dir={other}"], env=ENV, cwd=root, capture_output=True, text=True, timeout=300)
+    r = run_forked(1, ["train", "model=tiny", "task=synthetic-cue", "steps=2", "checkpoint.every=2", "eval_every=0",
+                       "task.val_size=16", "task.test_size=16", f"hydra.run.dir={other}"], cwd=root, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     return {"$GPT2": str(gpt2), "$USED_RUN": str(used), "$OTHER_RUN": str(other)}
 
 
-def command(text: str) -> tuple[list[str], int]:
-    """The argv to run and the number of ranks that must report."""
+def run(text: str, cwd: Path) -> tuple[subprocess.CompletedProcess, int]:
+    """Run a documented command; returns its outcome and the number of ranks that must report.
+
+    `python -m distzo ...` rows run in a process forked from the test suite's preloaded server
+    (`tests/distributed/launch.py`): the same `distzo.__main__.main(argv)`, exit status and
+    stderr as the command line, without paying torch's and transformers' imports once per row.
+    torchrun rows run the real torchrun, whose own reporting is part of what they check."""
     argv = shlex.split(text)
     if argv[0] == "python":
-        return [sys.executable] + argv[1:], 1
+        assert argv[1:3] == ["-m", "distzo"], text
+        return run_forked(1, argv[3:], cwd=cwd, timeout=300), 1
     assert argv[0] == "torchrun" and argv[1] == "--nproc-per-node"
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={argv[2]}"] + argv[3:], \
-        int(argv[2])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={argv[2]}"] + argv[3:]
+    return subprocess.run(cmd, capture_output=True, text=True, env=ENV, cwd=cwd, timeout=300), int(argv[2])
 
 
 @pytest.mark.parametrize("mistake,cmd,message", ROWS, ids=[r[0] for r in ROWS])
 def test_documented_error(tmp_path, folders, mistake, cmd, message):
     for key, value in folders.items():
         cmd = cmd.replace(key, value)
-    argv, ranks = command(cmd)
-    r = subprocess.run(argv, capture_output=True, text=True, env=ENV, cwd=tmp_path, timeout=300)
+    r, ranks = run(cmd, tmp_path)
     assert r.returncode != 0
     if ranks == 1:
         assert r.returncode == 2

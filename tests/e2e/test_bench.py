@@ -1,0 +1,36 @@
+"""`python -m distzo bench`: the JSON it writes holds every figure docs/performance.md lists, with
+figures that are consistent with each other (not timings against thresholds: those are benchmarks)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.distributed.launch import run_forked
+
+TINY = ["model=tiny", "task=synthetic-cue", "bench.warmup=1", "bench.steps=2"]
+
+
+@pytest.mark.parametrize("nproc,mesh", [(1, "1x1"), (2, "2x1")])
+def test_bench_writes_every_figure(tmp_path, nproc, mesh):
+    r = run_forked(nproc, ["bench", *TINY, f"mesh={mesh}", f"hydra.run.dir={tmp_path / 'b'}"], cwd=tmp_path,
+                   timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads((tmp_path / "b" / "bench.json").read_text())
+    assert out["mesh"] == mesh and out["timed_steps"] == 2
+    assert out["step_time_s"] > 0 and out["forward_time_s"] > 0 and out["tokens_per_s"] > 0
+    assert out["overhead_ratio"] > 0
+    assert set(out["breakdown_s"]) == {"noise", "perturb", "update", "wait", "comm", "transfer", "forward"}
+    assert all(v >= 0 for v in out["breakdown_s"].values())
+    # the phases are parts of the step
+    assert sum(out["breakdown_s"].values()) <= out["step_time_s"] * 1.5
+    peaks = out["peak_memory_bytes"]
+    assert peaks["training"] > 0 and peaks["inference"] > 0
+    assert out["memory_ratio"] == pytest.approx(peaks["training"] / peaks["inference"], abs=1e-3)
+    if nproc == 1:  # the MeZO reference runs on one process only, in the same invocation
+        ref = out["mezo_reference"]
+        assert ref["distzo_over_reference"] == pytest.approx(out["step_time_s"] / ref["step_time_s"], abs=1e-3)
+        assert "distzo bench:" in r.stdout
+    else:
+        assert "mezo_reference" not in out

@@ -1,5 +1,6 @@
 """Counter-based directions: z depends only on its coordinates, never on how it is generated."""
 
+import pytest
 import torch
 
 from distzo.zo.directions import CHUNK_NUMEL, Directions, chunk_numel, chunks_of, param_key
@@ -45,3 +46,21 @@ def test_distributions():
     assert abs(g.mean()) < 0.01 and abs(g.var() - 1) < 0.01
     r = Directions(0, "rademacher").generate((1 << 20,), 1, 0, 0)
     assert set(r.unique().tolist()) == {-1.0, 1.0} and abs(r.mean()) < 0.01
+
+
+@pytest.mark.parametrize("distribution", ["gaussian", "rademacher"])
+@pytest.mark.parametrize("numel", [5, 17, 65536, 65536 + 5, 65536 * 3 + 40, 1 << 20])
+def test_a_chunk_read_in_pieces_is_the_chunk_scaled(distribution, numel):
+    """The engine draws each chunk piece by piece with the scale folded in (Directions.pieces and
+    stream); that must be bitwise the whole chunk's z times the scale, with the installed torch."""
+    d = Directions(11, distribution)
+    ref = chunks_of(param_key("w"), (numel,))[0]
+    scale = 3.7e-4
+    whole = d.fill_chunk(torch.empty(ref.stop - ref.start), 5, 1, ref).mul_(scale)
+    stream = d.stream(5, 1, ref, slot=0)
+    pieces = d.pieces(ref)
+    assert pieces[0][0] == 0 and pieces[-1][1] == ref.stop - ref.start
+    assert all(b == c for (_, b), (c, _) in zip(pieces, pieces[1:]))
+    assert all(b - a >= 16 for a, b in pieces) or len(pieces) == 1
+    drawn = torch.cat([stream.next(b - a, scale).clone() for a, b in pieces])
+    assert torch.equal(drawn, whole)

@@ -98,9 +98,8 @@ class StageNoise:
                        targets: Mapping[int, Sequence[tuple[int, torch.Tensor]]]) -> None:
         """One chunk of p: pay the owed update on the master, then for each query draw eps * z once
         and write every copy of that query, master +- eps * z (targets: query -> [(sign, flat copy)]).
-        Done piece by piece (`Directions.pieces`), so a piece's master, z and copies stay in cache
-        across all these operations; every element goes through the same operations in the same
-        order as in whole-chunk passes."""
+        Done piece by piece (`Directions.pieces`; whole chunks by default), every element going
+        through the same operations in the same order whatever the pieces."""
         chunk = master[ref.start:ref.stop]
         fp32 = p.tensor.dtype == torch.float32
         update = None if pending is None else start_update(self.directions, p, ref, chunk, pending,

@@ -50,9 +50,13 @@ def test_distributions():
 
 @pytest.mark.parametrize("distribution", ["gaussian", "rademacher"])
 @pytest.mark.parametrize("numel", [5, 17, 65536, 65536 + 5, 65536 * 3 + 40, 1 << 20])
-def test_a_chunk_read_in_pieces_is_the_chunk_scaled(distribution, numel):
+def test_a_chunk_read_in_pieces_is_the_chunk_scaled(distribution, numel, monkeypatch):
     """The engine draws each chunk piece by piece with the scale folded in (Directions.pieces and
-    stream); that must be bitwise the whole chunk's z times the scale, with the installed torch."""
+    stream); that must be bitwise the whole chunk's z times the scale, with the installed torch
+    (pieces of 64K elements here, smaller than the default, to cut chunks)."""
+    import distzo.zo.directions as directions
+
+    monkeypatch.setattr(directions, "PIECE_NUMEL", 1 << 16)
     d = Directions(11, distribution)
     ref = chunks_of(param_key("w"), (numel,))[0]
     scale = 3.7e-4

@@ -1,10 +1,10 @@
 """The ZO-SGD update, chunk by chunk: theta <- theta * (1 - lr wd) - sum_k (lr c_k) z_k.
 
-One per-chunk routine (`start_update`, piece by piece; `update_chunk` runs it over a chunk) serves
-every path: the plain update pass, the update fused into the next step's perturbation, offloaded
-blocks on their device slots, slices. So resident, fused, offloaded and sliced runs perform the
-same floating-point operations on every element and agree bitwise. Each term is its own rounded operation (scale z, then subtract), so a chunk's result
-never depends on how a tensor is split across threads, ranks or transfers.
+One per-chunk function (`update_chunk`) serves every path: the plain update pass, the update fused
+into the next step's perturbation, offloaded blocks on their device slots, slices. So resident,
+fused, offloaded and sliced runs perform the same floating-point operations on every element and
+agree bitwise. Each term is its own rounded operation (scale z, then subtract), so a chunk's
+result never depends on how a tensor is split across threads, ranks or transfers.
 """
 
 from __future__ import annotations
@@ -42,48 +42,25 @@ def update_chunk(directions: Directions, p: TrainableParam, ref: ChunkRef, flat:
 
     part=(lo, hi): `flat` holds only elements [lo, hi) of the chunk (a rank's slice of a block ends
     inside a chunk). z is still drawn for the whole chunk (a chunk's stream cannot be entered in the
-    middle), and every element receives exactly the operations it would in a whole-chunk update."""
-    apply = start_update(directions, p, ref, flat, u, part)
-    if apply is not None:
-        for start, stop in directions.pieces(ref):
-            apply(start, stop)
-
-
-def start_update(directions: Directions, p: TrainableParam, ref: ChunkRef, flat: torch.Tensor,
-                 u: PendingUpdate, part: tuple[int, int] | None = None, first_slot: int = 0):
-    """Begin applying u to one chunk held in `flat` (part as in `update_chunk`): weight decay now;
-    returns apply(start, stop), to be called for each of `directions.pieces(ref)` in order, which
-    draws that piece of every term's z (scratch slots from first_slot) and subtracts it from the
-    elements flat holds (None when u has no terms).
-
-    Each term is its own rounded operation on every element, in the same order whatever the
-    pieces, so the result does not depend on them. A float32 master takes lr * c_k folded into the
-    draw (the same value as z.mul_(lr c_k)); a narrower one rounds z to its dtype first, per term."""
+    middle), and every element receives exactly the operations it would in a whole-chunk update.
+    A float32 master takes |lr c_k| folded into the draw (the value of z.mul_(|lr c_k|)), and
+    subtracting a negative multiple of z is adding |lr c_k| z, exactly; a narrower master rounds z
+    to its dtype first."""
     if p.decay and u.weight_decay:
         flat.mul_(1.0 - u.lr * u.weight_decay)
     terms = u.terms
-    if not terms:
-        return None
-    lo, hi = part if part is not None else (0, ref.stop - ref.start)
-    streams = [(a, directions.stream(u.step, k, ref, first_slot + j)) for j, (k, a) in enumerate(terms)]
-    fp32 = flat.dtype == torch.float32
-
-    def apply(start: int, stop: int) -> None:
-        x, y = max(start, lo), min(stop, hi)  # the piece's elements that flat holds, chunk coordinates
-        for a, stream in streams:
-            # fp32: |a| z drawn in one pass (a draw's scale is a standard deviation, never negative),
-            # and subtracting a z equals adding |a| z exactly. Drawn whole: it advances the stream.
-            z = stream.next(stop - start, abs(a) if fp32 else 1.0)
-            if x < y:
-                zk, target = z[x - start:y - start], flat[x - lo:y - lo]
-                if not fp32:
-                    target.sub_(zk.to(flat.dtype).mul_(a))
-                elif a < 0:
-                    target.add_(zk)
-                else:
-                    target.sub_(zk)
-
-    return apply
+    if terms:
+        fp32 = flat.dtype == torch.float32
+        z = directions.scratch(ref.stop - ref.start)
+        for k, a in terms:
+            directions.fill_chunk(z, u.step, k, ref, abs(a) if fp32 else 1.0)
+            zk = z if part is None else z[part[0]:part[1]]
+            if not fp32:
+                flat.sub_(zk.to(flat.dtype).mul_(a))
+            elif a < 0:
+                flat.add_(zk)
+            else:
+                flat.sub_(zk)
 
 
 def apply_update(directions: Directions, targets: Sequence[tuple[TrainableParam, torch.Tensor]], u: PendingUpdate,

@@ -18,7 +18,7 @@ from ..zo.directions import ChunkRef, Directions, chunks_of
 from ..zo.estimators import Evaluation
 from ..timing import DISABLED, Timers
 from .division import WorkDivision
-from .update import PendingUpdate, start_update
+from .update import PendingUpdate, update_chunk
 from ..zo.params import TrainableParam, TrainableParams
 
 
@@ -97,25 +97,18 @@ class StageNoise:
     def _perturb_chunk(self, p: TrainableParam, ref: ChunkRef, master: torch.Tensor, pending: PendingUpdate | None,
                        targets: Mapping[int, Sequence[tuple[int, torch.Tensor]]]) -> None:
         """One chunk of p: pay the owed update on the master, then for each query draw eps * z once
-        and write every copy of that query, master +- eps * z (targets: query -> [(sign, flat copy)]).
-        Done piece by piece (`Directions.pieces`; whole chunks by default), every element going
-        through the same operations in the same order whatever the pieces."""
+        and write every copy of that query, master +- eps * z (targets: query -> [(sign, flat copy)])."""
         chunk = master[ref.start:ref.stop]
+        if pending is not None:
+            update_chunk(self.directions, p, ref, chunk, pending)
         fp32 = p.tensor.dtype == torch.float32
-        update = None if pending is None else start_update(self.directions, p, ref, chunk, pending,
-                                                           first_slot=len(targets))
-        streams = [(self.directions.stream(self.step, q, ref, slot), outs)
-                   for slot, (q, outs) in enumerate(targets.items())]
-        for start, stop in self.directions.pieces(ref):
-            if update is not None:
-                update(start, stop)
-            piece = chunk[start:stop]
-            for stream, outs in streams:
-                z = stream.next(stop - start, self.eps if fp32 else 1.0)  # fp32: eps folded into the draw
-                if not fp32:
-                    z = z.to(p.tensor.dtype).mul_(self.eps)
-                for sign, out in outs:
-                    (torch.add if sign > 0 else torch.sub)(piece, z, out=out[ref.start + start:ref.start + stop])
+        for q, outs in targets.items():
+            z = self.directions.fill_chunk(self.directions.scratch(ref.stop - ref.start), self.step, q, ref,
+                                           self.eps if fp32 else 1.0)  # fp32: eps folded into the draw
+            if not fp32:
+                z = z.to(p.tensor.dtype).mul_(self.eps)
+            for sign, out in outs:
+                (torch.add if sign > 0 else torch.sub)(chunk, z, out=out[ref.start:ref.stop])
 
     def _build(self, todo: Sequence[TrainableParam], source: Callable[[TrainableParam], torch.Tensor],
                pending: PendingUpdate | None) -> None:

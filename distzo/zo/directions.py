@@ -26,11 +26,6 @@ import torch
 # 2: Rademacher signs unpacked from random bytes (8 per byte) instead of one draw per element.
 DIRECTIONS_VERSION = 2
 CHUNK_NUMEL = 1 << 20
-# Elements per piece: a multiple of 16 (torch's Box-Muller groups) and of 8 (signs per byte). Whole
-# chunks on this CPU: single-threaded, one chunk's update and perturbation took 22.4 / 21.1 ms
-# (Gaussian) and 9.9 / 5.9 ms (Rademacher) with 64K-element pieces / whole chunks; per-op dispatch
-# costs more than cache locality saves.
-PIECE_NUMEL = CHUNK_NUMEL
 _MASK64 = (1 << 64) - 1
 
 
@@ -87,20 +82,6 @@ def chunks_of(key: int, shape: Sequence[int]) -> list[ChunkRef]:
     return [ChunkRef(key, i, s, min(s + c, numel)) for i, s in enumerate(range(0, numel, c))]
 
 
-class ChunkStream:
-    """One chunk's z, read piece by piece in order (see `Directions.pieces`).
-    draw(out, scale): writes scale * the next out.numel() elements of z into out."""
-
-    def __init__(self, directions: "Directions", draw: Callable[[torch.Tensor, float], None], slot: int):
-        self.directions, self.draw, self.slot = directions, draw, slot
-
-    def next(self, numel: int, scale: float = 1.0) -> torch.Tensor:
-        """scale * the next `numel` elements of z, in this stream's per-thread scratch slot."""
-        out = self.directions.scratch(numel, self.slot)
-        self.draw(out, scale)
-        return out
-
-
 class Directions:
     """Generates z chunk by chunk from counter-derived seeds, in parallel over a thread pool.
 
@@ -121,16 +102,13 @@ class Directions:
         self._pool = ThreadPoolExecutor(max_workers=n, initializer=_serial_worker) if self.device.type == "cpu" and n > 1 else None
         self._local = threading.local()
 
-    def scratch(self, numel: int, slot: int = 0) -> torch.Tensor:
-        """A float32 buffer of `numel` elements private to the calling thread (one per slot), reused
-        across calls (a fresh chunk-sized tensor per call would page-fault on every first touch)."""
-        bufs = getattr(self._local, "bufs", None)
-        if bufs is None:
-            bufs = self._local.bufs = {}
-        buf = bufs.get(slot)
+    def scratch(self, numel: int) -> torch.Tensor:
+        """A float32 buffer of `numel` elements private to the calling thread, reused across calls
+        (a fresh chunk-sized tensor per call would page-fault on every first touch)."""
+        buf = getattr(self._local, "buf", None)
         if buf is None or buf.numel() < numel:
             with torch.inference_mode(False):
-                buf = bufs[slot] = torch.empty(max(numel, PIECE_NUMEL + 16), dtype=torch.float32, device=self.device)
+                buf = self._local.buf = torch.empty(max(numel, CHUNK_NUMEL), dtype=torch.float32, device=self.device)
         return buf[:numel]
 
     def chunk_seed(self, step: int, query: int, key: int, chunk: int) -> int:
@@ -139,55 +117,27 @@ class Directions:
             h = _mix64(h ^ (coordinate & _MASK64))
         return h
 
-    def fill_chunk(self, out: torch.Tensor, step: int, query: int, ref: ChunkRef) -> torch.Tensor:
-        """Write chunk `ref`'s z into `out` (a float32 tensor of ref.stop - ref.start elements)."""
-        self._draw(out, self._generator(step, query, ref), 1.0)
-        return out
-
-    def _generator(self, step: int, query: int, ref: ChunkRef) -> torch.Generator:
-        gen = torch.Generator(device=self.device)
-        gen.manual_seed(self.chunk_seed(step, query, ref.key, ref.index))
-        return gen
-
-    def _draw(self, out: torch.Tensor, gen: torch.Generator, scale: float) -> None:
-        """out <- scale * (the next out.numel() elements of the stream's z), in one pass on CPU."""
+    def fill_chunk(self, out: torch.Tensor, step: int, query: int, ref: ChunkRef, scale: float = 1.0) -> torch.Tensor:
+        """Write scale * chunk `ref`'s z into `out` (a float32 tensor of ref.stop - ref.start
+        elements). scale >= 0; on CPU it is folded into the draw, one pass instead of two, with the
+        value of z.mul_(scale) bitwise (`tests/unit/test_directions.py` checks that)."""
         if scale < 0:
             raise ValueError(f"a draw's scale is a standard deviation; got {scale}")
-        if self.device.type != "cpu":  # z first, then the scale: exactly the CUDA path of a whole chunk
-            out.normal_(generator=gen) if self.distribution == "gaussian" else self._signs(out, gen)
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(self.chunk_seed(step, query, ref.key, ref.index))
+        if self.distribution == "rademacher":
+            self._signs(out, gen, scale)  # scale * +-1 is exact: a scaled table is z.mul_(scale)
+        elif self.device.type == "cpu" and out.numel() >= 16:
+            out.normal_(0.0, scale, generator=gen)  # the vectorised Box-Muller computes fl(z * std)
+        else:  # CUDA, and CPU under 16 elements (drawn in double there): z first, then the scale
+            out.normal_(generator=gen)
             if scale != 1.0:
                 out.mul_(scale)
-        elif self.distribution == "gaussian":
-            if out.numel() >= 16:  # the vectorised Box-Muller computes fl(z * std): bitwise z.mul_(scale)
-                out.normal_(0.0, scale, generator=gen)
-            else:  # under 16 elements normal_ draws each in double, so keep the scale a separate op
-                out.normal_(generator=gen)
-                out.mul_(scale)
-        else:
-            self._signs(out, gen, scale)
-
-    def pieces(self, ref: ChunkRef) -> list[tuple[int, int]]:
-        """Element ranges, relative to the chunk, in which its z can be drawn one after another
-        with the values of one draw of the whole chunk: on CPU, PIECE_NUMEL elements (a remainder
-        under 16 elements joins the last piece, as torch's normal_ treats a tensor's last 16
-        elements specially); elsewhere the whole chunk.
-        `tests/unit/test_directions.py` checks the equality against the installed torch."""
-        n = ref.stop - ref.start
-        if self.device.type != "cpu" or n <= PIECE_NUMEL:
-            return [(0, n)]
-        bounds = list(range(0, n, PIECE_NUMEL)) + [n]
-        if bounds[-1] - bounds[-2] < 16:
-            bounds.pop(-2)
-        return list(zip(bounds[:-1], bounds[1:]))
-
-    def stream(self, step: int, query: int, ref: ChunkRef, slot: int) -> "ChunkStream":
-        """A reader of chunk ref's z, piece by piece (`pieces`), into scratch slot `slot`."""
-        gen = self._generator(step, query, ref)
-        return ChunkStream(self, lambda out, scale: self._draw(out, gen, scale), slot)
+        return out
 
     def _signs(self, out: torch.Tensor, gen: torch.Generator, scale: float = 1.0) -> None:
         """Rademacher +-scale: one random byte gives eight signs through a 256 x 8 table, eight times
-        fewer draws than one per element (scale * +-1 is exact, so the scaled table is z.mul_(scale))."""
+        fewer draws than one per element."""
         n = out.numel()
         table = self._sign_table()
         if scale != 1.0:

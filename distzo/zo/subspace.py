@@ -21,7 +21,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from .directions import ChunkRef, ChunkStream, Directions, _mix64
+from .directions import ChunkRef, Directions, _mix64
 from .params import TrainableParams
 
 _R_SALT = 0x5A67D0_A620  # keeps R's stream apart from a dense z of the same parameter
@@ -78,32 +78,15 @@ class SubspaceDirections(Directions):
                 self._r[(key, step, query)] = cached
         return cached
 
-    def pieces(self, ref: ChunkRef) -> list[tuple[int, int]]:
-        """A linear weight's z = R A^T is computed, not streamed: its chunks come whole."""
-        if ref.key in self.out_features:
-            return [(0, ref.stop - ref.start)]
-        return super().pieces(ref)
-
-    def stream(self, step: int, query: int, ref: ChunkRef, slot: int) -> ChunkStream:
-        if (ref.key, step) not in self.bases:
-            return super().stream(step, query, ref, slot)
-
-        def draw(out: torch.Tensor, scale: float) -> None:  # the whole chunk (pieces), then the scale
-            self.fill_chunk(out, step, query, ref)
-            if scale != 1.0:
-                out.mul_(scale)
-
-        return ChunkStream(self, draw, slot)
-
-    def fill_chunk(self, out: torch.Tensor, step: int, query: int, ref: ChunkRef) -> torch.Tensor:
+    def fill_chunk(self, out: torch.Tensor, step: int, query: int, ref: ChunkRef, scale: float = 1.0) -> torch.Tensor:
         basis = self.bases.get((ref.key, step))
         if basis is None:
-            return super().fill_chunk(out, step, query, ref)
+            return super().fill_chunk(out, step, query, ref, scale)
         d_in, rank = basis.shape
         first, last = ref.start // d_in, ref.stop // d_in  # chunks of 2-d tensors are whole rows
         r = self.coefficients_r(ref.key, self.out_features[ref.key], rank, step, query)
         torch.matmul(r[first:last], basis.T.to(r.dtype), out=out.view(last - first, d_in))
-        return out
+        return out.mul_(scale) if scale != 1.0 else out
 
 
 class ActivationCapture:

@@ -49,22 +49,14 @@ def test_distributions():
 
 
 @pytest.mark.parametrize("distribution", ["gaussian", "rademacher"])
-@pytest.mark.parametrize("numel", [5, 17, 65536, 65536 + 5, 65536 * 3 + 40, 1 << 20])
-def test_a_chunk_read_in_pieces_is_the_chunk_scaled(distribution, numel, monkeypatch):
-    """The engine draws each chunk piece by piece with the scale folded in (Directions.pieces and
-    stream); that must be bitwise the whole chunk's z times the scale, with the installed torch
-    (pieces of 64K elements here, smaller than the default, to cut chunks)."""
-    import distzo.zo.directions as directions
-
-    monkeypatch.setattr(directions, "PIECE_NUMEL", 1 << 16)
+@pytest.mark.parametrize("numel", [5, 17, 65536 + 5, 1 << 20])
+def test_a_scaled_draw_is_the_draw_times_the_scale(distribution, numel):
+    """The engine folds eps (and |lr c_k|) into the draw; that must be bitwise z.mul_(scale), with the
+    installed torch (its vectorised Box-Muller, and its per-element path under 16 elements)."""
     d = Directions(11, distribution)
     ref = chunks_of(param_key("w"), (numel,))[0]
-    scale = 3.7e-4
-    whole = d.fill_chunk(torch.empty(ref.stop - ref.start), 5, 1, ref).mul_(scale)
-    stream = d.stream(5, 1, ref, slot=0)
-    pieces = d.pieces(ref)
-    assert pieces[0][0] == 0 and pieces[-1][1] == ref.stop - ref.start
-    assert all(b == c for (_, b), (c, _) in zip(pieces, pieces[1:]))
-    assert all(b - a >= 16 for a, b in pieces) or len(pieces) == 1
-    drawn = torch.cat([stream.next(b - a, scale).clone() for a, b in pieces])
-    assert torch.equal(drawn, whole)
+    for scale in (3.7e-4, 1.0, 0.0):
+        whole = d.fill_chunk(torch.empty(numel), 5, 1, ref).mul_(scale)
+        assert torch.equal(d.fill_chunk(torch.empty(numel), 5, 1, ref, scale), whole)
+    with pytest.raises(ValueError):
+        d.fill_chunk(torch.empty(numel), 5, 1, ref, -1.0)

@@ -112,20 +112,31 @@ class StageNoise:
 
     def _build(self, todo: Sequence[TrainableParam], source: Callable[[TrainableParam], torch.Tensor],
                pending: PendingUpdate | None) -> None:
-        perturbed = [(i, ev) for i, ev in enumerate(self.plan) if ev.perturbed]
         out = self._outputs(todo)
-        queries = sorted({ev.query for _, ev in perturbed})
-        targets = {p.name: {q: [(ev.sign, out[(p.name, i)].view(-1)) for i, ev in perturbed if ev.query == q]
-                            for q in queries} for p in todo}
+        copies = {p.name: [(ev.query, ev.sign, out[(p.name, i)].view(-1)) for i, ev in enumerate(self.plan)
+                           if ev.perturbed] for p in todo}
+        self._perturb_chunks(todo, source, pending, copies)
+        self._copies.update(out)
+
+    def _perturb_chunks(self, todo: Sequence[TrainableParam], source: Callable[[TrainableParam], torch.Tensor],
+                        pending: PendingUpdate | None,
+                        copies: Mapping[str, Sequence[tuple[int, int, torch.Tensor]]],
+                        division: WorkDivision | None = None) -> None:
+        """`_perturb_chunk` over every chunk of `todo` (only those this rank owns, with division),
+        largest first on the noise threads. copies: parameter -> [(query, sign, flat copy)]."""
+        targets = {name: {q: [(sign, flat) for qq, sign, flat in entries if qq == q]
+                          for q in sorted({q for q, _, _ in entries})} for name, entries in copies.items()}
         masters = {p.name: source(p).view(-1) for p in todo}
         work = [(p, ref) for p in todo for ref in chunks_of(p.key, p.shape)]  # all queries of a chunk: one item
+        size = lambda item: item[1].stop - item[1].start  # noqa: E731
+        if division is not None:
+            work = division.mine(work, size)
 
         def one(item) -> None:
             p, ref = item
             self._perturb_chunk(p, ref, masters[p.name], pending, targets[p.name])
 
-        self.directions.map(one, work, lambda item: item[1].stop - item[1].start)
-        self._copies.update(out)
+        self.directions.map(one, work, size)
 
     def _outputs(self, todo: Sequence[TrainableParam]) -> dict[tuple[str, int], torch.Tensor]:
         """Workspace views for every perturbed evaluation's copy of every entry of `todo`."""
@@ -158,19 +169,9 @@ class StageNoise:
             start = e * segment[p.tensor.dtype] + offset[p.name]
             return buffers[p.tensor.dtype][start:start + p.numel()]
 
-        queries = sorted({q for q, _ in node_evals})
-        targets = {p.name: {q: [(sign, copy_of(p, e)) for e, (qq, sign) in enumerate(node_evals) if qq == q]
-                            for q in queries} for p in todo}
-        masters = {p.name: source(p).view(-1) for p in todo}
-        work = [(p, ref) for p in todo for ref in chunks_of(p.key, p.shape)]
-        size = lambda item: item[1].stop - item[1].start  # noqa: E731
-
-        def one(item) -> None:  # a chunk I own: its update, then every node copy of it
-            p, ref = item
-            self._perturb_chunk(p, ref, masters[p.name], pending, targets[p.name])
-
-        with self.timers("perturb"):
-            self.directions.map(one, division.mine(work, size), size)
+        with self.timers("perturb"):  # the chunks I own: their update, then every node copy of them
+            self._perturb_chunks(todo, source, pending, {
+                p.name: [(q, sign, copy_of(p, e)) for e, (q, sign) in enumerate(node_evals)] for p in todo}, division)
         with self.timers("wait"):
             division.barrier()  # every owner's chunks of every copy are in shared memory
         for i, ev in enumerate(self.plan):

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from distzo.jsonl import read_jsonl
-from distzo.sweep import SweepError, expand, split_overrides, summarize_metrics
+from distzo.sweep import SweepError, expand, split_overrides
 from tests.cluster.common import ENV, FAST
 
 

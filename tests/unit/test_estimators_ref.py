@@ -31,7 +31,7 @@ from distzo.objectives import cross_entropy_sums, minus_accuracy_sums, objective
 from distzo.peft import apply_peft, attach_lora, attach_prefix
 from distzo.train import valid_tokens
 from distzo.zo.directions import Directions
-from distzo.zo.estimators import AGZO, PRGE, SPSA, Evaluation
+from distzo.zo.estimators import AGZO, PRGE, SPSA
 from distzo.zo.params import TrainableParams
 from distzo.zo.subspace import ActivationCapture, SubspaceDirections, top_subspace
 from tests.conftest import make_config

@@ -292,6 +292,7 @@ def prepare(args: list[str]) -> None:
     import logging
 
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(message)s", datefmt="%H:%M:%S")
+    from . import native
     from .data.tasks import ClassificationTask
     from .errors import DistzoError
     from .models import load_model
@@ -303,9 +304,11 @@ def prepare(args: list[str]) -> None:
     try:
         _, tokenizer = load_model(cfg.model)
         task = ClassificationTask(cfg.task, tokenizer)
+        kernels = native.load(cfg.engine.native)  # compiled once into the cache
     except DistzoError as exc:
         fail(str(exc))
-    print(f"ready: model {cfg.model.name}, task {task.name} ({task.size('train')} training examples)")
+    fused = f"fused kernels {kernels.path}" if kernels else "no fused kernels (torch ops)"
+    print(f"ready: model {cfg.model.name}, task {task.name} ({task.size('train')} training examples), {fused}")
 
 
 def replay_command(args: list[str]) -> None:

@@ -161,11 +161,16 @@ class EngineConfig:
     divide_work: several ranks on one machine, resident on CPU: share one master in host memory and
       divide the step's noise generation and update among the node's ranks instead of repeating them
       on every rank (engine/division.py). "auto": wherever it applies (every rank has a perturbed
-      evaluation, no offloading, CPU); "true": required (an error where it cannot apply)."""
+      evaluation, no offloading, CPU); "true": required (an error where it cannot apply).
+    native: the fused CPU kernels (distzo/native): one pass per chunk for the update and every
+      working copy, compiled on first use with the system C compiler. "auto": on CPU where a
+      compiler is found (torch ops otherwise, with a warning); "true": required; "false": torch ops.
+      Results are bitwise the same either way."""
 
     fuse_update: str = "auto"
     row_tokens: int = 1024
     divide_work: str = "auto"
+    native: str = "auto"
 
 
 @dataclass
@@ -455,6 +460,7 @@ def validate(cfg: Any, check_world: bool = True) -> None:
     _positive(cfg.checkpoint.keep, "checkpoint.keep")
     _choice(str(cfg.engine.fuse_update).lower(), "engine.fuse_update", ("auto", "true", "false"))
     _choice(str(cfg.engine.divide_work).lower(), "engine.divide_work", ("auto", "true", "false"))
+    _choice(str(cfg.engine.native).lower(), "engine.native", ("auto", "true", "false"))
     _positive(cfg.engine.row_tokens, "engine.row_tokens")
     _positive(cfg.bench.warmup, "bench.warmup", allow_zero=True)
     _positive(cfg.bench.steps, "bench.steps")

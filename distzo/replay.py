@@ -15,13 +15,14 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
+from . import native
 from .checkpoint import CorruptSnapshot, list_snapshots, read_snapshot
 from .engine.update import PendingUpdate, apply_update
 from .errors import DistzoError
 from .jsonl import read_jsonl
 from .metrics import Progress
 from .models import load_model
-from .zo.directions import DIRECTIONS_VERSION, Directions
+from .zo.directions import DIRECTIONS_VERSION, Directions, same_directions
 from .zo.params import TrainableParams
 
 log = logging.getLogger("distzo")
@@ -47,12 +48,13 @@ def replay(run_dir: Path, step: int | None = None, out: Path | None = None, devi
     if from_step is not None and from_step > target:
         raise ReplayError(f"--from-step {from_step} is after --step {target}")
     base, tensors, state = _nearest_snapshot(run_dir, target if from_step is None else from_step)
-    if state.get("directions_version") != DIRECTIONS_VERSION:
-        raise ReplayError(f"{base} used direction scheme {state.get('directions_version')}; this distzo "
-                          f"generates scheme {DIRECTIONS_VERSION}")
-    if state.get("device_type", "cpu") != torch.device(device).type:
-        raise ReplayError(f"the run drew its directions on {state['device_type']}; replay with --device "
-                          f"{state['device_type']} (generators differ between device types)")
+    if not same_directions(state.get("directions_version"), state["distribution"]):
+        raise ReplayError(f"{base} drew its {state['distribution']} directions with scheme "
+                          f"{state.get('directions_version')}; this distzo draws scheme {DIRECTIONS_VERSION}, so "
+                          "replay it with the distzo version that trained it")
+    if state["distribution"] == "gaussian" and state.get("device_type", "cpu") != torch.device(device).type:
+        raise ReplayError(f"the run drew its Gaussian directions on {state['device_type']}; replay with --device "
+                          f"{state['device_type']} (Gaussian generators differ between device types)")
     todo = [r for r in records if state["step"] < r["step"] <= target]
     missing = sorted(set(range(state["step"] + 1, target + 1)) - {r["step"] for r in todo})
     if missing:
@@ -74,7 +76,8 @@ def replay(run_dir: Path, step: int | None = None, out: Path | None = None, devi
     with torch.no_grad():
         for p in params:
             p.tensor.copy_(tensors[p.name])
-    directions = Directions(state["seed"], state["distribution"], torch.device(device))
+    directions = Directions(state["seed"], state["distribution"], torch.device(device),
+                            kernels=native.load("auto", device))
     log.info("Replaying steps %d..%d of %s from %s", state["step"] + 1, target, run_dir, base.name)
     progress = Progress("replay step", len(todo))
     for i, r in enumerate(todo):

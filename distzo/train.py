@@ -35,11 +35,12 @@ from .engine import StagedEngine, build_engine, division_applies
 from .errors import DistzoError
 from .jsonl import JsonlWriter, truncate_after
 from .metrics import MetricsWriter, Progress, format_duration, peak_memory_bytes, peak_rss_bytes
+from . import native
 from .models import adapter_for, load_model
 from .objectives import accuracy_counts, cross_entropy_sums, objective_sums
 from .peft import apply_peft
 from .sinks import open_sinks
-from .zo.directions import DIRECTIONS_VERSION, Directions
+from .zo.directions import DIRECTIONS_VERSION, Directions, same_directions
 from .zo.estimators import Estimator, build_estimator
 from .zo.params import TrainableParams
 from .zo.schedule import learning_rate
@@ -91,6 +92,7 @@ class StepOutcome:
 def build_components(cfg, mesh: Mesh, seed: int, snapshot: Path | None = None) -> tuple[Components, int]:
     """Model, task, trainable set, engine, estimator and sampler; loads a snapshot's weights when
     given one. Returns the components and the snapshot's step (0 without one)."""
+    kernels = native.load(cfg.engine.native, mesh.device)  # None: torch ops (same values); first, it may fail
     model, tokenizer = load_model(cfg.model)
     task = ClassificationTask(cfg.task, tokenizer)
     est = cfg.estimator
@@ -102,7 +104,7 @@ def build_components(cfg, mesh: Mesh, seed: int, snapshot: Path | None = None) -
         raise TrainingError("nothing to train: every parameter is frozen (check peft and estimator.agzo.tied_embeddings)")
     step = load_snapshot_into(params, snapshot) if snapshot is not None else 0
     agzo = est.name == "agzo"
-    directions = (SubspaceDirections if agzo else Directions)(seed, est.distribution, mesh.device)
+    directions = (SubspaceDirections if agzo else Directions)(seed, est.distribution, mesh.device, kernels=kernels)
     estimator = build_estimator(est)
     divide = work_division(cfg, mesh, estimator)
     engine = build_engine(cfg, model, adapter_for(model), params, directions, mesh.node, divide)  # places the model
@@ -241,6 +243,11 @@ def build_run(cfg, run_dir: Path, mesh: Mesh) -> Run:
         if state["config_fingerprint"] != config_fingerprint(cfg):
             raise TrainingError(f"cannot resume from {resume[0]}: it was written with a different model, task, "
                                 "estimator, optimiser or batch size; use another hydra.run.dir to start afresh")
+        if not same_directions(state.get("directions_version"), cfg.estimator.distribution):
+            raise TrainingError(f"cannot resume from {resume[0]}: its {cfg.estimator.distribution} directions were "
+                                f"drawn with scheme {state.get('directions_version')}, and this distzo draws scheme "
+                                f"{DIRECTIONS_VERSION}; finish that run with the distzo version that started it, or "
+                                "use another hydra.run.dir to start afresh")
         if cfg.seed is not None and cfg.seed != state["seed"]:
             raise TrainingError(f"cannot resume from {resume[0]}: it used seed {state['seed']}, not seed={cfg.seed}")
         seed = state["seed"]

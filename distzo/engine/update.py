@@ -1,10 +1,7 @@
-"""The ZO-SGD update, chunk by chunk: theta <- theta * (1 - lr wd) - sum_k (lr c_k) z_k.
+"""The ZO-SGD update: theta <- theta * (1 - lr wd) - sum_k (lr c_k) z_k, deferred and applied chunk by chunk.
 
-One per-chunk function (`update_chunk`) serves every path: the plain update pass, the update fused
-into the next step's perturbation, offloaded blocks on their device slots, slices. So resident,
-fused, offloaded and sliced runs perform the same floating-point operations on every element and
-agree bitwise. Each term is its own rounded operation (scale z, then subtract), so a chunk's
-result never depends on how a tensor is split across threads, ranks or transfers.
+The per-chunk arithmetic is `chunkpass.chunk_pass`, shared with the perturbation that the update
+is usually fused into, so every path performs the same floating-point operations on every element.
 """
 
 from __future__ import annotations
@@ -14,8 +11,9 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from ..zo.directions import ChunkRef, Directions, chunks_of
+from ..zo.directions import Directions, chunks_of
 from ..zo.params import TrainableParam
+from .chunkpass import chunk_pass
 
 if TYPE_CHECKING:
     from .division import WorkDivision
@@ -36,33 +34,6 @@ class PendingUpdate:
         return [(k, self.lr * c) for k, c in self.coefficients if c != 0.0]
 
 
-def update_chunk(directions: Directions, p: TrainableParam, ref: ChunkRef, flat: torch.Tensor,
-                 u: PendingUpdate, part: tuple[int, int] | None = None) -> None:
-    """Apply update u to one chunk of p, held in `flat` (the chunk's elements, wherever they live).
-
-    part=(lo, hi): `flat` holds only elements [lo, hi) of the chunk (a rank's slice of a block ends
-    inside a chunk). z is still drawn for the whole chunk (a chunk's stream cannot be entered in the
-    middle), and every element receives exactly the operations it would in a whole-chunk update.
-    A float32 master takes |lr c_k| folded into the draw (the value of z.mul_(|lr c_k|)), and
-    subtracting a negative multiple of z is adding |lr c_k| z, exactly; a narrower master rounds z
-    to its dtype first."""
-    if p.decay and u.weight_decay:
-        flat.mul_(1.0 - u.lr * u.weight_decay)
-    terms = u.terms
-    if terms:
-        fp32 = flat.dtype == torch.float32
-        z = directions.scratch(ref.stop - ref.start)
-        for k, a in terms:
-            directions.fill_chunk(z, u.step, k, ref, abs(a) if fp32 else 1.0)
-            zk = z if part is None else z[part[0]:part[1]]
-            if not fp32:
-                flat.sub_(zk.to(flat.dtype).mul_(a))
-            elif a < 0:
-                flat.add_(zk)
-            else:
-                flat.sub_(zk)
-
-
 def apply_update(directions: Directions, targets: Sequence[tuple[TrainableParam, torch.Tensor]], u: PendingUpdate,
                  deltas: Sequence[torch.Tensor] | None = None,
                  windows: Sequence[tuple[int, int]] | None = None, division: WorkDivision | None = None) -> None:
@@ -71,7 +42,7 @@ def apply_update(directions: Directions, targets: Sequence[tuple[TrainableParam,
     deltas: optional float32 tensors, one per target, that receive the change made to each
     element (for transferring an update at reduced precision to a full-precision master).
     windows: optional (start, stop) flat element range per target: only those elements are updated
-    (a rank's slice of an offloaded block); each costs whole chunks of noise where it cuts one.
+    (a rank's slice of an offloaded block); where one cuts a Gaussian chunk, the whole chunk is drawn.
     division: only the chunks this rank owns among its node's ranks (a node-shared master); the
     caller synchronises the node before anyone reads the result."""
     work = []
@@ -91,7 +62,7 @@ def apply_update(directions: Directions, targets: Sequence[tuple[TrainableParam,
         p, target, delta, ref, a, b, part = item
         flat = target.view(-1)[a:b]
         before = None if delta is None else flat.to(torch.float32, copy=True)
-        update_chunk(directions, p, ref, flat, u, part)
+        chunk_pass(directions, p, ref, flat, u, part=part)
         if delta is not None:
             torch.sub(flat, before, out=delta.view(-1)[a:b])
 

@@ -14,11 +14,12 @@ from torch import nn
 from torch.func import functional_call
 from torch.nn import functional as F
 
-from ..zo.directions import ChunkRef, Directions, chunks_of
+from ..zo.directions import Directions, chunks_of
 from ..zo.estimators import Evaluation
 from ..timing import DISABLED, Timers
 from .division import WorkDivision
-from .update import PendingUpdate, update_chunk
+from .chunkpass import chunk_pass
+from .update import PendingUpdate
 from ..zo.params import TrainableParam, TrainableParams
 
 
@@ -57,10 +58,11 @@ class Workspace:
 class StageNoise:
     """The perturbed working copies one stage needs, for every evaluation of the plan at once.
 
-    Dense parameters are perturbed chunk by chunk: a chunk's z is drawn into a small per-thread
-    scratch buffer, scaled by eps, and every evaluation's copy of that chunk (`W + s * eps * z`) is
-    written at once, so z never travels through main memory and the master is read once for all
-    signs. Embedding-like tables are perturbed by rows (only the rows an index reads)."""
+    Dense parameters are perturbed chunk by chunk (`chunk_pass`): the owed update is applied to the
+    master chunk and every evaluation's copy of that chunk (`W + s * eps * z`) is written in the same
+    pass, so the master is read once for all signs and z never travels through main memory (a
+    per-thread scratch buffer, or no buffer at all with the fused kernels and Rademacher z).
+    Embedding-like tables are perturbed by rows (only the rows an index reads)."""
 
     def __init__(self, directions: Directions, workspace: Workspace, step: int, eps: float,
                  plan: Sequence[Evaluation], timers: Timers = DISABLED):
@@ -94,22 +96,6 @@ class StageNoise:
         else:
             self._build_divided(list(entries), source, pending, division, parity, node_evals)
 
-    def _perturb_chunk(self, p: TrainableParam, ref: ChunkRef, master: torch.Tensor, pending: PendingUpdate | None,
-                       targets: Mapping[int, Sequence[tuple[int, torch.Tensor]]]) -> None:
-        """One chunk of p: pay the owed update on the master, then for each query draw eps * z once
-        and write every copy of that query, master +- eps * z (targets: query -> [(sign, flat copy)])."""
-        chunk = master[ref.start:ref.stop]
-        if pending is not None:
-            update_chunk(self.directions, p, ref, chunk, pending)
-        fp32 = p.tensor.dtype == torch.float32
-        for q, outs in targets.items():
-            z = self.directions.fill_chunk(self.directions.scratch(ref.stop - ref.start), self.step, q, ref,
-                                           self.eps if fp32 else 1.0)  # fp32: eps folded into the draw
-            if not fp32:
-                z = z.to(p.tensor.dtype).mul_(self.eps)
-            for sign, out in outs:
-                (torch.add if sign > 0 else torch.sub)(chunk, z, out=out[ref.start:ref.stop])
-
     def _build(self, todo: Sequence[TrainableParam], source: Callable[[TrainableParam], torch.Tensor],
                pending: PendingUpdate | None) -> None:
         out = self._outputs(todo)
@@ -122,7 +108,7 @@ class StageNoise:
                         pending: PendingUpdate | None,
                         copies: Mapping[str, Sequence[tuple[int, int, torch.Tensor]]],
                         division: WorkDivision | None = None) -> None:
-        """`_perturb_chunk` over every chunk of `todo` (only those this rank owns, with division),
+        """`chunk_pass` over every chunk of `todo` (only those this rank owns, with division),
         largest first on the noise threads. copies: parameter -> [(query, sign, flat copy)]."""
         targets = {name: {q: [(sign, flat) for qq, sign, flat in entries if qq == q]
                           for q in sorted({q for q, _, _ in entries})} for name, entries in copies.items()}
@@ -132,9 +118,11 @@ class StageNoise:
         if division is not None:
             work = division.mine(work, size)
 
-        def one(item) -> None:
+        def one(item) -> None:  # pay the owed update on the master chunk, then write every copy of it
             p, ref = item
-            self._perturb_chunk(p, ref, masters[p.name], pending, targets[p.name])
+            chunk = slice(ref.start, ref.stop)
+            chunk_pass(self.directions, p, ref, masters[p.name][chunk], pending, self.step, self.eps,
+                       {q: [(sign, flat[chunk]) for sign, flat in outs] for q, outs in targets[p.name].items()})
 
         self.directions.map(one, work, size)
 

@@ -8,15 +8,14 @@ Several ranks may start at once: the conversion runs under a file lock and lands
 
 from __future__ import annotations
 
-import fcntl
 import importlib.util
 import logging
 import os
 import shutil
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
+from ..cache import cache_dir, file_lock
 from ..errors import DistzoError
 
 log = logging.getLogger(__name__)
@@ -33,15 +32,6 @@ class AssetError(DistzoError):
     """A required model asset is missing; the message says how to install it."""
 
 
-def cache_dir() -> Path:
-    """$DISTZO_CACHE, else $XDG_CACHE_HOME/distzo, else ~/.cache/distzo."""
-    root = os.environ.get("DISTZO_CACHE")
-    if root:
-        return Path(root).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "distzo"
-
-
 def smollm2_gguf_path() -> Path:
     """Where the wheel put the GGUF. The package is never imported: its __init__ needs llama-cpp."""
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
@@ -51,17 +41,6 @@ def smollm2_gguf_path() -> Path:
     if not path.is_file():
         raise AssetError(f"{path} is missing; reinstall the model wheel: {SMOLLM2_INSTALL} --force-reinstall")
     return path
-
-
-@contextmanager
-def _file_lock(path: Path):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def _is_complete(folder: Path) -> bool:
@@ -75,7 +54,7 @@ def smollm2_folder() -> Path:
     target = cache_dir() / "models" / CONVERTED_NAME
     if _is_complete(target):
         return target
-    with _file_lock(target.with_name(target.name + ".lock")):
+    with file_lock(target.with_name(target.name + ".lock")):
         if _is_complete(target):  # another process converted it while we waited
             return target
         _convert_gguf(gguf, target)

@@ -7,26 +7,44 @@ offloading, slicing, the mesh shape and the number of threads therefore cannot c
 parameter sees, and any chunk can be regenerated on its own, on any rank, in any order.
 
 Chunks: a parameter is cut into chunks of whole rows (for tensors with two or more dimensions) of
-about `CHUNK_NUMEL` elements. A chunk is always generated whole, so its values never depend on how
-the caller slices the tensor.
+about `CHUNK_NUMEL` elements.
+
+Gaussian z is drawn with torch's `normal_` from a generator seeded with the chunk's seed, so a
+Gaussian chunk is always generated whole and its values never depend on how the caller slices the
+tensor. Rademacher z is a counter stream: element e of a chunk is +1 when bit e % 64 of word e // 64
+is set, -1 otherwise, where word j is output j of SplitMix64 started at the chunk's seed
+(`stream_signs`). Any element range of a chunk can therefore be drawn on its own (embedding rows, a
+rank's slice). The values are the same on every device, and the fused CPU kernels
+(`distzo/native`) generate them inside their pass without writing z to memory.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import torch
 
+from ..native import Stream
+
+if TYPE_CHECKING:
+    from ..native import Kernels
+
 # Bump when the seed -> z mapping changes; snapshots and run summaries record it.
 # 2: Rademacher signs unpacked from random bytes (8 per byte) instead of one draw per element.
-DIRECTIONS_VERSION = 2
+# 3: Rademacher signs are the bits of a SplitMix64 counter stream per chunk (Gaussian z unchanged).
+DIRECTIONS_VERSION = 3
+# The first scheme that drew each distribution's z as this distzo does (snapshots and run logs
+# record DIRECTIONS_VERSION; `same_directions` compares a recorded one with this distzo's).
+SCHEME_SINCE = {"gaussian": 1, "rademacher": 3}
 CHUNK_NUMEL = 1 << 20
 _MASK64 = (1 << 64) - 1
+_GAMMA, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 
 
 def _mix64(x: int) -> int:
@@ -35,6 +53,68 @@ def _mix64(x: int) -> int:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
     return x ^ (x >> 31)
+
+
+def same_directions(recorded_version: int | None, distribution: str) -> bool:
+    """Whether z recorded under `recorded_version` (a snapshot's) equals the z this distzo draws."""
+    return recorded_version is not None and recorded_version >= SCHEME_SINCE[distribution]
+
+
+def _int64(c: int) -> int:
+    """A 64-bit pattern as the signed integer torch's int64 arithmetic (which wraps) works on."""
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns (torch's >> is arithmetic on int64)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def stream_words(seeds: torch.Tensor | int, words: torch.Tensor) -> torch.Tensor:
+    """SplitMix64 output `words` (int64 word indices) of the streams started at `seeds`, as int64
+    bit patterns: the splitmix64 finaliser of seed + (word + 1) * golden gamma, all modulo 2^64."""
+    seeds = _int64(seeds) if isinstance(seeds, int) else seeds
+    x = (words + 1) * _int64(_GAMMA) + seeds
+    x = (x ^ _shr(x, 30)) * _int64(_MIX1)
+    x = (x ^ _shr(x, 27)) * _int64(_MIX2)
+    return x ^ _shr(x, 31)
+
+
+_UNIT_SIGNS: dict[torch.device, torch.Tensor] = {}
+
+
+def _unit_signs(device: torch.device) -> torch.Tensor:
+    """[256, 8] float32: row b holds +-1 for bits 0..7 of byte b (bit set: +1)."""
+    table = _UNIT_SIGNS.get(device)
+    if table is None:
+        bits = (torch.arange(256)[:, None] >> torch.arange(8)[None, :]) & 1
+        with torch.inference_mode(False):
+            table = _UNIT_SIGNS[device] = (bits.float() * 2 - 1).to(device)
+    return table
+
+
+def stream_signs(seed: int, offset: int, n: int, scale: float = 1.0,
+                 device: torch.device | str = "cpu") -> torch.Tensor:
+    """Elements [offset, offset + n) of the Rademacher stream of a chunk with this seed, times scale
+    (float32; +-fl32(scale), exact), in torch ops: the definition the fused kernels reproduce."""
+    device = torch.device(device)
+    first, stop = offset >> 6, (offset + n + 63) >> 6
+    words = stream_words(seed, torch.arange(first, stop, dtype=torch.int64, device=device))
+    if sys.byteorder == "little":  # byte b of a word holds its bits 8b .. 8b + 7
+        unit = _unit_signs(device)[words.view(torch.uint8).long()].view(-1)
+    else:
+        unit = (((words[:, None] >> torch.arange(64, device=device)) & 1) * 2 - 1).float().view(-1)
+    start = offset - 64 * first
+    return unit[start:start + n].mul_(torch.tensor(scale, dtype=torch.float32))
+
+
+def stream_rows(seeds: torch.Tensor, offsets: torch.Tensor, row: int, scale: float = 1.0) -> torch.Tensor:
+    """[len(seeds), row] float32: row r = elements [offsets[r], offsets[r] + row) of stream seeds[r]
+    (int64 bit patterns), times scale: `stream_signs` for many short ranges at once."""
+    elements = offsets[:, None] + torch.arange(row, dtype=torch.int64, device=offsets.device)
+    bits = (stream_words(seeds[:, None], elements >> 6) >> (elements & 63)) & 1
+    magnitude = torch.tensor(scale, dtype=torch.float32, device=offsets.device)
+    return torch.where(bits.bool(), magnitude, -magnitude)
 
 
 def param_key(name: str) -> int:
@@ -87,10 +167,12 @@ class Directions:
 
     distribution: "gaussian" (N(0, 1)) or "rademacher" (+-1 with equal probability).
     z is always drawn in float32 on `device` and cast by the caller where needed.
+    kernels: the fused CPU kernels (`distzo.native.load`), or None for torch ops; the values are
+    the same either way.
     """
 
     def __init__(self, seed: int, distribution: str = "gaussian", device: torch.device | str = "cpu",
-                 threads: int | None = None):
+                 threads: int | None = None, kernels: Kernels | None = None):
         if distribution not in ("gaussian", "rademacher"):
             raise ValueError(f"unknown direction distribution {distribution!r}")
         self.seed = int(seed)
@@ -101,14 +183,19 @@ class Directions:
         n = threads if threads is not None else torch.get_num_threads()
         self._pool = ThreadPoolExecutor(max_workers=n, initializer=_serial_worker) if self.device.type == "cpu" and n > 1 else None
         self._local = threading.local()
+        self.kernels = kernels if self.device.type == "cpu" else None
 
-    def scratch(self, numel: int) -> torch.Tensor:
+    def scratch(self, numel: int, slot: int = 0) -> torch.Tensor:
         """A float32 buffer of `numel` elements private to the calling thread, reused across calls
-        (a fresh chunk-sized tensor per call would page-fault on every first touch)."""
-        buf = getattr(self._local, "buf", None)
+        (a fresh chunk-sized tensor per call would page-fault on every first touch). Different
+        slots are different buffers, for callers that hold several chunks' z at once."""
+        bufs = getattr(self._local, "bufs", None)
+        if bufs is None:
+            bufs = self._local.bufs = {}
+        buf = bufs.get(slot)
         if buf is None or buf.numel() < numel:
             with torch.inference_mode(False):
-                buf = self._local.buf = torch.empty(max(numel, CHUNK_NUMEL), dtype=torch.float32, device=self.device)
+                buf = bufs[slot] = torch.empty(max(numel, CHUNK_NUMEL), dtype=torch.float32, device=self.device)
         return buf[:numel]
 
     def chunk_seed(self, step: int, query: int, key: int, chunk: int) -> int:
@@ -117,44 +204,37 @@ class Directions:
             h = _mix64(h ^ (coordinate & _MASK64))
         return h
 
+    def stream(self, step: int, query: int, ref: ChunkRef, scale: float = 1.0) -> Stream | None:
+        """Chunk `ref`'s z times scale as a counter stream (Rademacher), or None where z has to be
+        drawn into memory (`fill_chunk`)."""
+        if self.distribution != "rademacher":
+            return None
+        return Stream(self.chunk_seed(step, query, ref.key, ref.index), scale)
+
+    def fill_stream(self, out: torch.Tensor, stream: Stream, offset: int = 0) -> torch.Tensor:
+        """out = elements [offset, offset + out.numel()) of a counter stream."""
+        if self.kernels is not None and out.dtype == torch.float32 and out.is_contiguous():
+            return self.kernels.rademacher_fill(out, stream, offset)
+        return out.copy_(stream_signs(stream.seed, offset, out.numel(), stream.scale, out.device))
+
     def fill_chunk(self, out: torch.Tensor, step: int, query: int, ref: ChunkRef, scale: float = 1.0) -> torch.Tensor:
         """Write scale * chunk `ref`'s z into `out` (a float32 tensor of ref.stop - ref.start
         elements). scale >= 0; on CPU it is folded into the draw, one pass instead of two, with the
         value of z.mul_(scale) bitwise (`tests/unit/test_directions.py` checks that)."""
         if scale < 0:
             raise ValueError(f"a draw's scale is a standard deviation; got {scale}")
+        stream = self.stream(step, query, ref, scale)
+        if stream is not None:
+            return self.fill_stream(out, stream)  # +-scale is exact: the value of z.mul_(scale)
         gen = torch.Generator(device=self.device)
         gen.manual_seed(self.chunk_seed(step, query, ref.key, ref.index))
-        if self.distribution == "rademacher":
-            self._signs(out, gen, scale)  # scale * +-1 is exact: a scaled table is z.mul_(scale)
-        elif self.device.type == "cpu" and out.numel() >= 16:
+        if self.device.type == "cpu" and out.numel() >= 16:
             out.normal_(0.0, scale, generator=gen)  # the vectorised Box-Muller computes fl(z * std)
         else:  # CUDA, and CPU under 16 elements (drawn in double there): z first, then the scale
             out.normal_(generator=gen)
             if scale != 1.0:
                 out.mul_(scale)
         return out
-
-    def _signs(self, out: torch.Tensor, gen: torch.Generator, scale: float = 1.0) -> None:
-        """Rademacher +-scale: one random byte gives eight signs through a 256 x 8 table, eight times
-        fewer draws than one per element."""
-        n = out.numel()
-        table = self._sign_table()
-        if scale != 1.0:
-            table = table * scale
-        packed = torch.empty((n + 7) // 8, dtype=torch.uint8, device=self.device).random_(0, 256, generator=gen)
-        if n % 8 == 0:
-            torch.index_select(table, 0, packed.long(), out=out.view(-1, 8))
-        else:
-            out.copy_(table[packed.long()].view(-1)[:n])
-
-    def _sign_table(self) -> torch.Tensor:
-        table = getattr(self, "_table", None)
-        if table is None:
-            bits = (torch.arange(256)[:, None] >> torch.arange(8)[None, :]) & 1
-            with torch.inference_mode(False):
-                table = self._table = (bits.float() * 2 - 1).to(self.device)
-        return table
 
     def map(self, fn: Callable[[Any], None], items: Iterable[Any], cost: Callable[[Any], float] | None = None) -> None:
         """Run fn over work items, in parallel on CPU. fn must touch only its own item's memory.
@@ -202,7 +282,10 @@ class Directions:
         return list(out)
 
     def rows(self, shape: Sequence[int], key: int, step: int, query: int, rows: torch.Tensor) -> torch.Tensor:
-        """z[rows] of a parameter (rows along dim 0), generating only the chunks that hold those rows."""
+        """z[rows] of a parameter (rows along dim 0): only those rows of a counter stream, otherwise
+        the chunks that hold those rows."""
+        if self.distribution == "rademacher":
+            return self._stream_rows(shape, key, step, query, rows)
         row = row_numel(shape)
         rows_per_chunk = chunk_numel(shape) // row
         out = torch.empty((rows.numel(), row), dtype=torch.float32, device=self.device)
@@ -219,6 +302,18 @@ class Directions:
 
         self.map(one, needed)
         return out
+
+    def _stream_rows(self, shape: Sequence[int], key: int, step: int, query: int, rows: torch.Tensor) -> torch.Tensor:
+        row = row_numel(shape)
+        rows_per_chunk = chunk_numel(shape) // row
+        refs = chunks_of(key, shape)
+        rows_cpu = rows.tolist()
+        seeds = [self.chunk_seed(step, query, key, refs[r // rows_per_chunk].index) for r in rows_cpu]
+        offsets = [(r % rows_per_chunk) * row for r in rows_cpu]
+        if self.kernels is not None:
+            return self.kernels.rademacher_rows(torch.empty(len(rows_cpu), row), seeds, offsets, 1.0)
+        return stream_rows(torch.tensor([_int64(s) for s in seeds], dtype=torch.int64, device=self.device),
+                           torch.tensor(offsets, dtype=torch.int64, device=self.device), row)
 
     def close(self) -> None:
         if self._pool is not None:

@@ -21,6 +21,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from ..native import Stream
 from .directions import ChunkRef, Directions, _mix64
 from .params import TrainableParams
 
@@ -77,6 +78,11 @@ class SubspaceDirections(Directions):
             with self._lock:
                 self._r[(key, step, query)] = cached
         return cached
+
+    def stream(self, step: int, query: int, ref: ChunkRef, scale: float = 1.0) -> Stream | None:
+        if (ref.key, step) in self.bases:
+            return None  # R A^T, drawn by fill_chunk
+        return super().stream(step, query, ref, scale)
 
     def fill_chunk(self, out: torch.Tensor, step: int, query: int, ref: ChunkRef, scale: float = 1.0) -> torch.Tensor:
         basis = self.bases.get((ref.key, step))

@@ -109,9 +109,10 @@ def _worker(argv: list[str], env: dict[str, str], cwd: str, out: str, err: str) 
 
 
 def run_forked(nproc: int, argv: list[str], cwd: Path | None = None, timeout: float = 600,
-               grace_s: float = 30.0) -> subprocess.CompletedProcess:
+               grace_s: float = 30.0, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """`python -m distzo ARGV` as nproc ranks of one standalone job; returns the ranks' outputs
-    concatenated in rank order and the first failing rank's exit code (0 when all succeed)."""
+    concatenated in rank order and the first failing rank's exit code (0 when all succeed).
+    env: variables to set for every rank, on top of the suite's environment."""
     import tempfile
 
     import datetime
@@ -128,8 +129,9 @@ def run_forked(nproc: int, argv: list[str], cwd: Path | None = None, timeout: fl
     run_id = uuid.uuid4().hex[:12]
     logs = Path(tempfile.mkdtemp(prefix="distzo-ranks-"))
     procs = []
+    extra = env or {}
     for rank in range(nproc):
-        env = dict(ENV)
+        env = {**ENV, **extra}
         if nproc > 1:
             env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
                        GROUP_RANK="0", GROUP_WORLD_SIZE="1", ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(nproc),

@@ -44,27 +44,34 @@ def folders(tmp_path_factory):
     used = root / "used"
     used.mkdir()
     (used / "metrics.jsonl").write_text('{"type": "train", "step": 1}\n')
+    empty = root / "empty"  # a cache with nothing built in it
+    empty.mkdir()
     other = root / "other"
     r = run_forked(1, ["train", "model=tiny", "task=synthetic-cue", "steps=2", "checkpoint.every=2", "eval_every=0",
                        "task.val_size=16", "task.test_size=16", f"hydra.run.dir={other}"], cwd=root, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    return {"$GPT2": str(gpt2), "$USED_RUN": str(used), "$OTHER_RUN": str(other)}
+    return {"$GPT2": str(gpt2), "$USED_RUN": str(used), "$OTHER_RUN": str(other), "$EMPTY_DIR": str(empty)}
 
 
 def run(text: str, cwd: Path) -> tuple[subprocess.CompletedProcess, int]:
     """Run a documented command; returns its outcome and the number of ranks that must report.
+    Leading NAME=value words set environment variables, as in a shell.
 
     `python -m distzo ...` rows run in a process forked from the test suite's preloaded server
     (`tests/distributed/launch.py`): the same `distzo.__main__.main(argv)`, exit status and
     stderr as the command line, without paying torch's and transformers' imports once per row.
     torchrun rows run the real torchrun, whose own reporting is part of what they check."""
     argv = shlex.split(text)
+    env = {}
+    while re.fullmatch(r"[A-Z_]+=.*", argv[0]):
+        name, value = argv.pop(0).split("=", 1)
+        env[name] = value
     if argv[0] == "python":
         assert argv[1:3] == ["-m", "distzo"], text
-        return run_forked(1, argv[3:], cwd=cwd, timeout=300), 1
+        return run_forked(1, argv[3:], cwd=cwd, timeout=300, env=env), 1
     assert argv[0] == "torchrun" and argv[1] == "--nproc-per-node"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={argv[2]}"] + argv[3:]
-    return subprocess.run(cmd, capture_output=True, text=True, env=ENV, cwd=cwd, timeout=300), int(argv[2])
+    return subprocess.run(cmd, capture_output=True, text=True, env={**ENV, **env}, cwd=cwd, timeout=300), int(argv[2])
 
 
 @pytest.mark.parametrize("mistake,cmd,message", ROWS, ids=[r[0] for r in ROWS])

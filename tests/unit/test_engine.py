@@ -14,10 +14,11 @@ from distzo.zo.params import TrainableParams
 EPS = 1e-3
 
 
-def build(arch="llama", seed=0, threads=None, dtype=torch.float32, vocab=400):
+def build(arch="llama", seed=0, threads=None, dtype=torch.float32, vocab=400, distribution="gaussian", kernels=None):
     model = random_model(arch, vocab, {}, 0, dtype)
     params = TrainableParams.from_model(model)
-    return model, params, ResidentEngine(model, adapter_for(model), params, Directions(seed, threads=threads))
+    directions = Directions(seed, distribution, threads=threads, kernels=kernels)
+    return model, params, ResidentEngine(model, adapter_for(model), params, directions)
 
 
 def sample_batch(n=6, seed=0):
@@ -123,3 +124,24 @@ def test_workspace_is_reused_across_steps():
     sizes = {k: v.data_ptr() for k, v in engine.workspace._buffers.items()}
     engine.label_logits(sample_batch(seed=1), LABELS, PLAN, step=1, eps=EPS)
     assert sizes == {k: v.data_ptr() for k, v in engine.workspace._buffers.items()}
+
+
+@pytest.mark.parametrize("distribution", ["gaussian", "rademacher"])
+@pytest.mark.parametrize("arch", ["llama", "opt"])
+def test_the_fused_kernels_change_nothing(arch, distribution):
+    """Steps with updates fused into the next perturbation (and weight decay), then a flush: the
+    fused CPU kernels give bitwise the logits and weights of torch ops."""
+    from distzo import native
+
+    runs = []
+    for kernels in (None, native.load("true")):
+        model, _, engine = build(arch, distribution=distribution, kernels=kernels)
+        logits = []
+        for step, coeffs in enumerate([[(0, 0.9), (1, -0.4)], [(0, -2.0), (1, 0.3)]]):
+            logits.append(engine.label_logits(sample_batch(seed=step), LABELS, PLAN, step=step, eps=EPS))
+            engine.update(step, coeffs, 1e-2, 0.1)
+        engine.flush()
+        runs.append((logits, model.state_dict()))
+    (logits_a, state_a), (logits_b, state_b) = runs
+    assert all(torch.equal(a, b) for a, b in zip(logits_a, logits_b))
+    assert all(torch.equal(state_a[k], state_b[k]) for k in state_a)

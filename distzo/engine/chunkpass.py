@@ -1,0 +1,128 @@
+"""One pass over one chunk of a master: apply the owed update, then write the step's working copies.
+
+Every path that changes or perturbs weights goes through `chunk_pass`: the update fused into the
+next step's perturbation (engine/weights.py), the plain update pass and flushes
+(engine/update.py), offloaded blocks on their device slots and slices (engine/offload.py). So
+resident, fused, offloaded and sliced runs perform the same floating-point operations on every
+element and agree bitwise:
+
+    x = master * (1 - lr wd)                     (parameters with weight decay)
+    x = x - (lr c_k) z_k(step - 1)   for each k  (one rounded operation per term, in order)
+    master = x
+    copy(q, sign) = x + eps z_q(step)  or  x - eps z_q(step)
+
+Two implementations do exactly this. The fused kernels (`distzo.native`, CPU, float32) do it in one
+pass over the chunk. torch ops do it in one pass per term and per copy. z is scaled as it is drawn
+(the value of z.mul_(scale), see `Directions.fill_chunk`), and subtracting a negative multiple of z
+is adding its magnitude, exactly. A master narrower than float32 rounds z to its dtype first.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Mapping, Sequence
+
+import torch
+
+from ..native import Kernels, Source
+from ..zo.directions import ChunkRef, Directions
+from ..zo.params import TrainableParam
+
+if TYPE_CHECKING:
+    from .update import PendingUpdate
+
+# Working copies of one chunk, by query: query -> [(sign, out)], out holding the same elements as master.
+Copies = Mapping[int, Sequence[tuple[int, torch.Tensor]]]
+
+# Chunk-sized buffers of drawn z a fused call may hold at once (per thread): the owed term and
+# the new query of an SPSA step; more terms or queries take more calls.
+VALUE_SLOTS = 2
+
+
+def chunk_pass(directions: Directions, p: TrainableParam, ref: ChunkRef, master: torch.Tensor,
+               pending: PendingUpdate | None = None, step: int = 0, eps: float = 0.0,
+               copies: Copies | None = None, part: tuple[int, int] | None = None) -> None:
+    """Apply `pending` to one chunk of p held in `master` (in place), then write `copies` of the
+    updated values perturbed by eps * z of `step`.
+
+    part=(lo, hi): master holds only elements [lo, hi) of the chunk (a rank's slice of a block ends
+    inside a chunk), and so do the copies. Every element receives exactly the operations it would
+    in a whole-chunk pass; a Gaussian z is still drawn for the whole chunk (its generator cannot be
+    entered in the middle), a Rademacher stream only where needed."""
+    copies = copies or {}
+    kernels = directions.kernels
+    if (kernels is not None and master.dtype == torch.float32 and p.tensor.dtype == torch.float32
+            and master.device.type == "cpu" and master.is_contiguous()
+            and all(out.dtype == torch.float32 and out.is_contiguous() for outs in copies.values() for _, out in outs)):
+        _fused(kernels, directions, p, ref, master, pending, step, eps, copies, part)
+    else:
+        _torch_ops(directions, p, ref, master, pending, step, eps, copies, part)
+
+
+def _decay(p: TrainableParam, u: PendingUpdate | None) -> float | None:
+    return 1.0 - u.lr * u.weight_decay if u is not None and p.decay and u.weight_decay else None
+
+
+def _torch_ops(directions: Directions, p: TrainableParam, ref: ChunkRef, master: torch.Tensor,
+               u: PendingUpdate | None, step: int, eps: float, copies: Copies, part: tuple[int, int] | None) -> None:
+    size = ref.stop - ref.start
+    window = slice(None) if part is None else slice(*part)
+    decay = _decay(p, u)
+    if decay is not None:
+        master.mul_(decay)
+    if u is not None and u.terms:
+        fp32 = master.dtype == torch.float32
+        z = directions.scratch(size)
+        for k, a in u.terms:
+            directions.fill_chunk(z, u.step, k, ref, abs(a) if fp32 else 1.0)
+            zk = z[window]
+            if not fp32:
+                master.sub_(zk.to(master.dtype).mul_(a))
+            elif a < 0:
+                master.add_(zk)
+            else:
+                master.sub_(zk)
+    fp32 = p.tensor.dtype == torch.float32
+    for q, outs in copies.items():
+        z = directions.fill_chunk(directions.scratch(size), step, q, ref, eps if fp32 else 1.0)
+        if not fp32:
+            z = z.to(p.tensor.dtype).mul_(eps)
+        zq = z[window]
+        for sign, out in outs:
+            (torch.add if sign > 0 else torch.sub)(master, zq, out=out)
+
+
+def _fused(kernels: Kernels, directions: Directions, p: TrainableParam, ref: ChunkRef, master: torch.Tensor,
+           u: PendingUpdate | None, step: int, eps: float, copies: Copies, part: tuple[int, int] | None) -> None:
+    """The same pass as `_torch_ops`, as few kernel calls as the value slots allow (one for an SPSA
+    step; Rademacher streams need no slot at all, so every Rademacher pass is one call)."""
+    size = ref.stop - ref.start
+    offset = part[0] if part is not None else 0
+    call: dict = {"decay": _decay(p, u), "terms": [], "queries": [], "outs": []}
+    slots = 0
+
+    def run() -> None:
+        nonlocal slots
+        kernels.chunk(master, offset, call["decay"], call["terms"], call["queries"], call["outs"])
+        call.update(decay=None, terms=[], queries=[], outs=[])  # the decay is applied once, in the first call
+        slots = 0
+
+    def source(at_step: int, query: int, scale: float) -> Source:
+        nonlocal slots
+        stream = directions.stream(at_step, query, ref, scale)
+        if stream is not None:
+            return stream
+        if slots == VALUE_SLOTS:
+            run()
+        slots += 1
+        return directions.fill_chunk(directions.scratch(size, slots - 1), at_step, query, ref, scale)
+
+    # Terms go before queries, so a call that writes copies has applied every term already.
+    for k, a in (u.terms if u is not None else []):
+        s = source(u.step, k, abs(a))
+        call["terms"].append((s, a < 0))
+    for q, outs in copies.items():
+        s = source(step, q, eps)
+        call["queries"].append(s)
+        call["outs"] += [(out, len(call["queries"]) - 1, sign) for sign, out in outs]
+    if call["decay"] is not None or call["terms"] or call["queries"]:
+        run()

@@ -1,0 +1,122 @@
+/* distzo's fused per-chunk kernels for CPU (float32), called through ctypes.
+ *
+ * One pass over a chunk of the master applies the owed update and writes every working copy
+ * master +- eps * z, so z never travels through memory and the master is read once. Each
+ * element goes through exactly the floating-point operations of the torch path
+ * (engine/update.py, engine/weights.py), one rounding per operation, so the two agree bitwise.
+ * Build with -ffp-contract=off: a fused multiply-add would round `x * decay - z` once instead
+ * of twice.
+ *
+ * A noise source is either a buffer of pre-drawn, pre-scaled values (Gaussian z, drawn by torch)
+ * or a Rademacher stream: element i of a chunk is +scale when bit (i % 64) of word (i / 64) of
+ * the chunk's SplitMix64 stream is set, -scale otherwise, where word j = splitmix64 output j for
+ * the chunk's seed (zo/directions.py implements the same stream with torch ops).
+ */
+#include <stdint.h>
+#include <string.h>
+
+#define GAMMA 0x9E3779B97F4A7C15ULL
+#define TILE 256 /* elements per tile: a multiple of 64, small enough that tiles stay in L1 */
+
+typedef struct {
+    const float *values; /* pre-drawn values of the chunk, indexed like the master; NULL: a stream */
+    uint64_t seed;       /* the stream's chunk seed */
+    float scale;         /* the stream's magnitude (|lr c_k| or eps) */
+} distzo_source;
+
+static inline uint64_t stream_word(uint64_t seed, uint64_t j) {
+    uint64_t x = seed + (j + 1) * GAMMA;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
+    return x ^ (x >> 31);
+}
+
+/* +-1 for each bit of a byte, bit 0 first: the byte b of a stream word gives eight elements. */
+static float unit_signs[256][8];
+
+__attribute__((constructor)) static void init_unit_signs(void) {
+    for (int b = 0; b < 256; b++)
+        for (int k = 0; k < 8; k++) unit_signs[b][k] = ((b >> k) & 1) ? 1.0f : -1.0f;
+}
+
+static inline float stream_element(const distzo_source *s, int64_t e) {
+    return ((stream_word(s->seed, (uint64_t)e >> 6) >> (e & 63)) & 1) ? s->scale : -s->scale;
+}
+
+/* z of a source for chunk elements [start, start + n), n <= TILE: the pre-drawn values in place,
+ * or the stream's values written to buf (+-1 times the scale: exact). */
+static const float *source_tile(const distzo_source *s, int64_t start, int64_t n, float *buf) {
+    if (s->values) return s->values + start;
+    const float scale = s->scale;
+    int64_t i = 0;
+    for (; i < n && ((start + i) & 7); i++) buf[i] = stream_element(s, start + i); /* to a byte boundary */
+    while (n - i >= 8) {
+        const int64_t e = start + i;
+        const uint64_t w = stream_word(s->seed, (uint64_t)e >> 6);
+        for (int b = (int)((e & 63) >> 3); b < 8 && n - i >= 8; b++, i += 8) {
+            const float *u = unit_signs[(w >> (8 * b)) & 255];
+            for (int k = 0; k < 8; k++) buf[i + k] = u[k] * scale;
+        }
+    }
+    for (; i < n; i++) buf[i] = stream_element(s, start + i);
+    return buf;
+}
+
+/* out[i] = z of a Rademacher stream at chunk element offset + i, for i < n. */
+void distzo_rademacher_fill(float *out, int64_t n, uint64_t seed, int64_t offset, float scale) {
+    distzo_source s = {0, seed, scale};
+    for (int64_t i = 0; i < n; i += TILE) {
+        int64_t m = n - i < TILE ? n - i : TILE;
+        source_tile(&s, offset + i, m, out + i);  /* writes into out directly */
+    }
+}
+
+/* Rows of a parameter's Rademacher z: row r (row_numel elements) starts at element offsets[r] of
+ * the chunk whose seed is seeds[r]; out holds n_rows * row_numel floats. */
+void distzo_rademacher_rows(float *out, int64_t n_rows, int64_t row_numel, const uint64_t *seeds,
+                            const int64_t *offsets, float scale) {
+    for (int64_t r = 0; r < n_rows; r++)
+        distzo_rademacher_fill(out + r * row_numel, row_numel, seeds[r], offsets[r], scale);
+}
+
+/* One chunk range of a float32 master: master[0 .. n) holds chunk elements [offset, offset + n).
+ *
+ * Update (when has_decay or n_terms): x = master * decay (if has_decay), then for each term t,
+ * x = x + z_t if term_add[t] else x - z_t; master = x.
+ * Copies: for each output o, outs[o][i] = x + z_q (out_sign[o] > 0) or x - z_q, with q = out_query[o]
+ * indexing `queries`. */
+void distzo_chunk(float *master, int64_t n, int64_t offset, int has_decay, float decay,
+                  int n_terms, const distzo_source *terms, const int *term_add,
+                  int n_queries, const distzo_source *queries,
+                  int n_outs, float *const *outs, const int *out_query, const int *out_sign) {
+    float x[TILE], buf[TILE];
+    const int update = has_decay || n_terms > 0;
+    for (int64_t i0 = 0; i0 < n; i0 += TILE) {
+        const int64_t m = n - i0 < TILE ? n - i0 : TILE;
+        memcpy(x, master + i0, (size_t)m * sizeof(float));
+        if (update) {
+            if (has_decay)
+                for (int64_t i = 0; i < m; i++) x[i] = x[i] * decay;
+            for (int t = 0; t < n_terms; t++) {
+                const float *z = source_tile(&terms[t], offset + i0, m, buf);
+                if (term_add[t])
+                    for (int64_t i = 0; i < m; i++) x[i] = x[i] + z[i];
+                else
+                    for (int64_t i = 0; i < m; i++) x[i] = x[i] - z[i];
+            }
+            memcpy(master + i0, x, (size_t)m * sizeof(float));
+        }
+        for (int q = 0; q < n_queries; q++) {
+            const float *z = 0;
+            for (int o = 0; o < n_outs; o++) {
+                if (out_query[o] != q) continue;
+                if (!z) z = source_tile(&queries[q], offset + i0, m, buf);
+                float *dst = outs[o] + i0;
+                if (out_sign[o] > 0)
+                    for (int64_t i = 0; i < m; i++) dst[i] = x[i] + z[i];
+                else
+                    for (int64_t i = 0; i < m; i++) dst[i] = x[i] - z[i];
+            }
+        }
+    }
+}

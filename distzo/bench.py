@@ -56,6 +56,7 @@ def forward_baseline(c: Components, steps: range) -> list[float]:
         if mesh.device.type == "cuda":
             torch.cuda.synchronize(mesh.device)
         times.append(time.perf_counter() - started)
+    mesh.all_sum([0.0])  # every rank has read the (node-shared) master before a training step changes it
     return times
 
 

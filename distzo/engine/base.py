@@ -25,7 +25,7 @@ from ..timing import DISABLED
 from ..zo.directions import Directions
 from ..zo.estimators import CLEAN, Evaluation
 from ..zo.params import TrainableParam, TrainableParams
-from .division import WorkDivision
+from .division import STAGE_SLOTS, Arrival, WorkDivision
 from .update import PendingUpdate, apply_update
 from .weights import CleanWeights, PerturbedWeights, StageNoise, Workspace
 
@@ -58,6 +58,9 @@ class StagedEngine:
         # P-RGE: None, or "materialize" / "on_the_fly": a rank's perturbed evaluations run as one
         # batched forward over stacked LoRA B copies (`distzo.engine.stacked`).
         self.stacked_lora: str | None = None
+        # Divided: announced when this rank's last perturbed evaluation has read the shared master
+        # for the last time; every write to the master first waits until all peers announced it.
+        self._reads_done: Arrival | None = None
 
     # --- where block weights are ----------------------------------------------------------------------
 
@@ -99,11 +102,21 @@ class StagedEngine:
     def owes(self, stage) -> bool:
         return self.pending is not None and stage in self.pending.stages
 
+    def _peers_done_reading(self) -> None:
+        """Divided: before this rank changes the shared master, every peer has finished the evaluation
+        that read it (a training step's loss exchange already ensures this; the engine does not rely
+        on its caller for it)."""
+        if self._reads_done is not None:
+            with self.timers("wait"):
+                self._reads_done.wait()
+            self._reads_done = None
+
     @torch.inference_mode()
     def flush(self) -> None:
         """Apply the deferred update to every stage that still owes it (DESIGN I5)."""
         if self.pending is None:
             return
+        self._peers_done_reading()
         with self.timers("update"):
             self._apply_outer()
             for i in range(len(self.block_params)):
@@ -171,28 +184,47 @@ class StagedEngine:
             return [PerturbedWeights(self.model, self.params, noise, i, sources) if ev.perturbed else clean
                     for i, ev in enumerate(plan)]
 
+        self._peers_done_reading()
         if self.owes(OUTER):
             with self.timers("update"):
                 self._apply_outer()
         hidden = [self.adapter.stem(ctx, w) for w in stage_views(self._noise(step, eps, plan))]
-        for i in range(len(self.adapter.blocks)):
+        blocks = len(self.adapter.blocks)
+        # Divided work: a rank builds its share of block i+1 between its wait for block i and its
+        # forward through block i, so its peers' jitter is absorbed (engine/division.py). Division
+        # implies resident weights, so the block ahead has no `sources`.
+        ahead = self.division is not None and perturbed
+        next_noise = None
+        for i in range(blocks):
             with self.block_sources(i) as sources:
-                noise = self._noise(step, eps, plan)
-                u = self.take_pending(i)
-                if u is not None and not (perturbed and self.fuse_update):
-                    with self.timers("update"):
-                        apply_update(self.directions, self._targets(i, sources), u, division=self.division)
-                    u = None
-                if perturbed:  # an owed update still in hand is fused into this block's perturbation
-                    noise.prepare(self.block_params[i], lambda p, s=sources: (s or {}).get(p.name, p.tensor), u,
-                                  division=self.division, parity=i % 2, node_evals=node_evals)
+                noise = next_noise or self._prepare_block(i, sources, step, eps, plan, perturbed, node_evals)
+                noise.ready()
+                next_noise = (self._prepare_block(i + 1, None, step, eps, plan, perturbed, node_evals)
+                              if ahead and i + 1 < blocks else None)
                 hidden = [self.adapter.block(i, h, ctx, w) for h, w in zip(hidden, stage_views(noise, sources))]
         logits = []
         for h, w in zip(hidden, stage_views(self._noise(step, eps, plan))):
             features = self.adapter.final(h[packed.last_row, packed.last_col], w)
             out = self.adapter.head(features, label_ids, w)
             logits.append(out.to(torch.promote_types(out.dtype, torch.float32)))  # >= fp32 for the loss
+        if ahead:  # every rank of the node runs perturbed evaluations in step with its peers
+            self._reads_done = self.division.arrive()
         return torch.stack(logits)
+
+    def _prepare_block(self, i: int, sources, step: int, eps: float, plan: Sequence[Evaluation], perturbed: bool,
+                       node_evals: Sequence[tuple[int, int]]) -> StageNoise:
+        """Pay block i's owed update and build its working copies (divided: this rank's share, still
+        to be awaited with `ready`)."""
+        noise = self._noise(step, eps, plan)
+        u = self.take_pending(i)
+        if u is not None and not (perturbed and self.fuse_update):
+            with self.timers("update"):
+                apply_update(self.directions, self._targets(i, sources), u, division=self.division)
+            u = None
+        if perturbed:  # an owed update still in hand is fused into this block's perturbation
+            noise.prepare(self.block_params[i], lambda p, s=sources: (s or {}).get(p.name, p.tensor), u,
+                          division=self.division, slot=i % STAGE_SLOTS, node_evals=node_evals)
+        return noise
 
     def _noise(self, step: int, eps: float, plan: Sequence[Evaluation]) -> StageNoise:
         return StageNoise(self.directions, self.workspace, step, eps, plan, self.timers)

@@ -4,20 +4,27 @@ Without division every rank of a node draws the same z for every chunk and appli
 to its own copy of the weights: with two ranks, half the node's noise work is redundant, and noise
 is most of a ZO step's overhead. With division the node's ranks share one master in host memory
 (`Node.shared_tensor`), and for each block every chunk has one owner rank, chosen once by a
-size-balanced deterministic assignment. Per block:
+size-balanced deterministic assignment. Per block i:
 
   1. each rank applies the owed update to the chunks it owns (in the shared master), draws eps * z
      of those chunks once per query, and writes them into every working copy the node's ranks need
      (`master +- eps*z`, the operations of an undivided run, so results agree bitwise), in a
-     node-shared stage buffer;
-  2. node barrier;
-  3. every rank runs its evaluations of the block on its copies in the stage buffer.
+     node-shared stage buffer, then *arrives* (an asynchronous all-reduce over the node);
+  2. before its forward through block i, each rank waits until every rank has arrived for block i;
+  3. it then builds its share of block i+1 (step 1) and only then runs its evaluations of block i
+     on its copies in the stage buffer.
 
 Each chunk is thus read, drawn and written once per node, and z never leaves the owner's cache.
-The stage buffer alternates between two halves by block parity: a rank writes block i+2's copies
-only after the barrier of block i+1, which every rank reaches only after its forward through block
-i, the last read of block i's copies. Updates outside the block walk (the embedding-like outer
-stage, flushes) are divided the same way and end with a barrier before anyone reads the master.
+Because a rank builds block i+1 before its forward through block i, a peer has that whole forward
+to finish its share of block i+1 before anyone waits for it: jitter between the ranks is absorbed
+instead of paid at every block, as a barrier after each block would pay it.
+
+The stage buffer has three slots, used by block index mod 3. A rank writes block i+1's copies only
+after the wait for block i, which completes once every rank has arrived for block i, that is, has
+finished its forward through block i-2 (it builds block i right after its wait for block i-1, which
+precedes its forward through block i-1 but follows that through block i-2). So while block i+1 is
+written, the live slots hold blocks i-1 and i. Updates outside the block walk (the embedding-like
+outer stage, flushes) are divided the same way and end with a barrier before anyone reads the master.
 
 The design requires every rank of the node to run at least one perturbed evaluation per step (it
 walks every block with its peers); `division_applies` checks that for a plan and mesh.
@@ -28,6 +35,7 @@ from __future__ import annotations
 from typing import Callable, Sequence, TypeVar
 
 import torch
+import torch.distributed as dist
 
 from ..dist.mesh import Mesh
 from ..dist.node import Node
@@ -65,6 +73,23 @@ def share_master(params: TrainableParams, node: Node) -> None:
         p.tensor.data = view
 
 
+STAGE_SLOTS = 3  # node-shared stage buffers in rotation (see the module docstring for why three)
+
+
+class Arrival:
+    """This rank's announcement that its share of a stage is written; `wait` returns once every rank
+    of the node has announced the same stage."""
+
+    def __init__(self, node: Node):
+        self._flag = torch.zeros(1)  # kept alive until the collective completes
+        self._work = dist.all_reduce(self._flag, group=node.group, async_op=True) if node.group is not None else None
+
+    def wait(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+
+
 class WorkDivision:
     """A node's division of per-chunk noise and update work (see the module docstring)."""
 
@@ -87,14 +112,18 @@ class WorkDivision:
             load[r] += size(items[j])
         return [items[j] for j in range(len(items)) if owner[j] == self.rank]
 
-    def stage_buffer(self, parity: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A node-shared buffer of at least `numel` elements for one half of the double buffer of
+    def stage_buffer(self, slot: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A node-shared buffer of at least `numel` elements for one of the STAGE_SLOTS slots of
         working copies. Growing it is collective; every rank asks for the same sizes in the same order."""
-        key = (parity, dtype)
+        key = (slot, dtype)
         buf = self._stage.get(key)
         if buf is None or buf.numel() < numel:
-            self._stage[key] = buf = self.node.shared_tensor(numel, dtype, f"stage{parity}")
+            self._stage[key] = buf = self.node.shared_tensor(numel, dtype, f"stage{slot}")
         return buf[:numel]
+
+    def arrive(self) -> Arrival:
+        """Announce that this rank's share of the current stage is written (split-phase barrier)."""
+        return Arrival(self.node)
 
     def barrier(self) -> None:
         self.node.barrier()

@@ -17,7 +17,7 @@ from torch.nn import functional as F
 from ..zo.directions import Directions, chunks_of
 from ..zo.estimators import Evaluation
 from ..timing import DISABLED, Timers
-from .division import WorkDivision
+from .division import Arrival, WorkDivision
 from .chunkpass import chunk_pass
 from .update import PendingUpdate
 from ..zo.params import TrainableParam, TrainableParams
@@ -71,10 +71,19 @@ class StageNoise:
         self._copies: dict[tuple[str, int], torch.Tensor] = {}  # (parameter, evaluation index) -> copy
         self._used: dict[tuple[int, torch.dtype], int] = {}
         self._rows: dict[tuple[str, int, int], tuple[torch.Tensor, ...]] = {}
+        self._arrival: Arrival | None = None  # divided: the node's ranks are still writing their shares
+
+    def ready(self) -> None:
+        """Wait until the copies are complete (divided: every rank of the node has written its share)."""
+        if self._arrival is not None:
+            with self.timers("wait"):
+                self._arrival.wait()
+            self._arrival = None
 
     def copies(self, entries: Sequence[TrainableParam], index: int,
                source: Callable[[TrainableParam], torch.Tensor]) -> dict[str, torch.Tensor]:
         """Working copies of `entries` for evaluation plan[index] (built for all evaluations on first use)."""
+        self.ready()
         todo = [p for p in entries if (p.name, index) not in self._copies]
         if todo:
             self.prepare(todo, source)
@@ -82,19 +91,20 @@ class StageNoise:
 
     def prepare(self, entries: Sequence[TrainableParam], source: Callable[[TrainableParam], torch.Tensor],
                 pending: PendingUpdate | None = None, division: WorkDivision | None = None,
-                parity: int = 0, node_evals: Sequence[tuple[int, int]] = ()) -> None:
+                slot: int = 0, node_evals: Sequence[tuple[int, int]] = ()) -> None:
         """Build every evaluation's working copies of `entries` in one pass over their chunks, first
         applying `pending` (the previous step's update) to each master chunk: the deferred update
         fused with the next perturbation, while the chunk is in cache.
 
         division: the node's ranks share the master; this rank updates and builds only the chunks it
         owns, of every copy any rank of the node needs (node_evals: their (query, sign) pairs), in
-        node-shared memory of this parity, and reads its copies from there (engine/division.py)."""
+        node-shared stage slot `slot`, and reads its copies from there once `ready` returns
+        (engine/division.py)."""
         if division is None:
             with self.timers("perturb"):
                 self._build(list(entries), source, pending)
         else:
-            self._build_divided(list(entries), source, pending, division, parity, node_evals)
+            self._build_divided(list(entries), source, pending, division, slot, node_evals)
 
     def _build(self, todo: Sequence[TrainableParam], source: Callable[[TrainableParam], torch.Tensor],
                pending: PendingUpdate | None) -> None:
@@ -141,7 +151,7 @@ class StageNoise:
         return out
 
     def _build_divided(self, todo: Sequence[TrainableParam], source: Callable[[TrainableParam], torch.Tensor],
-                       pending: PendingUpdate | None, division: WorkDivision, parity: int,
+                       pending: PendingUpdate | None, division: WorkDivision, slot: int,
                        node_evals: Sequence[tuple[int, int]]) -> None:
         node_evals = list(node_evals)
         # Node-shared layout, per dtype: for each node evaluation in turn, the stage's parameters end to end.
@@ -150,7 +160,7 @@ class StageNoise:
         for p in todo:
             offset[p.name] = segment.get(p.tensor.dtype, 0)
             segment[p.tensor.dtype] = offset[p.name] + p.numel()
-        buffers = {dtype: division.stage_buffer(parity, n * len(node_evals), dtype)
+        buffers = {dtype: division.stage_buffer(slot, n * len(node_evals), dtype)
                    for dtype, n in sorted(segment.items(), key=lambda kv: str(kv[0]))}
 
         def copy_of(p: TrainableParam, e: int) -> torch.Tensor:
@@ -160,8 +170,7 @@ class StageNoise:
         with self.timers("perturb"):  # the chunks I own: their update, then every node copy of them
             self._perturb_chunks(todo, source, pending, {
                 p.name: [(q, sign, copy_of(p, e)) for e, (q, sign) in enumerate(node_evals)] for p in todo}, division)
-        with self.timers("wait"):
-            division.barrier()  # every owner's chunks of every copy are in shared memory
+        self._arrival = division.arrive()  # `ready` waits for the peers' shares
         for i, ev in enumerate(self.plan):
             if ev.perturbed:
                 e = node_evals.index((ev.query, ev.sign))

@@ -6,12 +6,14 @@ fp32, for:
   1x1, Gaussian, the machine's threads   step time vs the MeZO reference (same run), overhead ratio,
                                          peak memory of training vs inference alone
   1x1, Rademacher, the machine's threads overhead ratio
-  1x1 / 2x1 / 1x2, one thread per rank   throughput of two ranks against one
+  2x1 / 1x2, one thread per rank         throughput of two ranks against one rank alone, timed in the
+                                         same job (bench.single_rank: rank 0 runs a 1x1 copy of the
+                                         training in rounds interleaved with the mesh's)
 
 and prints a table of medians over --repeats invocations (each invocation's figures are themselves
-medians over its timed steps; a two-rank throughput ratio is taken against the one-rank run of the
-same repeat, which runs between the two two-rank runs). Extra arguments after `--` go to every bench run (for example
-`-- model=tiny task=synthetic-cue` for a quick check of the script).
+medians over its timed steps or rounds, so every ratio is taken within one run). Extra arguments
+after `--` go to every bench run (for example `-- model=tiny task=synthetic-cue` for a quick check
+of the script).
 
     python benchmarks/step_figures.py --repeats 2 --out bench-figures.json
 """
@@ -28,12 +30,12 @@ import tempfile
 import time
 from pathlib import Path
 
-CASES = [  # name, processes, overrides; the one-thread cases run back to back (their ratios pair them)
+CASES = [  # name, processes, overrides
     ("gaussian-1x1", 1, ["estimator.distribution=gaussian"]),
     ("rademacher-1x1", 1, ["estimator.distribution=rademacher", "bench.reference=false"]),
-    ("1thread-2x1", 2, ["threads=1", "mesh=2x1"]),
-    ("1thread-1x1", 1, ["threads=1", "bench.reference=false"]),
-    ("1thread-1x2", 2, ["threads=1", "mesh=1x2"]),
+    # ten rounds: each round's two-rank step is paired with a one-rank step on the same batch
+    ("1thread-2x1", 2, ["threads=1", "mesh=2x1", "bench.single_rank=true", "bench.steps=10"]),
+    ("1thread-1x2", 2, ["threads=1", "mesh=1x2", "bench.single_rank=true", "bench.steps=10"]),
 ]
 
 
@@ -75,13 +77,6 @@ def main() -> None:
             values.append(v)
         return statistics.median(values)
 
-    def paired(name: str) -> float:
-        """Throughput of a two-rank case over the one-rank case of the same repeat (measured minutes
-        apart, so the machine's drift between repeats cancels), median over repeats."""
-        return statistics.median(two["tokens_per_s"] / one["tokens_per_s"]
-                                 for two, one in zip(runs[name], runs["1thread-1x1"]))
-
-    one = med("1thread-1x1", "tokens_per_s")
     figures = {
         "gaussian_step_s": med("gaussian-1x1", "step_time_s"),
         "mezo_reference_step_s": med("gaussian-1x1", "mezo_reference", "step_time_s"),
@@ -89,9 +84,11 @@ def main() -> None:
         "gaussian_overhead_ratio": med("gaussian-1x1", "overhead_ratio"),
         "rademacher_overhead_ratio": med("rademacher-1x1", "overhead_ratio"),
         "memory_ratio_training_over_inference": med("gaussian-1x1", "memory_ratio"),
-        "tokens_per_s_1x1_1thread": one,
-        "throughput_2x1_over_1x1": paired("1thread-2x1"),
-        "throughput_1x2_over_1x1": paired("1thread-1x2"),
+        "tokens_per_s_1x1_1thread": med("1thread-2x1", "single_rank", "tokens_per_s"),
+        "tokens_per_s_2x1_1thread": med("1thread-2x1", "tokens_per_s"),
+        "tokens_per_s_1x2_1thread": med("1thread-1x2", "tokens_per_s"),
+        "throughput_2x1_over_1x1": med("1thread-2x1", "single_rank", "throughput_ratio"),
+        "throughput_1x2_over_1x1": med("1thread-1x2", "single_rank", "throughput_ratio"),
         "repeats": args.repeats,
         "extra_overrides": args.extra,
     }

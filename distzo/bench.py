@@ -7,16 +7,20 @@ Three measurements on the same model and the same batches, in this order:
 2. **training**: the configured ZO step (any estimator, mesh, offloading), with the time split into
    noise generation, building perturbed copies, forward, update, waits for the node's peers (work
    division), communication and transfers.
-3. **the MeZO reference** (one process only): the paper's Algorithm 1 as published: the global RNG
+3. **one rank alone** (under torchrun, `bench.single_rank`): rank 0 runs a 1x1 copy of the same
+   training, with the same threads, while its peers wait asleep in a collective. It gives the
+   mesh's throughput against one rank as a ratio taken in the same run.
+4. **the MeZO reference** (one process only): the paper's Algorithm 1 as published: the global RNG
    re-seeded before each of four passes over the parameters (perturb +eps, perturb -2 eps,
    restore +eps, update), z drawn per parameter with `torch.normal`, parameters changed in place
    (`p.add_(z, alpha=...)`, the paper's in-place update; its code's `p.data = p.data + s * z * eps`
    allocates three temporaries and is about twice as slow here, so it would flatter distzo), losses
    from the stock model forward on right-padded batches with the full vocabulary head.
 
-The forward passes alone and the training step are timed in interleaved rounds on the same batch
-(a shared machine's speed drifts over minutes); the reference runs after them. Every figure is a
-median over the timed steps or rounds; ratios are taken within this one invocation.
+The forward passes alone, the training step and the step on one rank alone are timed in
+interleaved rounds on the same batch (a shared machine's speed drifts over minutes); the reference
+runs after them. Every figure is a median over the timed steps or rounds; ratios are taken within
+this one invocation.
 """
 
 from __future__ import annotations
@@ -31,7 +35,10 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
+from omegaconf import OmegaConf
+
 from .dist.mesh import Mesh
+from .dist.shape import MeshShape
 from .metrics import peak_memory_bytes, reset_peak_memory
 from .timing import Timers
 from .train import Components, build_components, device_kind, zo_step
@@ -118,6 +125,36 @@ def mezo_reference_steps(c: Components, steps: range, lr: float, eps: float) -> 
     return times
 
 
+def wants_single_rank(cfg, mesh: Mesh) -> bool:
+    mode = str(cfg.bench.single_rank).lower()
+    if mesh.world_size == 1 or mode == "false":
+        return False
+    return mode == "true" or (mesh.device.type == "cpu" and mesh.node.size == mesh.world_size)
+
+
+def single_rank_components(c: Components) -> Components | None:
+    """On rank 0: the same run on a 1x1 mesh of its own (no peers, no work division), for timing one
+    rank alone; None on the other ranks. Collective: every rank calls it, the others wait."""
+    solo = None
+    if c.mesh.is_main:
+        cfg = OmegaConf.merge(c.cfg, {"mesh": "1x1", "engine": {"divide_work": "false"}})
+        solo, _ = build_components(cfg, Mesh(MeshShape.parse("1x1"), c.mesh.device), c.seed)
+    c.mesh.all_sum([0.0])  # the peers wait until rank 0 has built it
+    return solo
+
+
+def single_rank_round(solo: Components | None, mesh: Mesh, untimed: int, step: int) -> float | None:
+    """Rank 0 runs an untimed and a timed step of the 1x1 copy (the timed one pays the untimed one's
+    fused update, as in the mesh's rounds) while the other ranks wait in a collective; gloo waits
+    without spinning, so the timed rank has the machine to itself. Seconds of the timed step, on rank 0."""
+    seconds = None
+    if solo is not None:
+        training_steps(solo, [untimed])
+        seconds = training_steps(solo, [step])[0][0]
+    mesh.all_sum([0.0])
+    return seconds
+
+
 def bench(cfg, run_dir: Path) -> dict[str, Any]:
     mesh = Mesh.create(cfg.mesh, device_kind(cfg.device), cfg.dist_timeout_s)
     try:
@@ -149,7 +186,18 @@ def _bench(cfg, c: Components, run_dir: Path) -> dict[str, Any]:
     c.engine.timers = Timers(True, device)
     reset_peak_memory(device)
     training_steps(c, warm)
-    forward_times, step_times, phases = [], [], []
+    c.engine.flush()
+    # The steady state: every buffer a step uses exists after the first step, and the second pays a
+    # fused update. Taken before the single-rank copy (if any) adds a second model to rank 0.
+    training_peak = peak_memory_bytes(device)
+    single = wants_single_rank(cfg, mesh)
+    solo = single_rank_components(c) if single else None
+    if single:
+        log.info("bench: each round also times the step on rank 0 alone (bench.single_rank)")
+        if solo is not None:
+            training_steps(solo, warm)  # its own warm-up
+        mesh.all_sum([0.0])
+    forward_times, step_times, phases, solo_times = [], [], [], []
     for untimed, step in rounds:
         c.engine.flush()
         forward_times += forward_baseline(c, [step])
@@ -157,8 +205,9 @@ def _bench(cfg, c: Components, run_dir: Path) -> dict[str, Any]:
         t, p = training_steps(c, [step])
         step_times += t
         phases += p
+        if single:
+            solo_times.append(single_rank_round(solo, mesh, untimed, step))
     c.engine.flush()
-    training_peak = peak_memory_bytes(device)
     log.info("bench: forward passes alone %.3f s/step, ZO step %.3f s/step", _median(forward_times),
              _median(step_times))
 
@@ -182,6 +231,14 @@ def _bench(cfg, c: Components, run_dir: Path) -> dict[str, Any]:
         "peak_memory_bytes": {"inference": inference_peak, "training": training_peak},
         "memory_ratio": round(training_peak / inference_peak, 3) if inference_peak else None,
     }
+    if single and mesh.is_main:
+        result["single_rank"] = {
+            "step_time_s": round(_median(solo_times), 4),
+            "tokens_per_s": round(_median([t / s for t, s in zip(tokens, solo_times)]), 1),
+            # per round: the mesh's throughput over one rank's, on the same batch
+            "throughput_ratio": round(_median([s / p for s, p in zip(solo_times, pace)]), 3),
+        }
+        log.info("bench: one rank alone %.3f s/step", result["single_rank"]["step_time_s"])
     if b.reference and mesh.world_size == 1 and cfg.offload.mode == "none":
         mezo_reference_steps(c, warm, cfg.optim.lr, cfg.estimator.eps)
         ref = _median(mezo_reference_steps(c, timed, cfg.optim.lr, cfg.estimator.eps))
@@ -206,6 +263,10 @@ def report(r: dict[str, Any]) -> str:
         f"  peak memory        inference {r['peak_memory_bytes']['inference'] / gib:.2f} GiB, training "
         f"{r['peak_memory_bytes']['training'] / gib:.2f} GiB (x{r['memory_ratio']})",
     ]
+    if "single_rank" in r:
+        one = r["single_rank"]
+        lines.append(f"  one rank alone     {one['step_time_s']:.3f} s   ({one['tokens_per_s']:.0f} tokens/s); mesh "
+                     f"{r['mesh']} throughput {one['throughput_ratio']}x one rank's")
     if "mezo_reference" in r:
         m = r["mezo_reference"]
         lines.append(f"  MeZO reference     {m['step_time_s']:.3f} s   distzo/reference {m['distzo_over_reference']} "

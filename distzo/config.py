@@ -176,11 +176,18 @@ class EngineConfig:
 @dataclass
 class BenchConfig:
     """`python -m distzo bench`: warm-up and timed steps of each phase; `reference` adds the MeZO
-    paper's Algorithm 1 (one process, resident only)."""
+    paper's Algorithm 1 (one process, resident only).
+
+    single_rank: under torchrun, rank 0 also times the same training on one rank alone (a 1x1
+      copy of the run, with the same threads) while its peers wait, in rounds interleaved with the
+      mesh's, so the mesh's throughput against one rank is a ratio taken in one run. "auto": on CPU
+      when every rank is on one machine; "true": anywhere (rank 0 holds a second copy of the model);
+      "false": never."""
 
     warmup: int = 2
     steps: int = 5
     reference: bool = True
+    single_rank: str = "auto"
 
 
 @dataclass
@@ -462,7 +469,8 @@ def validate(cfg: Any, check_world: bool = True) -> None:
     _choice(str(cfg.engine.divide_work).lower(), "engine.divide_work", ("auto", "true", "false"))
     _choice(str(cfg.engine.native).lower(), "engine.native", ("auto", "true", "false"))
     _positive(cfg.engine.row_tokens, "engine.row_tokens")
-    _positive(cfg.bench.warmup, "bench.warmup", allow_zero=True)
+    _positive(cfg.bench.warmup, "bench.warmup")  # the training peak is taken over the warm-up steps
+    _choice(str(cfg.bench.single_rank).lower(), "bench.single_rank", ("auto", "true", "false"))
     _positive(cfg.bench.steps, "bench.steps")
     _positive(cfg.dist_timeout_s, "dist_timeout_s")
     try:

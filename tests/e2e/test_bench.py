@@ -32,5 +32,11 @@ def test_bench_writes_every_figure(tmp_path, nproc, mesh):
         ref = out["mezo_reference"]
         assert ref["distzo_over_reference"] == pytest.approx(out["step_time_s"] / ref["step_time_s"], abs=1e-3)
         assert "distzo bench:" in r.stdout
+        assert "single_rank" not in out
     else:
         assert "mezo_reference" not in out
+        # rank 0 alone, timed in the same rounds (bench.single_rank=auto: CPU, one machine)
+        one = out["single_rank"]
+        assert one["step_time_s"] > 0 and one["tokens_per_s"] > 0
+        assert one["throughput_ratio"] > 0
+        assert "one rank alone" in r.stdout

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import statistics
 import time
 from pathlib import Path
@@ -222,6 +223,7 @@ def _bench(cfg, c: Components, run_dir: Path) -> dict[str, Any]:
         "model": cfg.model.name, "estimator": cfg.estimator.name, "q": cfg.estimator.q,
         "distribution": cfg.estimator.distribution, "mesh": str(mesh.shape), "offload": cfg.offload.mode,
         "device": str(device.type), "threads_per_rank": torch.get_num_threads(), "batch_size": cfg.batch_size,
+        "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"),
         "warmup_steps": b.warmup, "timed_steps": b.steps,
         "step_time_s": round(step_time, 4),
         "tokens_per_s": round(_median([t / s for t, s in zip(tokens, pace)]), 1),

@@ -93,36 +93,44 @@ def _torch_ops(directions: Directions, p: TrainableParam, ref: ChunkRef, master:
 
 def _fused(kernels: Kernels, directions: Directions, p: TrainableParam, ref: ChunkRef, master: torch.Tensor,
            u: PendingUpdate | None, step: int, eps: float, copies: Copies, part: tuple[int, int] | None) -> None:
-    """The same pass as `_torch_ops`, as few kernel calls as the value slots allow (one for an SPSA
-    step; Rademacher streams need no slot at all, so every Rademacher pass is one call)."""
+    """The same pass as `_torch_ops`, in as few kernel calls as the value slots allow: one for an
+    SPSA step, and always one for Rademacher z, whose streams need no slot."""
+    call = _KernelCall(kernels, master, part[0] if part is not None else 0, _decay(p, u))
     size = ref.stop - ref.start
-    offset = part[0] if part is not None else 0
-    call: dict = {"decay": _decay(p, u), "terms": [], "queries": [], "outs": []}
-    slots = 0
-
-    def run() -> None:
-        nonlocal slots
-        kernels.chunk(master, offset, call["decay"], call["terms"], call["queries"], call["outs"])
-        call.update(decay=None, terms=[], queries=[], outs=[])  # the decay is applied once, in the first call
-        slots = 0
 
     def source(at_step: int, query: int, scale: float) -> Source:
-        nonlocal slots
         stream = directions.stream(at_step, query, ref, scale)
         if stream is not None:
             return stream
-        if slots == VALUE_SLOTS:
-            run()
-        slots += 1
-        return directions.fill_chunk(directions.scratch(size, slots - 1), at_step, query, ref, scale)
+        if call.slots == VALUE_SLOTS:
+            call.run()  # frees the slots
+        call.slots += 1
+        return directions.fill_chunk(directions.scratch(size, call.slots - 1), at_step, query, ref, scale)
 
-    # Terms go before queries, so a call that writes copies has applied every term already.
+    # Terms before queries, so a call that writes copies has applied every term already. Each source
+    # is drawn before the call's lists are touched: drawing may run (and so renew) the call.
     for k, a in (u.terms if u is not None else []):
-        s = source(u.step, k, abs(a))
-        call["terms"].append((s, a < 0))
+        z = source(u.step, k, abs(a))
+        call.terms.append((z, a < 0))
     for q, outs in copies.items():
-        s = source(step, q, eps)
-        call["queries"].append(s)
-        call["outs"] += [(out, len(call["queries"]) - 1, sign) for sign, out in outs]
-    if call["decay"] is not None or call["terms"] or call["queries"]:
-        run()
+        z = source(step, q, eps)
+        call.queries.append(z)
+        call.outs += [(out, len(call.queries) - 1, sign) for sign, out in outs]
+    call.run()
+
+
+class _KernelCall:
+    """The arguments of the next `Kernels.chunk` call, gathered until it runs."""
+
+    def __init__(self, kernels: Kernels, master: torch.Tensor, offset: int, decay: float | None):
+        self.kernels, self.master, self.offset, self.decay = kernels, master, offset, decay
+        self.terms: list[tuple[Source, bool]] = []
+        self.queries: list[Source] = []
+        self.outs: list[tuple[torch.Tensor, int, int]] = []
+        self.slots = 0  # value slots holding drawn z for this call
+
+    def run(self) -> None:
+        if self.decay is not None or self.terms or self.queries:
+            self.kernels.chunk(self.master, self.offset, self.decay, self.terms, self.queries, self.outs)
+        self.decay = None  # applied once, in the first call
+        self.terms, self.queries, self.outs, self.slots = [], [], [], 0

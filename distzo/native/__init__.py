@@ -2,8 +2,8 @@
 working copy of the step.
 
 torch runs each elementwise operation as its own pass over a chunk. For a Rademacher step that is
-six passes (draw bytes, widen them, expand signs, update, two copies), each reading and writing
-megabytes, where one pass would do. `kernels.c` does the whole chunk in one pass, and z never
+about six passes (hash the stream, expand the signs, scale them, update, two copies), each reading
+and writing megabytes, where one pass would do. `kernels.c` does the whole chunk in one pass, and z never
 touches memory. It performs the same floating-point operations on every element as the torch path,
 so the two agree bitwise (`tests/unit/test_native.py`). The result of a run never depends on
 whether the kernels were used.

@@ -3,7 +3,7 @@
  * One pass over a chunk of the master applies the owed update and writes every working copy
  * master +- eps * z, so z never travels through memory and the master is read once. Each
  * element goes through exactly the floating-point operations of the torch path
- * (engine/update.py, engine/weights.py), one rounding per operation, so the two agree bitwise.
+ * (engine/chunkpass.py), one rounding per operation, so the two agree bitwise.
  * Build with -ffp-contract=off: a fused multiply-add would round `x * decay - z` once instead
  * of twice.
  *

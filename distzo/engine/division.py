@@ -54,11 +54,15 @@ def division_applies(plan: Sequence[Evaluation], pert: int) -> bool:
 def share_master(params: TrainableParams, node: Node) -> None:
     """Move every trainable parameter into node-shared host memory (one buffer per dtype); local
     rank 0 fills it (every rank holds the same weights, I1), the others map it. The Parameter objects
-    stay the same: only `.data` is re-pointed, so the model and every holder keep working."""
+    stay the same: only `.data` is re-pointed, so the model and every holder keep working.
+
+    Each parameter is re-pointed as soon as it is copied, so its private storage is freed at once and
+    a rank never holds a private and a shared copy of the whole model (that transient was the
+    process's peak memory). Other ranks re-point before rank 0 has filled the buffer: nothing reads
+    the weights before the barrier below."""
     by_dtype: dict[torch.dtype, list] = {}
     for p in params:
         by_dtype.setdefault(p.tensor.dtype, []).append(p)
-    views = []
     for dtype, group in sorted(by_dtype.items(), key=lambda kv: str(kv[0])):
         shared = node.shared_tensor(sum(p.numel() for p in group), dtype, "params")
         offset = 0
@@ -66,11 +70,9 @@ def share_master(params: TrainableParams, node: Node) -> None:
             view = shared[offset:offset + p.numel()].view(p.shape)
             if node.local_rank == 0:
                 view.copy_(p.tensor.data)
-            views.append((p, view))
+            p.tensor.data = view
             offset += p.numel()
     node.barrier()  # local rank 0 has filled the master
-    for p, view in views:
-        p.tensor.data = view
 
 
 STAGE_SLOTS = 3  # node-shared stage buffers in rotation (see the module docstring for why three)

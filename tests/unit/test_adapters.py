@@ -65,3 +65,16 @@ def test_unsupported_family_is_a_clear_error():
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100))
     with pytest.raises(UnsupportedModelError, match="gpt2.*supported: llama, mistral, opt, qwen2, qwen3"):
         adapter_for(model)
+
+
+def test_the_1b_preset_is_a_billion_parameter_stock_llama():
+    """`model=llama-1b`, the benchmark model built from a config, has the advertised size and runs
+    through the Llama adapter (built on the meta device: no 4 GB allocation)."""
+    from tests.conftest import make_config
+
+    cfg = make_config("model=llama-1b")
+    model = random_model(cfg.model.arch, 49152, dict(cfg.model.arch_config), cfg.model.init_seed,
+                         torch.float32, device="meta")
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert 1.0e9 <= sum(p.numel() for p in model.parameters()) <= 1.1e9
+    assert len(adapter_for(model).blocks) == 16

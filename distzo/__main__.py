@@ -392,8 +392,10 @@ def main(argv: list[str] | None = None) -> None:
     # for ~300,000 iterations (milliseconds) by default, and after every block's forward that spin
     # takes a core from the threads that build the next block's working copies (measured on the
     # embedded default: the Gaussian perturb phase 0.67-0.71 s -> 0.54-0.57 s). 10,000 iterations
-    # still bridge the microsecond gaps between the ops of a forward. A value set by the user wins.
-    os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+    # still bridge the microsecond gaps between the ops of a forward. A value set by the user wins,
+    # and so does a user's OMP_WAIT_POLICY (libgomp lets an explicit GOMP_SPINCOUNT override it).
+    if "OMP_WAIT_POLICY" not in os.environ:
+        os.environ.setdefault("GOMP_SPINCOUNT", "10000")
     if command == "train":
         run_hydra(_train_task, command, rest)
     elif command == "bench":

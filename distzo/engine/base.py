@@ -217,6 +217,10 @@ class StagedEngine:
         to be awaited with `ready`)."""
         noise = self._noise(step, eps, plan)
         u = self.take_pending(i)
+        if u is not None and not perturbed and self.division is not None:
+            # divided, this rank would update only its own chunks and then read the whole block with no
+            # handshake; every clean forward flushes first (`clean_label_logits`), which keeps this unreachable
+            raise RuntimeError("internal error: a clean forward on a divided engine still owes an update; flush first")
         if u is not None and not (perturbed and self.fuse_update):
             with self.timers("update"):
                 apply_update(self.directions, self._targets(i, sources), u, division=self.division)

@@ -26,8 +26,11 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
+import socket
 import subprocess
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence, Union
@@ -141,11 +144,20 @@ class Kernels:
 
 
 def compiler() -> str | None:
-    """The C compiler to build with: $CC, else the first of cc, gcc, clang on PATH."""
-    cc = os.environ.get("CC")
+    """The C compiler to build with: $CC (a command line, e.g. "ccache gcc"), else the first of cc,
+    gcc, clang on PATH."""
+    cc = os.environ.get("CC", "").strip()
     if cc:
         return cc
     return next((found for name in ("cc", "gcc", "clang") if (found := shutil.which(name))), None)
+
+
+def _compile_error(output: str) -> str:
+    """The line of a compiler's output that says what went wrong: its first `error:` line (the last
+    line is often just "compilation terminated."), else its last line."""
+    lines = [line.strip() for line in output.strip().splitlines() if line.strip()]
+    errors = [line for line in lines if "error:" in line]
+    return (errors or lines[-1:] or ["no output"])[0]
 
 
 def library_path() -> Path:
@@ -161,19 +173,22 @@ def library_path() -> Path:
 def build(cc: str, target: Path) -> None:
     """Compile the source into `target` (atomically: a temporary file, then a rename)."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
+    # unique across hosts too: nodes sharing a cache over NFS may not honour the lock
+    tmp = target.with_name(f"{target.name}.tmp-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
-        r = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(tmp)], capture_output=True, text=True, timeout=300)
-    except OSError as exc:
-        raise NativeUnavailable(f"the C compiler {cc!r} cannot run ({exc.strerror or exc}); install gcc or clang, "
-                                "or set CC") from exc
-    except subprocess.TimeoutExpired as exc:
-        raise NativeUnavailable(f"compiling {SOURCE.name} with {cc} took over {exc.timeout:.0f} s") from exc
-    if r.returncode != 0:
+        try:
+            r = subprocess.run([*shlex.split(cc), *FLAGS, str(SOURCE), "-o", str(tmp)], capture_output=True,
+                               text=True, timeout=300)
+        except (OSError, ValueError) as exc:  # ValueError: shlex on an unbalanced quote, or an empty $CC
+            raise NativeUnavailable(f"the C compiler {cc!r} cannot run ({getattr(exc, 'strerror', None) or exc}); "
+                                    "install gcc or clang, or set CC") from exc
+        except subprocess.TimeoutExpired as exc:
+            raise NativeUnavailable(f"compiling {SOURCE.name} with {cc} took over {exc.timeout:.0f} s") from exc
+        if r.returncode != 0:
+            raise NativeUnavailable(f"compiling {SOURCE.name} with {cc} failed: {_compile_error(r.stderr or r.stdout)}")
+        os.replace(tmp, target)
+    finally:
         tmp.unlink(missing_ok=True)
-        detail = (r.stderr or r.stdout).strip().splitlines()[-1:] or ["no output"]
-        raise NativeUnavailable(f"compiling {SOURCE.name} with {cc} failed: {detail[0]}")
-    os.replace(tmp, target)
 
 
 def self_check(kernels: Kernels) -> None:
@@ -200,18 +215,35 @@ _loaded: dict[str, Kernels | NativeUnavailable] = {}  # "kernels": this process'
 _warned: list[NativeUnavailable] = []
 
 
+def _cache_error(exc: Exception) -> NativeUnavailable:
+    detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    if getattr(exc, "filename", None):
+        detail += f": {exc.filename}"
+    return NativeUnavailable(f"the kernel cache is unusable ({detail}); set DISTZO_CACHE to a writable directory")
+
+
+def _built_library() -> Path:
+    """The cached library for this source, compiled first if missing (by one rank: the others wait
+    on the lock and find it built)."""
+    try:
+        path = library_path()
+        if not path.is_file():
+            cc = compiler()
+            if cc is None:
+                raise NativeUnavailable("no C compiler was found to build them; install gcc or clang, or set CC")
+            with file_lock(path.with_name(path.name + ".lock")):
+                if not path.is_file():  # another rank may have built it while we waited
+                    log.info("Compiling the fused kernels with %s (once, into %s)", cc, path.parent)
+                    build(cc, path)
+    except (OSError, RuntimeError) as exc:  # read-only cache, no locks (NFS), no home directory, ...
+        raise _cache_error(exc) from exc
+    return path
+
+
 def _load() -> Kernels:
     if "kernels" not in _loaded:
         try:
-            path = library_path()
-            if not path.is_file():
-                cc = compiler()
-                if cc is None:
-                    raise NativeUnavailable("no C compiler was found to build them; install gcc or clang, or set CC")
-                with file_lock(path.with_name(path.name + ".lock")):
-                    if not path.is_file():  # another rank may have built it while we waited
-                        log.info("Compiling the fused kernels with %s (once, into %s)", cc, path.parent)
-                        build(cc, path)
+            path = _built_library()
             try:
                 kernels = Kernels(path)
             except OSError as exc:

@@ -80,8 +80,11 @@ CASES = {  # name: (update coefficients, weight decay, queries written, part of 
 
 @pytest.mark.parametrize("distribution", ["gaussian", "rademacher"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_fused_pass_is_bitwise_the_torch_ops(kernels, distribution, case):
+def test_fused_pass_is_bitwise_the_torch_ops(kernels, distribution, case, monkeypatch):
     coefficients, wd, queries, part = CASES[case]
+    calls = []
+    original = kernels.chunk
+    monkeypatch.setattr(kernels, "chunk", lambda *a, **kw: (calls.append(1), original(*a, **kw))[1])
     numel = 5003  # not a multiple of 8 or 64: exercises the kernels' ragged ends
     pending = None if coefficients is None else PendingUpdate(6, coefficients, 3e-3, wd)
     results = []
@@ -94,6 +97,7 @@ def test_fused_pass_is_bitwise_the_torch_ops(kernels, distribution, case):
         copies = {q: [(+1, torch.empty(hi - lo)), (-1, torch.empty(hi - lo))] for q in queries}
         chunk_pass(d, p, ref, master, pending, step=7, eps=1e-3, copies=copies, part=part)
         results.append([p.tensor] + [out for outs in copies.values() for _, out in outs])
+    assert calls  # the second pass really ran in the kernels (else this compares torch with itself)
     for torch_ops, fused in zip(*results):
         assert torch.equal(torch_ops, fused)
     master, *outs = results[1]
@@ -169,6 +173,33 @@ def test_a_compile_error_is_reported(fresh, monkeypatch, tmp_path):
     broken.write_text("this is not C\n")
     monkeypatch.setattr(native, "SOURCE", broken)
     with pytest.raises(native.NativeUnavailable, match="compiling kernels.c with .* failed: "):
+        native.load("true")
+
+
+def test_a_missing_header_names_the_error_not_the_last_line(fresh, monkeypatch, tmp_path):
+    """gcc ends a missing-header failure with "compilation terminated."; the message must carry the
+    line that says which header."""
+    broken = tmp_path / "kernels.c"
+    broken.write_text("#include <no_such_header_distzo.h>\n" + native.SOURCE.read_text())
+    monkeypatch.setattr(native, "SOURCE", broken)
+    with pytest.raises(native.NativeUnavailable, match="failed: .*no_such_header_distzo.h"):
+        native.load("true")
+
+
+def test_cc_may_be_a_command_line(fresh, monkeypatch):
+    """CC="ccache gcc" or CC="gcc -O2" is a command with arguments, as make and setuptools take it."""
+    import shutil
+
+    monkeypatch.setenv("CC", f"{shutil.which('env')} cc")  # a program and an argument
+    assert native.load("true") is not None
+
+
+def test_an_unusable_cache_falls_back_or_says_which_key_to_set(fresh, monkeypatch, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("DISTZO_CACHE", str(blocker / "cache"))  # below a regular file: mkdir fails
+    assert native.load("auto") is None
+    with pytest.raises(native.NativeUnavailable, match="kernel cache is unusable .*set DISTZO_CACHE"):
         native.load("true")
 
 

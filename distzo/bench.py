@@ -6,7 +6,9 @@ Three measurements on the same model and the same batches, in this order:
    master weights, nothing else. Its peak memory is the baseline for training's.
 2. **training**: the configured ZO step (any estimator, mesh, offloading), with the time split into
    noise generation, building perturbed copies, forward, update, waits for the node's peers (work
-   division), communication and transfers.
+   division), communication and transfers. On CPU, drawing z shares its work items with the copies
+   and the update; its part is apportioned by thread time (`timing.WorkClock`). On CUDA z is drawn
+   asynchronously inside `perturb` and `noise` is not reported.
 3. **one rank alone** (under torchrun, `bench.single_rank`): rank 0 runs a 1x1 copy of the same
    training, with the same threads, while its peers wait asleep in a collective. It gives the
    mesh's throughput against one rank as a ratio taken in the same run.
@@ -41,7 +43,7 @@ from omegaconf import OmegaConf
 from .dist.mesh import Mesh
 from .dist.shape import MeshShape
 from .metrics import peak_memory_bytes, reset_peak_memory
-from .timing import Timers
+from .timing import Timers, WorkClock
 from .train import Components, build_components, device_kind, zo_step
 from .zo.estimators import CLEAN, Evaluation
 
@@ -184,7 +186,9 @@ def _bench(cfg, c: Components, run_dir: Path) -> dict[str, Any]:
     forward_baseline(c, [*warm, *timed])
     inference_peak = peak_memory_bytes(device)  # on the timed batches, before training allocates anything
 
-    c.engine.timers = Timers(True, device)
+    clock = WorkClock() if c.engine.directions.device.type == "cpu" else None
+    c.engine.directions.clock = clock
+    c.engine.timers = Timers(True, device, clock)
     reset_peak_memory(device)
     training_steps(c, warm)
     c.engine.flush()
@@ -227,6 +231,8 @@ def _bench(cfg, c: Components, run_dir: Path) -> dict[str, Any]:
     breakdown = {k: round(_median([p.get(k, 0.0) for p in phases]), 4)
                  for k in ("noise", "perturb", "update", "wait", "comm", "transfer")}
     breakdown["forward"] = round(max(0.0, _median([t - sum(p.values()) for t, p in zip(step_times, phases)])), 4)
+    if clock is None:
+        breakdown["noise"] = None  # drawn on the device, asynchronously, inside perturb
     result: dict[str, Any] = {
         "model": cfg.model.name, "estimator": cfg.estimator.name, "q": cfg.estimator.q,
         "distribution": cfg.estimator.distribution, "mesh": str(mesh.shape), "offload": cfg.offload.mode,
@@ -276,7 +282,8 @@ def report(r: dict[str, Any]) -> str:
         f"offload {r['offload']}, {r['device']} x {r['threads_per_rank']} thread(s)/rank, batch {r['batch_size']}",
         f"  step time          {r['step_time_s']:.3f} s   ({r['tokens_per_s']:.0f} tokens/s)",
         f"  forward passes     {r['forward_time_s']:.3f} s   overhead ratio {r['overhead_ratio']}",
-        "  step breakdown     " + ", ".join(f"{k} {v:.3f}" for k, v in r["breakdown_s"].items()),
+        "  step breakdown     " + ", ".join(f"{k} {v:.3f}" if v is not None else f"{k} (in perturb)"
+                                            for k, v in r["breakdown_s"].items()),
         f"  peak memory        inference {r['peak_memory_bytes']['inference'] / gib:.2f} GiB, training "
         f"{r['peak_memory_bytes']['training'] / gib:.2f} GiB (x{r['memory_ratio']})",
     ]

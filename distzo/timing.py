@@ -1,11 +1,17 @@
-"""Wall-clock timers by category (noise, perturb, update, comm, transfer), for the `bench` command.
+"""Wall-clock timers by category (noise, perturb, update, wait, comm, transfer), for the `bench` command.
 
 Disabled timers cost one attribute check. Enabled ones synchronise CUDA at each boundary so time is
 charged to the phase that spent it (benchmark runs only; training never enables them).
+
+On CPU, z is drawn inside the same parallel work items that apply updates and write working copies
+(`engine/chunkpass.py`), so drawing has no wall-clock interval of its own. A `WorkClock` sums, over
+the chunk threads, the time inside work items and the part of it spent drawing z; a phase's wall
+time is then split between `noise` and the phase in that proportion.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -14,10 +20,32 @@ from typing import Iterator
 import torch
 
 
+class WorkClock:
+    """Thread time spent in parallel work items (`busy`) and, within them, in drawing z (`draw`),
+    summed over threads. Safe to add to from any thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.busy = 0.0
+        self.draw = 0.0
+
+    def add(self, busy: float = 0.0, draw: float = 0.0) -> None:
+        with self._lock:
+            self.busy += busy
+            self.draw += draw
+
+    def read(self) -> tuple[float, float]:
+        with self._lock:
+            return self.busy, self.draw
+
+
 class Timers:
-    def __init__(self, enabled: bool = False, device: torch.device | None = None):
+    """clock: the WorkClock of the step's Directions (CPU), whose draws are charged to `noise`."""
+
+    def __init__(self, enabled: bool = False, device: torch.device | None = None, clock: WorkClock | None = None):
         self.enabled = enabled
         self.cuda = device is not None and device.type == "cuda"
+        self.clock = clock
         self.totals: dict[str, float] = defaultdict(float)
         self._depth = 0
 
@@ -29,13 +57,21 @@ class Timers:
         self._depth += 1
         if self.cuda:
             torch.cuda.synchronize()
+        busy0, draw0 = self.clock.read() if self.clock is not None else (0.0, 0.0)
         start = time.perf_counter()
         try:
             yield
         finally:
             if self.cuda:
                 torch.cuda.synchronize()
-            self.totals[name] += time.perf_counter() - start
+            wall = time.perf_counter() - start
+            share = 0.0
+            if self.clock is not None:
+                busy, draw = self.clock.read()
+                if busy > busy0:
+                    share = min(1.0, (draw - draw0) / (busy - busy0))
+            self.totals["noise"] += wall * share
+            self.totals[name] += wall * (1.0 - share)
             self._depth -= 1
 
     def take(self) -> dict[str, float]:

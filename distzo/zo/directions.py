@@ -24,6 +24,7 @@ import hashlib
 import math
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
@@ -34,6 +35,7 @@ from ..native import Stream
 
 if TYPE_CHECKING:
     from ..native import Kernels
+    from ..timing import WorkClock
 
 # Bump when the seed -> z mapping changes; snapshots and run summaries record it.
 # 2: Rademacher signs unpacked from random bytes (8 per byte) instead of one draw per element.
@@ -184,6 +186,7 @@ class Directions:
         self._pool = ThreadPoolExecutor(max_workers=n, initializer=_serial_worker) if self.device.type == "cpu" and n > 1 else None
         self._local = threading.local()
         self.kernels = kernels if self.device.type == "cpu" else None
+        self.clock: WorkClock | None = None  # set by `bench` (CPU): time in work items and in draws
 
     def scratch(self, numel: int, slot: int = 0) -> torch.Tensor:
         """A float32 buffer of `numel` elements private to the calling thread, reused across calls
@@ -223,6 +226,15 @@ class Directions:
         value of z.mul_(scale) bitwise (`tests/unit/test_directions.py` checks that)."""
         if scale < 0:
             raise ValueError(f"a draw's scale is a standard deviation; got {scale}")
+        if self.clock is None:
+            return self._fill_chunk(out, step, query, ref, scale)
+        started = time.perf_counter()
+        try:
+            return self._fill_chunk(out, step, query, ref, scale)
+        finally:
+            self.clock.add(draw=time.perf_counter() - started)
+
+    def _fill_chunk(self, out: torch.Tensor, step: int, query: int, ref: ChunkRef, scale: float) -> torch.Tensor:
         stream = self.stream(step, query, ref, scale)
         if stream is not None:
             return self.fill_stream(out, stream)  # +-scale is exact: the value of z.mul_(scale)
@@ -244,6 +256,8 @@ class Directions:
         differ in size by up to 8x (attention vs MLP projections), and in submission order the last
         large chunk often runs alone while the other threads idle."""
         items = list(items)
+        if self.clock is not None:
+            fn = self._clocked(fn)
         if self._pool is None or len(items) < 2:
             for item in items:
                 fn(item)
@@ -259,6 +273,18 @@ class Directions:
 
         for _ in self._pool.map(run, items):
             pass
+
+    def _clocked(self, fn: Callable[[Any], None]) -> Callable[[Any], None]:
+        clock = self.clock
+
+        def timed(item: Any) -> None:
+            started = time.perf_counter()
+            try:
+                fn(item)
+            finally:
+                clock.add(busy=time.perf_counter() - started)
+
+        return timed
 
     def generate(self, shape: Sequence[int], key: int, step: int, query: int) -> torch.Tensor:
         """The full z of one parameter (float32, contiguous)."""

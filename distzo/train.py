@@ -242,7 +242,8 @@ def build_run(cfg, run_dir: Path, mesh: Mesh) -> Run:
         _, state = resume
         if state["config_fingerprint"] != config_fingerprint(cfg):
             raise TrainingError(f"cannot resume from {resume[0]}: it was written with a different model, task, "
-                                "estimator, optimiser or batch size; use another hydra.run.dir to start afresh")
+                                "estimator, optimiser, trainable set (peft), objective or batch size (or steps, with a "
+                                "decaying lr schedule); use another hydra.run.dir to start afresh")
         if not same_directions(state.get("directions_version"), cfg.estimator.distribution):
             raise TrainingError(f"cannot resume from {resume[0]}: its {cfg.estimator.distribution} directions were "
                                 f"drawn with scheme {state.get('directions_version')}, and this distzo draws scheme "

@@ -130,6 +130,8 @@ def mezo_reference_steps(c: Components, steps: range, lr: float, eps: float) -> 
 
 def wants_single_rank(cfg, mesh: Mesh) -> bool:
     mode = str(cfg.bench.single_rank).lower()
+    if mesh.world_size == 1 and mode == "true":
+        log.info("bench.single_rank=true: this run is one rank already; its figures are one rank's")
     if mesh.world_size == 1 or mode == "false":
         return False
     return mode == "true" or (mesh.device.type == "cpu" and mesh.node.size == mesh.world_size)

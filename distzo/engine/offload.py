@@ -121,6 +121,9 @@ def build_host_blocks(adapter: DecoderAdapter, pin_memory: bool, node: Node | No
             view = flat[offset:offset + p.numel()].view(p.shape)
             if node is None or node.local_rank == 0:
                 view.copy_(p.data)
+            # Re-pointed at once, so the private copy is freed parameter by parameter and no rank
+            # holds the whole model twice. Nothing reads the weights before the barrier below.
+            p.data = view
             names.append(f"{prefix}.{rel}")
             shapes.append(p.shape)
             offsets.append(offset)
@@ -128,9 +131,6 @@ def build_host_blocks(adapter: DecoderAdapter, pin_memory: bool, node: Node | No
         blocks.append(HostBlock(prefix, names, shapes, offsets, flat, padded, slice_len, parts))
     if node is not None:
         node.barrier()  # local rank 0 has filled the master
-    for block, (_, named, *_) in zip(blocks, layout):
-        for (_, p), view in zip(named, block.views(block.flat).values()):
-            p.data = view  # the private copy is freed here
     return blocks
 
 

@@ -66,7 +66,7 @@ def forward_baseline(c: Components, steps: range) -> list[float]:
         if mesh.device.type == "cuda":
             torch.cuda.synchronize(mesh.device)
         times.append(time.perf_counter() - started)
-    mesh.all_sum([0.0])  # every rank has read the (node-shared) master before a training step changes it
+    mesh.barrier()  # every rank has read the (node-shared) master before a training step changes it
     return times
 
 
@@ -144,7 +144,7 @@ def single_rank_components(c: Components) -> Components | None:
     if c.mesh.is_main:
         cfg = OmegaConf.merge(c.cfg, {"mesh": "1x1", "engine": {"divide_work": "false"}})
         solo, _ = build_components(cfg, Mesh(MeshShape.parse("1x1"), c.mesh.device), c.seed)
-    c.mesh.all_sum([0.0])  # the peers wait until rank 0 has built it
+    c.mesh.barrier()  # the peers wait until rank 0 has built it
     return solo
 
 
@@ -156,7 +156,7 @@ def single_rank_round(solo: Components | None, mesh: Mesh, untimed: int, step: i
     if solo is not None:
         training_steps(solo, [untimed])
         seconds = training_steps(solo, [step])[0][0]
-    mesh.all_sum([0.0])
+    mesh.barrier()
     return seconds
 
 
@@ -203,7 +203,7 @@ def _bench(cfg, c: Components, run_dir: Path) -> dict[str, Any]:
         log.info("bench: each round also times the step on rank 0 alone (bench.single_rank)")
         if solo is not None:
             training_steps(solo, warm)  # its own warm-up
-        mesh.all_sum([0.0])
+        mesh.barrier()
     reference = b.reference and mesh.world_size == 1 and cfg.offload.mode == "none"
     lr, eps = cfg.optim.lr, cfg.estimator.eps
     if reference:

@@ -132,6 +132,12 @@ class Mesh:
             dist.all_reduce(t)
         return t.cpu().tolist()
 
+    def barrier(self) -> None:
+        """Every rank has reached this point: an all-reduce of one number. On CPU (gloo) the waiting
+        ranks sleep rather than spin, so a rank timed while its peers wait here has the machine to
+        itself (`bench`)."""
+        self.all_sum([0.0])
+
     def all_gather_int(self, value: int) -> list[int]:
         if not self.distributed:
             return [value]

@@ -62,7 +62,9 @@ _MULTIRUN = {"-m", "--multirun"}
 
 
 def fail(message: str, code: int = 2) -> None:
-    print(f"distzo: error: {message}", file=sys.stderr, flush=True)
+    from .errors import write_error_line
+
+    write_error_line(message)
     wait_for_failing_siblings()
     raise SystemExit(code)
 

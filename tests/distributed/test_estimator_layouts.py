@@ -93,7 +93,12 @@ def test_estimator_is_layout_invariant(layouts, name, mesh):
     moved them (observed on 2x2: 1.8e-7 for MeZO and 2.4e-7 for AGZO, against moves of 2.5e-2 and
     5.6e-3; 1.8e-6 for P-RGE's B, which its large lr moved by 1.0), and training must have moved
     them by more than 1e-3: a wrong shard, direction, basis or reduction would be off by the size of
-    an update. Perturbation-parallel layouts (4x1) run the same shard arithmetic as 1x1: bitwise."""
+    an update.
+
+    Bitwise equality is claimed only where the same operations run on the same shapes: on 4x1 a rank
+    runs its evaluations one by one on the whole batch, exactly as 1x1 does, for MeZO and AGZO. P-RGE
+    batches a rank's evaluations into one forward (4 on 1x1, 1 on 4x1), so its matmuls have other
+    shapes there and the CPU's kernels may round differently: it is held to the tolerance above."""
     ref, got = layouts[(name, "1x1")], layouts[(name, mesh)]
     assert ref.keys() == got.keys()
     start = initial(name)
@@ -101,7 +106,7 @@ def test_estimator_is_layout_invariant(layouts, name, mesh):
     diff = max(float((ref[k] - got[k]).abs().max()) for k in ref)
     assert moved > 1e-3, moved
     assert diff < 1e-4 * moved, (diff, moved)
-    if mesh == "4x1":
+    if mesh == "4x1" and name != "prge":
         assert diff == 0.0, diff
     if name == "prge":  # only the trainable tensors were saved: LoRA-FA's B matrices
         assert all(k.endswith("lora_B") for k in ref)

@@ -15,7 +15,8 @@ import pytest
 
 from tests.distributed.launch import run_forked
 
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+# PYTHONUNBUFFERED: the worst case for interleaved output of several ranks (print writes text and newline apart)
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 DOC = Path(__file__).resolve().parents[2] / "docs" / "errors.md"
 
 
@@ -87,3 +88,17 @@ def test_documented_error(tmp_path, folders, mistake, cmd, message):
     assert len(ours) == ranks, r.stderr[-3000:]
     for line in ours:
         assert pattern.match(line), f"\n got: {line}\nwant: {message}"
+
+
+def test_error_lines_of_several_processes_never_share_a_line(tmp_path):
+    """Eight processes report at once into one pipe with unbuffered stderr (where print() writes a
+    line's text and its newline separately): every line arrives whole."""
+    code = ("import sys; from distzo.errors import write_error_line\n"
+            "for i in range(200): write_error_line(f'rank {sys.argv[1]} line {i} ' + 'x' * 200)\n")
+    script = tmp_path / "report.py"
+    script.write_text(code)
+    r = subprocess.run(["bash", "-c", " & ".join(f"{sys.executable} {script} {k}" for k in range(8)) + "; wait"],
+                       capture_output=True, text=True, env={**ENV, "PYTHONUNBUFFERED": "1"}, timeout=120)
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1600
+    assert all(re.fullmatch(r"distzo: error: rank \d line \d+ x{200}", line) for line in lines)

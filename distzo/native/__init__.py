@@ -8,14 +8,16 @@ touches memory. It performs the same floating-point operations on every element 
 so the two agree bitwise (`tests/unit/test_native.py`). The result of a run never depends on
 whether the kernels were used.
 
-The library is compiled on first use with the system C compiler ($CC, else cc, gcc or clang) into
-the cache (`<cache>/native/`). The file name hashes the source, the flags and the compiler, and
-the file lands by atomic rename, so ranks that start together share one build. It is loaded with
-ctypes. ctypes releases the GIL during a call, so the noise threads run kernels in parallel. When
-it is loaded, a self-check compares it with the torch implementation of the same values.
+The library is built on first use by torch's extension builder (`torch.utils.cpp_extension.load`:
+the system compiler, $CXX or c++, driven by ninja) into the cache (`<cache>/native/<hash>/`, the
+hash covering the source and the flags); the builder locks the directory, so ranks that start
+together build it once. It takes under a second (docs/performance.md). The library is plain C with C
+linkage, loaded with ctypes, which releases the GIL during a call, so the noise threads run kernels
+in parallel. When it is loaded, a self-check compares it with the torch implementation of the
+same values.
 
 `engine.native`: `auto` uses the kernels where they apply (CPU, float32 masters) and falls back
-to torch ops, with one warning, where no compiler is found. `true` makes that an error. `false`
+to torch ops, with one warning, where they cannot be built. `true` makes that an error. `false`
 always uses torch ops (for comparison).
 """
 
@@ -26,39 +28,27 @@ import hashlib
 import logging
 import os
 import platform
-import shlex
-import shutil
-import socket
 import subprocess
-import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence, Union
 
 import torch
 
-from ..cache import cache_dir, file_lock
+from ..cache import cache_dir
 from ..errors import DistzoError
+from ..zo.rademacher import Stream, stream_signs  # the stream's definition, which the kernels reproduce
 
 log = logging.getLogger("distzo")
 
 SOURCE = Path(__file__).with_name("kernels.c")
+NAME = "distzo_kernels"
 # -ffp-contract=off: no fused multiply-adds (they would round `x * decay - z` once, not twice).
-FLAGS = ("-O3", "-std=gnu11", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math")
+FLAGS = ("-O3", "-ffp-contract=off", "-fno-fast-math")
 MODES = ("auto", "true", "false")
 
 
 class NativeUnavailable(DistzoError):
     """The fused kernels cannot be built or loaded here; the message says why."""
-
-
-@dataclass(frozen=True)
-class Stream:
-    """A chunk's Rademacher z as a counter stream: element e is +scale when bit e % 64 of word e // 64
-    of the chunk's SplitMix64 stream is set, else -scale (`zo/directions.py` defines it)."""
-
-    seed: int
-    scale: float
 
 
 # A noise source of one chunk: a counter stream, or the chunk's pre-drawn, pre-scaled values
@@ -143,59 +133,68 @@ class Kernels:
                                len(queries), c_queries, len(outs), c_outs, c_query, c_sign)
 
 
-def compiler() -> str | None:
-    """The C compiler to build with: $CC (a command line, e.g. "ccache gcc"), else the first of cc,
-    gcc, clang on PATH."""
-    cc = os.environ.get("CC", "").strip()
-    if cc:
-        return cc
-    return next((found for name in ("cc", "gcc", "clang") if (found := shutil.which(name))), None)
+def compiler() -> str:
+    """The compiler torch's extension builder runs: $CXX, else c++."""
+    return os.environ.get("CXX", "").strip() or "c++"
 
 
-def _compile_error(output: str) -> str:
-    """The line of a compiler's output that says what went wrong: its first `error:` line (the last
-    line is often just "compilation terminated."), else its last line."""
+def _build_error(output: str) -> str:
+    """The line of a failed build's output that says what went wrong: its first line with `error:`
+    or `not found` (the last line is often just "compilation terminated."), else its last line."""
     lines = [line.strip() for line in output.strip().splitlines() if line.strip()]
-    errors = [line for line in lines if "error:" in line]
+    errors = [line for line in lines if "error:" in line or "not found" in line]
     return (errors or lines[-1:] or ["no output"])[0]
 
 
-def library_path() -> Path:
-    """Where the library built from this source with these flags is cached. The compiler is not
-    part of the key: a library built on a login node serves compute nodes without a compiler
-    (the self-check at load time vouches for it)."""
+def build_dir() -> Path:
+    """Where the library built from this source with these flags is cached: the directory name hashes
+    the source, the flags and the machine, so a changed source builds anew and never loads a stale
+    library. The compiler is not part of the key: a library built on a login node serves compute
+    nodes without one (the self-check at load time vouches for it)."""
     digest = hashlib.sha256()
     for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), platform.machine().encode()):
         digest.update(part)
-    return cache_dir() / "native" / f"distzo-kernels-{digest.hexdigest()[:16]}.so"
+    return cache_dir() / "native" / digest.hexdigest()[:16]
 
 
-def build(cc: str, target: Path) -> None:
-    """Compile the source into `target` (atomically: a temporary file, then a rename)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # unique across hosts too: nodes sharing a cache over NFS may not honour the lock
-    tmp = target.with_name(f"{target.name}.tmp-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+def _built_library() -> Path:
+    """The cached library for this source, built first if missing. torch's extension builder
+    (`torch.utils.cpp_extension.load`, with ninja) compiles it, skips the build when the cached one is
+    current, and holds a lock in the build directory, so ranks starting together build it once."""
+    import io
+    from contextlib import redirect_stdout
+
     try:
-        try:
-            r = subprocess.run([*shlex.split(cc), *FLAGS, str(SOURCE), "-o", str(tmp)], capture_output=True,
-                               text=True, timeout=300)
-        except (OSError, ValueError) as exc:  # ValueError: shlex on an unbalanced quote, or an empty $CC
-            raise NativeUnavailable(f"the C compiler {cc!r} cannot run ({getattr(exc, 'strerror', None) or exc}); "
-                                    "install gcc or clang, or set CC") from exc
-        except subprocess.TimeoutExpired as exc:
-            raise NativeUnavailable(f"compiling {SOURCE.name} with {cc} took over {exc.timeout:.0f} s") from exc
-        if r.returncode != 0:
-            raise NativeUnavailable(f"compiling {SOURCE.name} with {cc} failed: {_compile_error(r.stderr or r.stdout)}")
-        os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
+        directory = build_dir()
+        directory.mkdir(parents=True, exist_ok=True)
+        library = directory / f"{NAME}.so"
+        if library.is_file():
+            return library  # built before (possibly on another machine of the same kind)
+        from torch.utils import cpp_extension
+
+        log.info("Compiling the fused kernels with %s (once, into %s)", compiler(), directory)
+        output = io.StringIO()
+        with redirect_stdout(output):  # the builder prints its progress
+            cpp_extension.load(name=NAME, sources=[str(SOURCE)], extra_cflags=list(FLAGS), build_directory=str(directory),
+                               is_python_module=False, is_standalone=False, verbose=False)
+    except PermissionError as exc:
+        raise _cache_error(exc) from exc
+    except OSError as exc:  # read-only cache, no home directory, ...
+        raise _cache_error(exc) from exc
+    except (RuntimeError, subprocess.CalledProcessError) as exc:
+        detail = _build_error(f"{getattr(exc, 'output', '') or ''}\n{exc}")
+        if "Ninja is required" in str(exc):
+            raise NativeUnavailable("the ninja build tool is missing; pip install ninja") from exc
+        raise NativeUnavailable(f"building {SOURCE.name} with {compiler()} failed: {detail}; install a C/C++ "
+                                "compiler or set CXX") from exc
+    if not library.is_file():
+        raise NativeUnavailable(f"building {SOURCE.name} left no {library}")
+    return library
 
 
 def self_check(kernels: Kernels) -> None:
     """Compare the library with the torch implementation on a few awkward ranges (a miscompiled or
     stale library must not silently change a run's directions)."""
-    from ..zo.directions import stream_signs  # the definition of the stream, in torch ops
-
     for seed, offset, n, scale in ((7, 0, 1000, 1.0), (2**64 - 5, 61, 300, 3.7e-4), (12345, 8, 77, 0.5)):
         got = kernels.rademacher_fill(torch.empty(n), Stream(seed, scale), offset)
         if not torch.equal(got, stream_signs(seed, offset, n, scale)):
@@ -220,24 +219,6 @@ def _cache_error(exc: Exception) -> NativeUnavailable:
     if getattr(exc, "filename", None):
         detail += f": {exc.filename}"
     return NativeUnavailable(f"the kernel cache is unusable ({detail}); set DISTZO_CACHE to a writable directory")
-
-
-def _built_library() -> Path:
-    """The cached library for this source, compiled first if missing (by one rank: the others wait
-    on the lock and find it built)."""
-    try:
-        path = library_path()
-        if not path.is_file():
-            cc = compiler()
-            if cc is None:
-                raise NativeUnavailable("no C compiler was found to build them; install gcc or clang, or set CC")
-            with file_lock(path.with_name(path.name + ".lock")):
-                if not path.is_file():  # another rank may have built it while we waited
-                    log.info("Compiling the fused kernels with %s (once, into %s)", cc, path.parent)
-                    build(cc, path)
-    except (OSError, RuntimeError) as exc:  # read-only cache, no locks (NFS), no home directory, ...
-        raise _cache_error(exc) from exc
-    return path
 
 
 def _load() -> Kernels:

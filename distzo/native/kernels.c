@@ -15,6 +15,12 @@
 #include <stdint.h>
 #include <string.h>
 
+/* torch.utils.cpp_extension compiles this file with the C++ compiler: keep C linkage (unmangled
+ * names) for ctypes. */
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 #define GAMMA 0x9E3779B97F4A7C15ULL
 #define TILE 256 /* elements per tile: a multiple of 64, small enough that tiles stay in L1 */
 
@@ -120,3 +126,7 @@ void distzo_chunk(float *master, int64_t n, int64_t offset, int has_decay, float
         }
     }
 }
+
+#ifdef __cplusplus
+}
+#endif

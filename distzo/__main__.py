@@ -148,6 +148,11 @@ def explain(exc: BaseException) -> str:
         full = re.search(r"full_key: (\S+)", text)
         where = f"{full.group(1)}=" if full else ""
         return f"{where}{value!s}: expected {kind.lower()}"
+    choice = re.search(r"Invalid value '([^']*)', expected one of \[([^\]]*)\]", text)
+    if choice:  # a choice field's Enum
+        value, options = choice.groups()
+        full = re.search(r"full_key: (\S+)", text)
+        return f"{full.group(1) if full else 'value'}={value!r} is not supported; use one of: {options}"
     invalid = re.search(r"Invalid value assigned: (.*)", text)
     if invalid:
         full = re.search(r"full_key: (\S+)", text)
@@ -182,7 +187,9 @@ def compose_and_validate(overrides: list[str], multirun: bool = False, with_hydr
                          check_world: bool = True):
     """Compose conf/ with the overrides and validate the result; exit with one line on any error.
     With multirun, every value of every sweep is checked. Returns the (first) composed config."""
-    from .config import ConfigError, compose_config, validate
+    from .config import compose_config
+    from .errors import ConfigError
+    from .validation import validate
 
     try:
         sets = concrete_override_sets(overrides) if multirun else [overrides]
@@ -204,22 +211,86 @@ def compose_and_validate(overrides: list[str], multirun: bool = False, with_hydr
     return first
 
 
+# Set by the rank-0 pre-check: the nearest directory above the run directory that exists already, when
+# this invocation creates the run directory (a fixed path that does not exist yet, or a timestamped
+# default), so that a failure before training can remove what it created.
+_RUN_DIR_BASE: Path | None = None
+
+
 def check_run_dir(cfg) -> None:
-    """Refuse a run directory that already holds a run (unless resuming), before Hydra writes
-    .hydra/ into it; resume=auto needs a directory that a restarted job will find again."""
+    """Before Hydra creates the run directory and writes .hydra/ into it: the directory can be
+    created and written, it holds no other run (unless resuming), and a run it holds is one this
+    configuration may continue; resume=auto needs a directory that a restarted job finds again."""
+    global _RUN_DIR_BASE
     from omegaconf import OmegaConf
 
-    raw = OmegaConf.to_container(cfg.hydra.run, resolve=False)["dir"]
-    if cfg.resume == "auto" and "${now:" in str(raw):
+    raw = str(OmegaConf.to_container(cfg.hydra.run, resolve=False)["dir"])
+    if cfg.resume == "auto" and "${now:" in raw:
         fail("resume=auto needs a fixed run directory that a restarted job finds again: add "
              "hydra.run.dir=/path/to/run")
     try:
         run_dir = Path(OmegaConf.select(cfg, "hydra.run.dir"))
-    except Exception:  # an interpolation that needs Hydra's runtime (e.g. ${now:...}): fresh anyway
+        fixed = True
+    except Exception:  # an interpolation that needs Hydra's runtime (${now:...}): check its fixed part
+        run_dir, fixed = Path(raw.split("${", 1)[0] or "."), False
+    base = check_writable_dir(run_dir, "hydra.run.dir")
+    _RUN_DIR_BASE = base.resolve() if not fixed or not run_dir.exists() else None
+    if not fixed:
         return
     if (run_dir / "metrics.jsonl").exists() and cfg.resume != "auto":
         fail(f"{run_dir} already holds a run (metrics.jsonl); choose another hydra.run.dir or add resume=auto "
              "to continue it")
+    if cfg.resume == "auto":
+        from .errors import DistzoError
+        from .resume import check_resumable
+
+        try:
+            check_resumable(cfg, run_dir)
+        except DistzoError as exc:
+            fail(str(exc))
+
+
+def check_writable_dir(path: Path, key: str) -> Path:
+    """`path` is a writable directory, or can be created as one: its nearest existing ancestor (which
+    is returned) is a writable directory."""
+    probe = path
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if not probe.is_dir():
+        fail(f"{key}={path} cannot be created: {probe} is not a directory; choose another {key}")
+    import tempfile
+
+    try:  # a real attempt: permission bits do not tell for root, read-only mounts or /proc
+        os.rmdir(tempfile.mkdtemp(prefix=".distzo-probe-", dir=probe))
+    except OSError as exc:
+        what = "written" if probe == path else "created"
+        fail(f"{key}={path} cannot be {what}: creating a directory in {probe} fails ({exc.strerror or exc}); "
+             f"choose another {key}")
+    return probe
+
+
+def remove_failed_run_dir(run_dir: Path) -> None:
+    """After an error before training started: the run directory this invocation created goes again
+    (only Hydra's own files are in it), with the empty parents it created, so a failed command leaves
+    nothing behind."""
+    if _RUN_DIR_BASE is None or int(os.environ.get("RANK", "0")) != 0 or not run_dir.is_dir():
+        return
+    if not set(os.listdir(run_dir)) <= {".hydra", "train.log"}:
+        return
+    import logging
+    import shutil
+
+    logging.shutdown()  # train.log's handler
+    shutil.rmtree(run_dir, ignore_errors=True)
+    parent = run_dir.resolve().parent
+    while parent != _RUN_DIR_BASE and _RUN_DIR_BASE in parent.parents:
+        try:
+            parent.rmdir()  # only if empty
+        except OSError:
+            break
+        parent = parent.parent
 
 
 def _key(override: str) -> str:
@@ -229,7 +300,8 @@ def _key(override: str) -> str:
 def run_hydra(task: Callable, command: str, args: list[str]) -> None:
     import hydra
 
-    from .config import ConfigError, config_dir, register_configs
+    from .config import config_dir, register_configs
+    from .errors import ConfigError
 
     register_configs()
     flags, overrides = split_args(args)
@@ -264,28 +336,39 @@ def worker_overrides() -> list[str]:
 def _train_task(cfg) -> None:
     from hydra.core.hydra_config import HydraConfig
 
-    from .config import validate
     from .errors import DistzoError
+    from .signals import EXIT_STOPPED, Stopped
     from .train import train
+    from .validation import validate
 
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         validate(cfg)
-        train(cfg, Path(HydraConfig.get().runtime.output_dir))
+        train(cfg, run_dir)
     except DistzoError as exc:
+        remove_failed_run_dir(run_dir)
         fail(str(exc))
+    except Stopped as stop:
+        if int(os.environ.get("RANK", "0")) == 0:
+            where = f"snapshot {stop.snapshot}" if stop.snapshot else "a snapshot"
+            print(f"distzo: stopped on {stop.signame} after step {stop.step}, {where}; continue with resume=auto "
+                  f"hydra.run.dir={run_dir}", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_STOPPED)
 
 
 def _bench_task(cfg) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     from .bench import bench
-    from .config import validate
     from .errors import DistzoError
+    from .validation import validate
 
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         validate(cfg)
-        bench(cfg, Path(HydraConfig.get().runtime.output_dir))
+        bench(cfg, run_dir)
     except DistzoError as exc:
+        remove_failed_run_dir(run_dir)
         fail(str(exc))
 
 

@@ -1,27 +1,132 @@
-"""Typed configuration: the dataclasses behind Hydra's `conf/` tree, and their validation.
+"""Typed configuration: the dataclasses behind Hydra's `conf/` tree.
 
 The dataclasses are registered in Hydra's ConfigStore as schemas, so a YAML preset or a command-line
-override with an unknown key or a wrong type fails at composition time, before anything loads.
-`validate` then checks what types cannot express (ranges, choices, files that must exist) and
-raises `ConfigError` with one line that names the problem and the fix.
+override with an unknown key, a wrong type or a value outside a choice field's Enum fails at
+composition time, before anything loads. What types cannot express (ranges, finiteness, files that
+must exist) is checked by `distzo.validation.validate`. This module is a leaf: it imports nothing of
+distzo, so anything may read the schema.
+
+Choice fields are Enums whose members compare equal to their value (`cfg.objective == "loss"`) and
+print as it. The three-way switches `auto | true | false` stay strings: `key=true` on a command line
+is a boolean to Hydra's parser, which an Enum field would refuse.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from hydra.core.config_store import ConfigStore
-
-from .dist.shape import MeshError, MeshShape, launched_world_size
-from .errors import DistzoError
 from omegaconf import MISSING
 
+from .errors import ConfigError
 
-class ConfigError(DistzoError):
-    """A configuration value that cannot work; the message says which and how to fix it."""
+
+class Choice(str, Enum):
+    """A choice field's values: equal to, and printed as, their string."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def values(cls) -> tuple[str, ...]:
+        return tuple(m.value for m in cls)
+
+
+# OmegaConf looks an Enum member up by name, so names equal values (the functional API allows "-").
+ModelSource = Choice("ModelSource", [(v, v) for v in ("smollm2-wheel", "random", "local")])
+
+
+class Arch(Choice):
+    llama = "llama"
+    mistral = "mistral"
+    qwen2 = "qwen2"
+    qwen3 = "qwen3"
+    opt = "opt"
+
+
+class DType(Choice):
+    float32 = "float32"
+    float64 = "float64"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class TransferDType(Choice):
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class EstimatorName(Choice):
+    mezo = "mezo"
+    prge = "prge"
+    agzo = "agzo"
+
+
+class Difference(Choice):
+    central = "central"
+    forward = "forward"
+
+
+class Distribution(Choice):
+    gaussian = "gaussian"
+    rademacher = "rademacher"
+
+
+class TiedEmbeddings(Choice):
+    freeze = "freeze"
+    dense = "dense"
+
+
+class PeftMethod(Choice):
+    none = "none"
+    lora = "lora"
+    lora_fa = "lora_fa"
+    prefix = "prefix"
+
+
+class OffloadMode(Choice):
+    none = "none"
+    cpu = "cpu"
+
+
+class LoggerName(Choice):
+    none = "none"
+    wandb = "wandb"
+
+
+class WandbMode(Choice):
+    offline = "offline"
+    online = "online"
+    disabled = "disabled"
+
+
+class Launcher(Choice):
+    local = "local"
+    slurm = "slurm"
+
+
+class Schedule(Choice):
+    constant = "constant"
+    linear = "linear"
+
+
+class Device(Choice):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class ResumeMode(Choice):
+    never = "never"
+    auto = "auto"
+
+
+class Objective(Choice):
+    loss = "loss"
+    accuracy = "accuracy"
 
 
 @dataclass
@@ -36,13 +141,13 @@ class ModelConfig:
     """
 
     name: str = MISSING
-    source: str = MISSING
+    source: ModelSource = MISSING
     path: Optional[str] = None
-    arch: str = "llama"
+    arch: Arch = Arch.llama
     arch_config: Dict[str, Any] = field(default_factory=dict)
     init_seed: int = 0
     tokenizer: Optional[str] = None
-    dtype: str = "float32"
+    dtype: DType = DType.float32
 
 
 @dataclass
@@ -84,7 +189,7 @@ class AGZOConfig:
 
     rank: int = 1
     power_iters: int = 3
-    tied_embeddings: str = "freeze"
+    tied_embeddings: TiedEmbeddings = TiedEmbeddings.freeze
 
 
 @dataclass
@@ -93,11 +198,11 @@ class EstimatorConfig:
     LoRA-FA with every query and sign of a rank in one batched forward) or `agzo`
     (activation-guided subspace perturbations, one-sided)."""
 
-    name: str = MISSING
+    name: EstimatorName = MISSING
     eps: float = 1e-3
     q: int = 1
-    difference: str = "central"
-    distribution: str = "gaussian"
+    difference: Difference = Difference.central
+    distribution: Distribution = Distribution.gaussian
     prge: PRGEConfig = field(default_factory=PRGEConfig)
     agzo: AGZOConfig = field(default_factory=AGZOConfig)
 
@@ -111,7 +216,7 @@ class PeftConfig:
     prefix: `prefix_tokens` trainable key/value vectors prepended at every attention layer,
       initialised from the real keys and values of random vocabulary tokens (MeZO appendix E.5)."""
 
-    method: str = "none"
+    method: PeftMethod = PeftMethod.none
     r: int = 8
     alpha: float = 16.0
     targets: List[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
@@ -125,9 +230,9 @@ class OffloadConfig:
     the compute device through `slots` reusable device buffers; transfer_dtype (bfloat16/float16)
     moves blocks at reduced precision while the host keeps the full-precision master."""
 
-    mode: str = "none"
+    mode: OffloadMode = OffloadMode.none
     slots: int = 3
-    transfer_dtype: Optional[str] = None
+    transfer_dtype: Optional[TransferDType] = None
 
 
 @dataclass
@@ -199,13 +304,13 @@ class LoggerConfig:
       upload later with `wandb sync <run dir>/wandb/offline-run-*`. The WANDB_MODE environment
       variable, when set, overrides mode. No API key is ever read or written by distzo."""
 
-    name: str = "none"
+    name: LoggerName = LoggerName.none
     project: str = "distzo"
     entity: Optional[str] = None
     group: Optional[str] = None
     run_name: Optional[str] = None  # null: the run directory's name
     tags: List[str] = field(default_factory=list)
-    mode: str = "offline"
+    mode: WandbMode = WandbMode.offline
 
 
 @dataclass
@@ -219,7 +324,7 @@ class SweepConfig:
       source tree) and extra sbatch options (e.g. [--partition=gpu, --account=proj]).
     progress_every_s: seconds between progress lines while a job runs."""
 
-    launcher: str = "local"
+    launcher: Launcher = Launcher.local
     nodes: int = 1
     sbatch: str = "sbatch"
     script: Optional[str] = None
@@ -232,9 +337,9 @@ class OptimConfig:
     """ZO-SGD: theta -= lr * (sum_k c_k z_k + weight_decay * theta), with c_k the estimator's
     coefficients (for SPSA, c_k = g_k / q)."""
 
-    lr: float = 1e-5
+    lr: float = 2e-5
     weight_decay: float = 0.0
-    schedule: str = "constant"
+    schedule: Schedule = Schedule.constant
     warmup_steps: int = 0
 
 
@@ -261,34 +366,14 @@ class Config:
     eval_batch_size: int = 32
     log_every: int = 10
     threads: Optional[int] = None
-    device: str = "auto"
+    device: Device = Device.auto
     save_final: bool = True
     mesh: str = "1x1"
     replica_check_every: int = 50
     dist_timeout_s: float = 600.0
-    resume: str = "never"
+    resume: ResumeMode = ResumeMode.never
     max_nonfinite_steps: int = 3
-    objective: str = "loss"
-
-
-MODEL_SOURCES = ("smollm2-wheel", "random", "local")
-RANDOM_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "opt")
-DTYPES = ("float32", "float64", "bfloat16", "float16")
-DATASETS = ("mr-polarity", "synthetic-cue")
-ESTIMATORS = ("mezo", "prge", "agzo")
-PEFT_METHODS = ("none", "lora", "lora_fa", "prefix")
-OBJECTIVES = ("loss", "accuracy")
-TIED_EMBEDDING_POLICIES = ("freeze", "dense")
-DIFFERENCES = ("central", "forward")
-DISTRIBUTIONS = ("gaussian", "rademacher")
-SCHEDULES = ("constant", "linear")
-DEVICES = ("auto", "cpu", "cuda")
-OFFLOAD_MODES = ("none", "cpu")
-RESUME_MODES = ("never", "auto")
-TRANSFER_DTYPES = ("bfloat16", "float16")
-LOGGERS = ("none", "wandb")
-WANDB_MODES = ("offline", "online", "disabled")
-LAUNCHERS = ("local", "slurm")
+    objective: Objective = Objective.loss
 
 
 def register_configs() -> None:
@@ -317,168 +402,3 @@ def compose_config(overrides: Sequence[str] = (), with_hydra: bool = False) -> A
         overrides = [o for o in overrides if not o.lstrip("+~").startswith("hydra")]
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3", job_name="distzo"):
         return compose(config_name="config", overrides=list(overrides), return_hydra_config=with_hydra)
-
-
-def _choice(value: str, key: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{key}={value!r} is not supported; use one of: {', '.join(allowed)}")
-
-
-def _positive(value: float, key: str, *, allow_zero: bool = False) -> None:
-    if value < 0 or (value == 0 and not allow_zero):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ConfigError(f"{key}={value} is out of range; it must be {bound}")
-
-
-def _check_local_model(path: str) -> None:
-    import json
-
-    from .models.adapters import ADAPTERS
-
-    try:
-        model_type = json.loads(Path(path, "config.json").read_text()).get("model_type")
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"model.path={path!r}: cannot read config.json ({exc})") from None
-    if model_type not in ADAPTERS:
-        raise ConfigError(f"model.path={path!r} holds a {model_type!r} model, which is not supported yet; "
-                          f"supported: {', '.join(sorted(ADAPTERS))}")
-
-
-def validate(cfg: Any, check_world: bool = True) -> None:
-    """Check a composed config before any model or data is loaded. Raises ConfigError.
-    check_world=False skips the mesh-vs-processes check (for commands that start no mesh)."""
-    m = cfg.model
-    _choice(m.source, "model.source", MODEL_SOURCES)
-    _choice(m.dtype, "model.dtype", DTYPES)
-    if m.tokenizer not in (None, "smollm2") and not os.path.isdir(os.path.expanduser(str(m.tokenizer))):
-        raise ConfigError(f"model.tokenizer={m.tokenizer!r} is neither 'smollm2' nor an existing folder")
-    if m.path and m.source != "local":
-        raise ConfigError(f"model.path={m.path!r} is only read by model=hf (a local folder); the {m.name} preset "
-                          f"ignores it. Use model=hf model.path={m.path}")
-    if m.source == "local":
-        if not m.path:
-            raise ConfigError("model=hf needs a folder: add model.path=/path/to/a/transformers/model")
-        path = os.path.expanduser(str(m.path))
-        if not os.path.isdir(path):
-            raise ConfigError(
-                f"model.path={m.path!r} does not exist or is not a folder; pass the folder of a "
-                "local transformers causal LM (config.json plus weights)"
-            )
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            raise ConfigError(
-                f"model.path={m.path!r} has no config.json; it must be a transformers model folder "
-                "(as written by save_pretrained)"
-            )
-        _check_local_model(path)
-    if m.source == "random":
-        _choice(m.arch, "model.arch", RANDOM_ARCHS)
-        import torch
-
-        from .models.loading import random_model
-
-        # Built on the meta device (no memory, instant): shape errors surface here, not mid-run.
-        random_model(m.arch, 1024, dict(m.arch_config), 0, getattr(torch, m.dtype), device="meta")
-
-    t = cfg.task
-    _choice(t.dataset, "task.dataset", DATASETS)
-    if "{sentence}" not in t.template:
-        raise ConfigError(f"task.template={t.template!r} must contain the placeholder {{sentence}}")
-    try:
-        t.template.format(sentence="x")
-    except (KeyError, IndexError, ValueError) as exc:
-        raise ConfigError(f"task.template={t.template!r}: {{sentence}} must be its only placeholder; write "
-                          f"literal braces as {{{{ and }}}} ({type(exc).__name__}: {exc})") from None
-    if len(t.label_words) < 2:
-        raise ConfigError("task.label_words needs at least two label words (one per class)")
-    for key in ("val_size", "test_size", "max_length", "num_examples"):
-        _positive(getattr(t, key), f"task.{key}")
-    if t.train_size is not None:
-        _positive(t.train_size, "task.train_size")
-
-    e = cfg.estimator
-    _choice(e.name, "estimator.name", ESTIMATORS)
-    _choice(e.difference, "estimator.difference", DIFFERENCES)
-    _choice(e.distribution, "estimator.distribution", DISTRIBUTIONS)
-    _positive(e.eps, "estimator.eps")
-    if e.q < 1:
-        raise ConfigError(f"estimator.q={e.q} is out of range; it must be >= 1")
-    _choice(e.agzo.tied_embeddings, "estimator.agzo.tied_embeddings", TIED_EMBEDDING_POLICIES)
-    if e.agzo.rank < 1:
-        raise ConfigError(f"estimator.agzo.rank={e.agzo.rank} is out of range; it must be >= 1")
-    _positive(e.agzo.power_iters, "estimator.agzo.power_iters", allow_zero=True)
-    _choice(cfg.objective, "objective", OBJECTIVES)
-
-    pe = cfg.peft
-    _choice(pe.method, "peft.method", PEFT_METHODS)
-    _positive(pe.r, "peft.r")
-    _positive(pe.prefix_tokens, "peft.prefix_tokens")
-    if pe.method in ("lora", "lora_fa") and not pe.targets:
-        raise ConfigError(f"peft={pe.method} needs at least one target layer name in peft.targets (e.g. [q_proj,v_proj])")
-    if e.name == "prge" and pe.method != "lora_fa":
-        raise ConfigError(f"estimator=prge perturbs LoRA-FA's B matrices only; add peft=lora_fa (now peft={pe.method})")
-    if e.name == "prge" and e.difference != "central":
-        raise ConfigError("estimator=prge evaluates + and - of every query in one forward; it needs "
-                          "estimator.difference=central")
-    if e.name == "agzo" and e.difference != "forward":
-        raise ConfigError("estimator=agzo is one-sided (AGZO Algorithm 2); it needs estimator.difference=forward")
-    if e.name == "agzo" and e.distribution != "gaussian":
-        raise ConfigError("estimator=agzo draws Gaussian R and dense noise; it needs estimator.distribution=gaussian")
-
-    off = cfg.offload
-    _choice(off.mode, "offload.mode", OFFLOAD_MODES)
-    if off.slots < 1:
-        raise ConfigError(f"offload.slots={off.slots} is out of range; it must be >= 1 (3 overlaps upload, "
-                          "compute and write-back)")
-    if off.transfer_dtype is not None:
-        _choice(off.transfer_dtype, "offload.transfer_dtype", TRANSFER_DTYPES)
-        if off.mode == "none":
-            raise ConfigError("offload.transfer_dtype only applies to offloaded blocks; add offload=cpu")
-    if off.mode != "none" and (e.name != "mezo" or pe.method != "none"):
-        what = f"estimator={e.name}" if e.name != "mezo" else f"peft={pe.method}"
-        raise ConfigError(f"offload={off.mode} streams full-parameter blocks for estimator=mezo only; {what} "
-                          "is not supported with offloading yet: use offload=none")
-
-    _choice(cfg.logger.name, "logger.name", LOGGERS)
-    _choice(cfg.logger.mode, "logger.mode", WANDB_MODES)
-    _choice(cfg.sweep.launcher, "sweep.launcher", LAUNCHERS)
-    _positive(cfg.sweep.nodes, "sweep.nodes")
-    _positive(cfg.sweep.progress_every_s, "sweep.progress_every_s")
-
-    o = cfg.optim
-    _choice(o.schedule, "optim.schedule", SCHEDULES)
-    _positive(o.lr, "optim.lr", allow_zero=True)
-    _positive(o.weight_decay, "optim.weight_decay", allow_zero=True)
-    _positive(o.warmup_steps, "optim.warmup_steps", allow_zero=True)
-
-    _positive(cfg.steps, "steps", allow_zero=True)
-    _positive(cfg.batch_size, "batch_size")
-    _positive(cfg.eval_batch_size, "eval_batch_size")
-    _positive(cfg.eval_every, "eval_every", allow_zero=True)
-    _positive(cfg.log_every, "log_every")
-    if cfg.threads is not None:
-        _positive(cfg.threads, "threads")
-    if cfg.seed is not None and not 0 <= cfg.seed < 2**63:
-        raise ConfigError(f"seed={cfg.seed} is out of range; use 0 <= seed < 2**63, or seed=null to draw one")
-    _choice(cfg.device, "device", DEVICES)
-    _positive(cfg.replica_check_every, "replica_check_every", allow_zero=True)
-    _choice(cfg.resume, "resume", RESUME_MODES)
-    _positive(cfg.max_nonfinite_steps, "max_nonfinite_steps")
-    _positive(cfg.checkpoint.every, "checkpoint.every", allow_zero=True)
-    _positive(cfg.checkpoint.keep, "checkpoint.keep")
-    _choice(str(cfg.engine.fuse_update).lower(), "engine.fuse_update", ("auto", "true", "false"))
-    _choice(str(cfg.engine.divide_work).lower(), "engine.divide_work", ("auto", "true", "false"))
-    _choice(str(cfg.engine.native).lower(), "engine.native", ("auto", "true", "false"))
-    _positive(cfg.engine.row_tokens, "engine.row_tokens")
-    _positive(cfg.bench.warmup, "bench.warmup")  # the training peak is taken over the warm-up steps
-    _choice(str(cfg.bench.single_rank).lower(), "bench.single_rank", ("auto", "true", "false"))
-    _positive(cfg.bench.steps, "bench.steps")
-    _positive(cfg.dist_timeout_s, "dist_timeout_s")
-    try:
-        shape = MeshShape.parse(cfg.mesh)
-        if check_world:
-            shape.check_world(launched_world_size())
-    except MeshError as exc:
-        raise ConfigError(str(exc)) from None
-    if cfg.batch_size < shape.data:
-        raise ConfigError(f"batch_size={cfg.batch_size} is smaller than the data-parallel degree D={shape.data} "
-                          f"of mesh={cfg.mesh}; every data rank needs at least one example")

@@ -9,6 +9,10 @@ class DistzoError(Exception):
     """A problem the user can fix; the message names it and the fix."""
 
 
+class ConfigError(DistzoError):
+    """A configuration value that cannot work; the message says which and how to fix it."""
+
+
 def write_error_line(message: str) -> None:
     """Print `distzo: error: <message>` on stderr as ONE write of one line.
 

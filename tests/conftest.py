@@ -22,10 +22,19 @@ def tokenizer():
 
 
 def make_config(*overrides: str):
-    """A composed, validated run config, as the CLI would build it."""
-    from distzo.config import compose_config, validate
+    """A composed, validated run config, as the CLI would build it (composition errors raised as the
+    ConfigError line the CLI prints)."""
+    from distzo.__main__ import explain
+    from distzo.config import compose_config
+    from distzo.errors import ConfigError
+    from distzo.validation import validate
 
-    cfg = compose_config(list(overrides))
+    try:
+        cfg = compose_config(list(overrides))
+    except ConfigError:
+        raise
+    except Exception as exc:  # Hydra's and OmegaConf's composition errors
+        raise ConfigError(explain(exc)) from None
     validate(cfg)
     return cfg
 

@@ -11,7 +11,7 @@ import random
 from dataclasses import dataclass
 from importlib import resources
 
-from ..config import ConfigError
+from ..errors import ConfigError
 
 
 @dataclass(frozen=True)

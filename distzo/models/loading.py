@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ..config import ConfigError
+from ..errors import ConfigError
 from .assets import smollm2_folder
 
 log = logging.getLogger(__name__)

@@ -51,7 +51,14 @@ def folders(tmp_path_factory):
     r = run_forked(1, ["train", "model=tiny", "task=synthetic-cue", "steps=2", "checkpoint.every=2", "eval_every=0",
                        "task.val_size=16", "task.test_size=16", f"hydra.run.dir={other}"], cwd=root, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    return {"$GPT2": str(gpt2), "$USED_RUN": str(used), "$OTHER_RUN": str(other), "$EMPTY_DIR": str(empty)}
+    no_weights = root / "no-weights"  # a llama config and nothing else
+    no_weights.mkdir()
+    (no_weights / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    bad_config = root / "bad-config"
+    bad_config.mkdir()
+    (bad_config / "config.json").write_text('{"model_type": "llama", ')  # cut off mid-write
+    return {"$GPT2": str(gpt2), "$USED_RUN": str(used), "$OTHER_RUN": str(other), "$EMPTY_DIR": str(empty),
+            "$NO_WEIGHTS": str(no_weights), "$BAD_CONFIG": str(bad_config)}
 
 
 def run(text: str, cwd: Path) -> tuple[subprocess.CompletedProcess, int]:
@@ -88,6 +95,12 @@ def test_documented_error(tmp_path, folders, mistake, cmd, message):
     assert len(ours) == ranks, r.stderr[-3000:]
     for line in ours:
         assert pattern.match(line), f"\n got: {line}\nwant: {message}"
+    if ranks == 1:  # one line and nothing else: no traceback, and no run directory left behind
+        assert "Traceback" not in r.stderr, r.stderr[-3000:]
+        assert not (tmp_path / "multirun").exists()
+        # (a run that started training keeps its directory: its snapshot is how it resumes)
+        left = [p for p in (tmp_path / "outputs").glob("*/*") if not (p / "metrics.jsonl").exists()]
+        assert not left and (not (tmp_path / "outputs").exists() or any((tmp_path / "outputs").glob("*/*"))), left
 
 
 def test_error_lines_of_several_processes_never_share_a_line(tmp_path):

@@ -1,0 +1,182 @@
+"""Checks of a composed configuration that its types cannot express, before anything loads.
+
+Every number of the configuration is checked: floats must be finite (NaN and infinity pass every
+comparison they are not meant to), and each key has its range. Files the run will read are checked
+for existence and readability, with one line naming the path and the fix. Raises `ConfigError`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Iterator
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from .dist.shape import MeshError, MeshShape, launched_world_size
+from .errors import ConfigError
+
+# key -> its bound: "> 0", ">= 0" or ">= 1". Every numeric key of the schema is listed (a test checks
+# that); `seed` has a range of its own.
+RANGES: dict[str, str] = {
+    "model.init_seed": ">= 0",
+    "task.val_size": "> 0", "task.test_size": "> 0", "task.train_size": "> 0", "task.split_seed": ">= 0",
+    "task.max_length": "> 0", "task.num_examples": "> 0",
+    "estimator.eps": "> 0", "estimator.q": ">= 1", "estimator.agzo.rank": ">= 1", "estimator.agzo.power_iters": ">= 0",
+    "peft.r": "> 0", "peft.alpha": "> 0", "peft.prefix_tokens": "> 0", "peft.init_seed": ">= 0",
+    "offload.slots": ">= 1",
+    "checkpoint.every": ">= 0", "checkpoint.keep": "> 0",
+    "engine.row_tokens": "> 0",
+    "bench.warmup": "> 0", "bench.steps": "> 0",  # the training peak is taken over the warm-up steps
+    "sweep.nodes": "> 0", "sweep.progress_every_s": "> 0",
+    "optim.lr": ">= 0", "optim.weight_decay": ">= 0", "optim.warmup_steps": ">= 0",
+    "steps": ">= 0", "batch_size": "> 0", "eval_every": ">= 0", "eval_batch_size": "> 0", "log_every": "> 0",
+    "threads": "> 0", "replica_check_every": ">= 0", "dist_timeout_s": "> 0", "max_nonfinite_steps": "> 0",
+}
+SWITCHES = ("engine.fuse_update", "engine.divide_work", "engine.native", "bench.single_rank")
+SWITCH_VALUES = ("auto", "true", "false")
+ENCODER_ONLY = ("bert", "roberta", "deberta", "deberta-v2", "distilbert", "electra", "albert", "xlm-roberta",
+                "t5", "mt5", "bart", "mbart", "pegasus", "marian", "whisper", "vit")
+
+
+def _numbers(node: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """(dotted key, value) of every number in a config tree (bools excluded)."""
+    if isinstance(node, DictConfig):
+        for key in node:
+            if key == "hydra":
+                continue
+            try:
+                value = node[key]
+            except Exception:  # a value that needs Hydra's runtime to resolve (${now:...})
+                continue
+            yield from _numbers(value, f"{prefix}{key}.")
+    elif isinstance(node, ListConfig):
+        for i, value in enumerate(node):
+            yield from _numbers(value, f"{prefix}{i}.")
+    elif isinstance(node, (int, float)) and not isinstance(node, bool):
+        yield prefix[:-1], node
+
+
+def check_numbers(cfg: Any) -> None:
+    """Every float finite; every key of RANGES within its range."""
+    for key, value in _numbers(cfg):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{key}={value} is not a finite number; give a finite value")
+    for key, bound in RANGES.items():
+        value = OmegaConf.select(cfg, key)
+        if value is None:
+            continue
+        ok = value > 0 if bound == "> 0" else value >= (0 if bound == ">= 0" else 1)
+        if not ok:
+            raise ConfigError(f"{key}={value} is out of range; it must be {bound}")
+    if cfg.seed is not None and not 0 <= cfg.seed < 2**63:
+        raise ConfigError(f"seed={cfg.seed} is out of range; use 0 <= seed < 2**63, or seed=null to draw one")
+
+
+def _readable_dir(path: str, key: str, what: str) -> Path:
+    folder = Path(os.path.expanduser(path))
+    if not folder.is_dir():
+        raise ConfigError(f"{key}={path!r} does not exist or is not a folder; pass the folder of {what}")
+    if not os.access(folder, os.R_OK | os.X_OK):
+        raise ConfigError(f"{key}={path!r} is not readable by this user; fix its permissions or copy it elsewhere")
+    return folder
+
+
+def check_local_model(path: str) -> None:
+    """A transformers causal-LM folder: config.json readable and valid, a causal-LM architecture,
+    weights present."""
+    folder = _readable_dir(path, "model.path", "a local transformers causal LM (config.json plus weights)")
+    config = folder / "config.json"
+    if not config.is_file():
+        raise ConfigError(f"model.path={path!r} has no config.json; it must be a transformers model folder "
+                          "(as written by save_pretrained)")
+    try:
+        model_type = json.loads(config.read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise ConfigError(f"model.path={path!r}: cannot read config.json ({exc}); it must be the JSON that "
+                          "save_pretrained writes") from None
+    if model_type in ENCODER_ONLY:
+        raise ConfigError(f"model.path={path!r} holds a {model_type!r} model, which is not a decoder-only causal LM; "
+                          "distzo fine-tunes AutoModelForCausalLM models")
+    from .models.adapters import ADAPTERS
+
+    if model_type not in ADAPTERS:
+        raise ConfigError(f"model.path={path!r} holds a {model_type!r} model, which is not supported yet; "
+                          f"supported: {', '.join(sorted(ADAPTERS))}")
+    if not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin")):
+        raise ConfigError(f"model.path={path!r} has no weights (*.safetensors or *.bin); save the model with "
+                          "save_pretrained into that folder")
+
+
+def validate(cfg: Any, check_world: bool = True) -> None:
+    """Check a composed config before any model or data is loaded. Raises ConfigError.
+    check_world=False skips the mesh-vs-processes check (for commands that start no mesh)."""
+    check_numbers(cfg)
+    for key in SWITCHES:
+        value = str(OmegaConf.select(cfg, key)).lower()
+        if value not in SWITCH_VALUES:
+            raise ConfigError(f"{key}={value!r} is not supported; use one of: {', '.join(SWITCH_VALUES)}")
+
+    m = cfg.model
+    if m.tokenizer not in (None, "smollm2"):
+        _readable_dir(str(m.tokenizer), "model.tokenizer", "a tokenizer (tokenizer.json or its vocabulary files), "
+                      "or 'smollm2'")
+    if m.path and m.source != "local":
+        raise ConfigError(f"model.path={m.path!r} is only read by model=hf (a local folder); the {m.name} preset "
+                          f"ignores it. Use model=hf model.path={m.path}")
+    if m.source == "local":
+        if not m.path:
+            raise ConfigError("model=hf needs a folder: add model.path=/path/to/a/transformers/model")
+        check_local_model(str(m.path))
+    if m.source == "random":
+        import torch
+
+        from .models.loading import random_model
+
+        # Built on the meta device (no memory, instant): shape errors surface here, not mid-run.
+        random_model(str(m.arch), 1024, dict(m.arch_config), 0, getattr(torch, str(m.dtype)), device="meta")
+
+    t = cfg.task
+    if "{sentence}" not in t.template:
+        raise ConfigError(f"task.template={t.template!r} must contain the placeholder {{sentence}}")
+    try:
+        t.template.format(sentence="x")
+    except (KeyError, IndexError, ValueError) as exc:
+        raise ConfigError(f"task.template={t.template!r}: {{sentence}} must be its only placeholder; write "
+                          f"literal braces as {{{{ and }}}} ({type(exc).__name__}: {exc})") from None
+    if len(t.label_words) < 2:
+        raise ConfigError("task.label_words needs at least two label words (one per class)")
+
+    e = cfg.estimator
+    pe = cfg.peft
+    if pe.method in ("lora", "lora_fa") and not pe.targets:
+        raise ConfigError(f"peft={pe.method} needs at least one target layer name in peft.targets (e.g. [q_proj,v_proj])")
+    if e.name == "prge" and pe.method != "lora_fa":
+        raise ConfigError(f"estimator=prge perturbs LoRA-FA's B matrices only; add peft=lora_fa (now peft={pe.method})")
+    if e.name == "prge" and e.difference != "central":
+        raise ConfigError("estimator=prge evaluates + and - of every query in one forward; it needs "
+                          "estimator.difference=central")
+    if e.name == "agzo" and e.difference != "forward":
+        raise ConfigError("estimator=agzo is one-sided (AGZO Algorithm 2); it needs estimator.difference=forward")
+    if e.name == "agzo" and e.distribution != "gaussian":
+        raise ConfigError("estimator=agzo draws Gaussian R and dense noise; it needs estimator.distribution=gaussian")
+
+    off = cfg.offload
+    if off.transfer_dtype is not None and off.mode == "none":
+        raise ConfigError("offload.transfer_dtype only applies to offloaded blocks; add offload=cpu")
+    if off.mode != "none" and (e.name != "mezo" or pe.method != "none"):
+        what = f"estimator={e.name}" if e.name != "mezo" else f"peft={pe.method}"
+        raise ConfigError(f"offload={off.mode} streams full-parameter blocks for estimator=mezo only; {what} "
+                          "is not supported with offloading yet: use offload=none")
+
+    try:
+        shape = MeshShape.parse(cfg.mesh)
+        if check_world:
+            shape.check_world(launched_world_size())
+    except MeshError as exc:
+        raise ConfigError(str(exc)) from None
+    if cfg.batch_size < shape.data:
+        raise ConfigError(f"batch_size={cfg.batch_size} is smaller than the data-parallel degree D={shape.data} "
+                          f"of mesh={cfg.mesh}; every data rank needs at least one example")

@@ -32,6 +32,7 @@ import logging
 import os
 import statistics
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -40,11 +41,12 @@ from torch.nn import functional as F
 
 from omegaconf import OmegaConf
 
+from .components import Components, build_components
 from .dist.mesh import Mesh
 from .dist.shape import MeshShape
 from .metrics import peak_memory_bytes, reset_peak_memory
 from .timing import Timers, WorkClock
-from .train import Components, build_components, device_kind, zo_step
+from .train import device_kind, zo_step
 from .zo.estimators import CLEAN, Evaluation
 
 log = logging.getLogger("distzo")
@@ -55,14 +57,14 @@ def _median(values: list[float]) -> float:
 
 
 def forward_baseline(c: Components, steps: range) -> list[float]:
-    """Seconds per step of the forward passes alone: the same evaluations on the same shards."""
+    """Seconds per step of the forward passes alone: as many clean evaluations as the step deals this
+    rank, on the same shards (a rank dealt none still walks the blocks where its peers need it to)."""
     mesh, times = c.mesh, []
-    n_mine = len(mesh.my_evaluations(len(c.estimator.plan())))
+    clean = [Evaluation(CLEAN, 0)] * len(c.estimator.dealt_plan())
     for step in steps:
         shard = c.task.batch("train", c.sampler.indices(step)).shard(mesh.data_rank, mesh.shape.data)
         started = time.perf_counter()
-        if n_mine:
-            c.engine.label_logits(shard, c.task.label_ids, [Evaluation(CLEAN, 0)] * n_mine, step, 0.0)
+        c.engine.evaluate(shard, clean, step)
         if mesh.device.type == "cuda":
             torch.cuda.synchronize(mesh.device)
         times.append(time.perf_counter() - started)
@@ -104,10 +106,10 @@ def mezo_reference_steps(c: Components, steps: range, lr: float, eps: float) -> 
 
     for step in steps:
         batch = c.task.batch("train", c.sampler.indices(step))
-        ids = torch.nn.utils.rnn.pad_sequence([torch.tensor(s) for s in batch.sequences], batch_first=True,
-                                              padding_value=c.task.pad_id).to(device)
-        mask = (torch.arange(ids.shape[1])[None] < torch.tensor([len(s) for s in batch.sequences])[:, None]).to(device)
-        last = torch.tensor([len(s) - 1 for s in batch.sequences], device=device)
+        prompts = [torch.tensor(s.tokens) for s in batch.sequences]
+        ids = torch.nn.utils.rnn.pad_sequence(prompts, batch_first=True, padding_value=c.task.pad_id).to(device)
+        mask = (torch.arange(ids.shape[1])[None] < torch.tensor([len(p) for p in prompts])[:, None]).to(device)
+        last = torch.tensor([len(p) - 1 for p in prompts], device=device)
         labels = batch.labels.to(device)
         started = time.perf_counter()
         seed = int(torch.randint(0, 10**9, (1,)))
@@ -128,6 +130,12 @@ def mezo_reference_steps(c: Components, steps: range, lr: float, eps: float) -> 
     return times
 
 
+def materialize(c: Components) -> None:
+    """Apply whatever update the engine still owes (every rank, together)."""
+    with c.engine.materialized():
+        pass
+
+
 def wants_single_rank(cfg, mesh: Mesh) -> bool:
     mode = str(cfg.bench.single_rank).lower()
     if mesh.world_size == 1 and mode == "true":
@@ -143,7 +151,7 @@ def single_rank_components(c: Components) -> Components | None:
     solo = None
     if c.mesh.is_main:
         cfg = OmegaConf.merge(c.cfg, {"mesh": "1x1", "engine": {"divide_work": "false"}})
-        solo, _ = build_components(cfg, Mesh(MeshShape.parse("1x1"), c.mesh.device), c.seed)
+        solo = build_components(cfg, Mesh(MeshShape.parse("1x1"), c.mesh.device), c.seed)
     c.mesh.barrier()  # the peers wait until rank 0 has built it
     return solo
 
@@ -166,8 +174,12 @@ def bench(cfg, run_dir: Path) -> dict[str, Any]:
         torch.set_num_threads(cfg.threads or torch.get_num_threads())
         run_dir = Path(mesh.broadcast_object(str(run_dir)))
         seed = mesh.broadcast_object(cfg.seed if cfg.seed is not None else 0)
-        c, _ = build_components(cfg, mesh, seed)
-        return _bench(cfg, c, run_dir)
+        clock = WorkClock() if mesh.device.type == "cpu" else None
+        c = build_components(cfg, mesh, seed, timers=Timers(True, mesh.device, clock), clock=clock)
+        try:
+            return _bench(cfg, c, run_dir)
+        finally:
+            c.close()
     finally:
         mesh.close()
 
@@ -187,13 +199,11 @@ def _bench(cfg, c: Components, run_dir: Path) -> dict[str, Any]:
     reset_peak_memory(device)
     forward_baseline(c, [*warm, *timed])
     inference_peak = peak_memory_bytes(device)  # on the timed batches, before training allocates anything
+    clock = c.engine.directions.clock
 
-    clock = WorkClock() if c.engine.directions.device.type == "cpu" else None
-    c.engine.directions.clock = clock
-    c.engine.timers = Timers(True, device, clock)
     reset_peak_memory(device)
     training_steps(c, warm)
-    c.engine.flush()
+    materialize(c)
     # The steady state: every buffer a step uses exists after the first step, and the second pays a
     # fused update. Taken before the single-rank copy (if any) adds a second model to rank 0.
     training_peak = peak_memory_bytes(device)
@@ -209,20 +219,26 @@ def _bench(cfg, c: Components, run_dir: Path) -> dict[str, Any]:
     if reference:
         log.info("bench: each round also times a step of MeZO's Algorithm 1 (bench.reference)")
         mezo_reference_steps(c, warm, lr, eps)  # its own warm-up
-    forward_times, step_times, phases, solo_times, ref_times = [], [], [], [], []
+    # On CUDA the phase timers synchronise the device at every boundary, which would serialise the
+    # streams whose overlap offloading relies on: there the timed step runs uninstrumented and the
+    # breakdown comes from the round's untimed step (the same work: it pays a fused update too).
+    cuda = device.type == "cuda"
+    forward_times, step_times, phases, breakdown_times, solo_times, ref_times = [], [], [], [], [], []
     for untimed, step in rounds:
-        c.engine.flush()
+        materialize(c)  # the forwards alone pay no owed update
         forward_times += forward_baseline(c, [step])
-        training_steps(c, [untimed])
-        t, p = training_steps(c, [step])
+        t_untimed, p_untimed = training_steps(c, [untimed])
+        with c.engine.timers.paused() if cuda else nullcontext():
+            t, p = training_steps(c, [step])
         step_times += t
-        phases += p
+        phases += p_untimed if cuda else p
+        breakdown_times += t_untimed if cuda else t
         if single:
             solo_times.append(single_rank_round(solo, mesh, untimed, step))
         if reference:
-            c.engine.flush()  # the reference reads and changes the model's weights directly
+            materialize(c)  # the reference reads and changes the model's weights directly
             ref_times += mezo_reference_steps(c, [step], lr, eps)
-    c.engine.flush()
+    materialize(c)
     log.info("bench: forward passes alone %.3f s/step, ZO step %.3f s/step", _median(forward_times),
              _median(step_times))
 
@@ -232,7 +248,7 @@ def _bench(cfg, c: Components, run_dir: Path) -> dict[str, Any]:
     forward_time = _median(forward_times)
     breakdown = {k: round(_median([p.get(k, 0.0) for p in phases]), 4)
                  for k in ("noise", "perturb", "update", "wait", "comm", "transfer")}
-    breakdown["forward"] = round(max(0.0, _median([t - sum(p.values()) for t, p in zip(step_times, phases)])), 4)
+    breakdown["forward"] = round(max(0.0, _median([t - sum(p.values()) for t, p in zip(breakdown_times, phases)])), 4)
     if clock is None:
         breakdown["noise"] = None  # drawn on the device, asynchronously, inside perturb
     result: dict[str, Any] = {

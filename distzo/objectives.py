@@ -1,14 +1,31 @@
-"""Objectives turn label-word logits into per-evaluation (loss sum, example count) pairs:
-cross-entropy (`objective=loss`) or minus accuracy (`objective=accuracy`).
+"""Objectives turn an evaluation's `Scores` into (sum, count): the quantity the estimator differences.
+
+How a batch's scores are read depends on what the task scored (`Batch.readout`):
+
+  logits       one unit per example, the label words' logits at the prompt's last token (MeZO's
+               classification head for single-token label words): cross-entropy over the label
+               words, or minus accuracy;
+  likelihoods  one unit per candidate of each example (verbalizers of any length, multiple-choice
+               options): a candidate's score is its length-normalised log-likelihood, MeZO's
+               option score; cross-entropy over the candidates' scores (MeZO's
+               `train_as_classification`), or minus accuracy;
+  tokens       teacher forcing: the summed negative log-likelihood of every target token and their
+               count (the correct candidate's or the completion's tokens only, prompt excluded), so
+               the global loss is the exact token mean over a data-parallel batch.
 
 Sums and counts, not means: ranks holding different shards add their pairs, and the ratio is then the
-exact mean over the global batch (not a mean of means).
+exact mean over the global batch (not a mean of means). The count is examples for the first two and
+tokens for `tokens`.
 """
 
 from __future__ import annotations
 
 import torch
 from torch.nn import functional as F
+
+from .scoring import Batch, Scores
+
+READOUTS = ("logits", "likelihoods", "tokens")
 
 
 def cross_entropy_sums(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -29,13 +46,40 @@ def minus_accuracy_sums(logits: torch.Tensor, labels: torch.Tensor) -> torch.Ten
     return torch.stack([-correct, torch.full_like(correct, float(B))], dim=1)
 
 
-def objective_sums(logits: torch.Tensor, labels: torch.Tensor, objective: str = "loss") -> torch.Tensor:
-    """The training objective's (sum, count) per evaluation: `loss` (cross-entropy) or `accuracy`."""
+def candidate_scores(scores: Scores, batch: Batch) -> torch.Tensor:
+    """[examples, max candidates] float64: each candidate's mean log-likelihood per token (MeZO's
+    option score); -inf pads examples with fewer candidates."""
+    per_unit = -scores.nll.double().cpu() / scores.count.double().cpu().clamp(min=1.0)
+    counts = batch.units_per_example()
+    out = torch.full((batch.size, max(counts, default=1)), float("-inf"), dtype=torch.float64)
+    start = 0
+    for e, n in enumerate(counts):
+        out[e, :n] = per_unit[start:start + n]
+        start += n
+    return out
+
+
+def class_scores(scores: Scores, batch: Batch) -> torch.Tensor:
+    """[examples, candidates]: what a prediction is the argmax of, for `logits` and `likelihoods`."""
+    if batch.readout == "logits":
+        return scores.logits.cpu()
+    return candidate_scores(scores, batch)
+
+
+def objective_sums(scores: Scores, batch: Batch, objective: str = "loss") -> torch.Tensor:
+    """[2] float64: the training objective's (sum, count) for one evaluation of `batch`: `loss` (the
+    readout's cross-entropy) or `accuracy` (minus the number correct; not for `tokens`)."""
+    if batch.readout == "tokens":
+        if objective != "loss":
+            raise ValueError(f"objective={objective} needs candidates to compare; teacher forcing has none")
+        return torch.stack([scores.nll.double().sum().cpu(), scores.count.double().sum().cpu()])
+    logits = class_scores(scores, batch)[None]
     if objective == "accuracy":
-        return minus_accuracy_sums(logits, labels)
-    return cross_entropy_sums(logits, labels)
+        return minus_accuracy_sums(logits, batch.labels)[0]
+    return cross_entropy_sums(logits, batch.labels)[0]
 
 
-def accuracy_counts(logits: torch.Tensor, labels: torch.Tensor) -> tuple[int, int]:
-    """logits [B, C] -> (correct, total)."""
-    return int((logits.argmax(dim=-1) == labels).sum()), int(labels.numel())
+def accuracy_counts(scores: Scores, batch: Batch) -> tuple[int, int]:
+    """(correct, total) of the argmax predictions of a classification or multiple-choice batch."""
+    predicted = class_scores(scores, batch).argmax(dim=-1)
+    return int((predicted == batch.labels).sum()), int(batch.labels.numel())

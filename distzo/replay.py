@@ -2,8 +2,9 @@
 
 Each logged step carries what its update needs (coefficients c_k, lr, weight decay); with the run's
 seed the directions z_k are regenerated, so the weights move exactly as they did in training, with
-no data and no forward pass. The update is the same function training calls (`apply_update`), so
-on the same device type the result is bitwise the trained weights.
+no data and no forward pass. Replay drives a resident engine through the interface training uses
+(`apply`, then `materialized`), the same catch-up `resume=auto` runs, so on the same device type the
+result is bitwise the trained weights.
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ from safetensors.torch import save_file
 
 from . import native
 from .checkpoint import CorruptSnapshot, list_snapshots, read_snapshot
-from .engine.update import PendingUpdate, apply_update
+from .components import load_weights
+from .engine import ResidentEngine
 from .errors import DistzoError
 from .jsonl import read_jsonl
-from .metrics import Progress
-from .models import load_model
+from .models import adapter_for, load_model
+from .resume import catch_up
 from .zo.directions import DIRECTIONS_VERSION, Directions, same_directions
 from .zo.params import TrainableParams
 
@@ -71,24 +73,20 @@ def replay(run_dir: Path, step: int | None = None, out: Path | None = None, devi
         from .peft import apply_peft
 
         apply_peft(model, cfg.peft)  # the same trainable set, built the same seeded way
-    model.to(device)
     params = TrainableParams.from_model(model)
-    with torch.no_grad():
-        for p in params:
-            p.tensor.copy_(tensors[p.name])
+    load_weights(params, tensors, str(base))
     directions = Directions(state["seed"], state["distribution"], torch.device(device),
                             kernels=native.load("auto", device))
+    model.to(device)
+    engine = ResidentEngine(model, adapter_for(model), params, directions)
     log.info("Replaying steps %d..%d of %s from %s", state["step"] + 1, target, run_dir, base.name)
-    progress = Progress("replay step", len(todo))
-    for i, r in enumerate(todo):
-        if not r.get("skipped"):
-            u = PendingUpdate(r["update"], tuple(tuple(c) for c in r["coefficients"]), r["lr"], r["weight_decay"])
-            apply_update(directions, [(p, p.tensor) for p in params], u)
-        progress.update(i + 1)
+    catch_up(engine, todo, 0, show=True)
+    with engine.materialized() as weights:
+        result = {p.name: p.tensor.detach().cpu().contiguous() for p in weights.params}
     directions.close()
     out = Path(out) if out else run_dir / "replay" / f"step-{target:08d}.safetensors"
     out.parent.mkdir(parents=True, exist_ok=True)
-    save_file({p.name: p.tensor.detach().cpu().contiguous() for p in params}, out, metadata={"step": str(target)})
+    save_file(result, out, metadata={"step": str(target)})
     log.info("Wrote the weights after step %d to %s", target, out)
     return out
 

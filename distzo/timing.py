@@ -74,6 +74,15 @@ class Timers:
             self.totals[name] += wall * (1.0 - share)
             self._depth -= 1
 
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Nothing is timed inside (no CUDA synchronisation either)."""
+        enabled, self.enabled = self.enabled, False
+        try:
+            yield
+        finally:
+            self.enabled = enabled
+
     def take(self) -> dict[str, float]:
         """The totals since the last take, then reset."""
         out = dict(self.totals)

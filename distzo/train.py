@@ -1,22 +1,20 @@
-"""The training driver: DESIGN §2's step, top to bottom.
+"""The training driver: the step of docs/architecture.md#one-step, top to bottom.
 
-    batch -> plan -> my evaluations on my shard -> exchange (loss sum, count) -> projected
-    gradients -> identical update on every rank -> log -> (snapshot)
+    batch -> plan -> my evaluations on my shard -> exchange (sum, count) -> projected gradients ->
+    identical update on every rank -> log -> (snapshot, evaluation)
 
-Everything the loop needs is built once by `build_run` (including, with resume=auto, the newest
-valid snapshot); `_train` is the loop itself. On a PxD mesh each rank runs the evaluations dealt to
-its perturbation index on the shard of the global batch given to its data index; only scalars are
-exchanged, and every rank applies the same update.
+`start_run` builds everything once (resuming where an interrupted run left off, resume=auto);
+`_train` is the loop. On a PxD mesh each rank runs the evaluations dealt to its perturbation index on
+the shard of the global batch given to its data index; only scalars are exchanged, and every rank
+applies the same update. How the engine runs its part (resident, offloaded, divided, batched) is
+not the driver's concern.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import math
 import secrets
-import shutil
 import statistics
 import time
 from dataclasses import dataclass
@@ -24,27 +22,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import OmegaConf
 
-from .checkpoint import (atomic_write_json, newest_valid_snapshot, read_snapshot, save_final, snapshots_dir,
-                         write_snapshot)
-from .data.tasks import ClassificationTask, TrainSampler
+from .checkpoint import atomic_write_json, save_final
+from .components import Components, build_components
 from .dist.consistency import check_replicas
 from .dist.mesh import Mesh
-from .engine import StagedEngine, build_engine, division_applies
 from .errors import DistzoError
-from .jsonl import JsonlWriter, truncate_after
+from .evaluation import Evaluator
+from .jsonl import JsonlWriter
 from .metrics import MetricsWriter, Progress, format_duration, peak_memory_bytes, peak_rss_bytes
-from . import native
-from .models import adapter_for, load_model
-from .objectives import accuracy_counts, cross_entropy_sums, objective_sums
-from .peft import apply_peft
+from .objectives import objective_sums
+from .resume import Checkpointer, ResumePoint, catch_up, check_identity, find_resume_point, truncate_logs
+from .signals import StopRequests, Stopped
 from .sinks import open_sinks
-from .zo.directions import DIRECTIONS_VERSION, Directions, same_directions
-from .zo.estimators import Estimator, build_estimator
-from .zo.params import TrainableParams
+from .zo.directions import DIRECTIONS_VERSION
 from .zo.schedule import learning_rate
-from .zo.subspace import ActivationCapture, SubspaceDirections
 
 log = logging.getLogger("distzo")
 
@@ -54,31 +46,21 @@ class TrainingError(DistzoError):
 
 
 @dataclass
-class Components:
-    """What any run of a configuration needs, built once (training, benchmarking)."""
-
-    cfg: Any
-    mesh: Mesh
-    seed: int
-    model: torch.nn.Module
-    tokenizer: Any
-    task: ClassificationTask
-    params: TrainableParams
-    engine: StagedEngine
-    estimator: Estimator
-    sampler: TrainSampler
-    capture: ActivationCapture | None = None  # AGZO: the clean forward's activation bases
-
-
-@dataclass
 class Run(Components):
     """A training run: the components plus its directory, logs and resume point."""
 
     run_dir: Path = Path(".")
-    start_step: int = 0  # updates already done (0, or the resumed snapshot's step)
+    start_step: int = 0  # updates already done (0, or where a resumed run continues)
     nonfinite_in_a_row: int = 0  # consecutive skipped steps before start_step
     metrics: MetricsWriter | None = None
     trajectory: JsonlWriter | None = None
+    checkpoints: Checkpointer | None = None
+    evaluator: Evaluator | None = None
+
+    def close(self) -> None:
+        self.metrics.close()
+        self.trajectory.close()
+        super().close()
 
 
 @dataclass
@@ -89,99 +71,28 @@ class StepOutcome:
     lr: float
 
 
-def build_components(cfg, mesh: Mesh, seed: int, snapshot: Path | None = None) -> tuple[Components, int]:
-    """Model, task, trainable set, engine, estimator and sampler; loads a snapshot's weights when
-    given one. Returns the components and the snapshot's step (0 without one)."""
-    kernels = native.load(cfg.engine.native, mesh.device)  # None: torch ops (same values); first, it may fail
-    model, tokenizer = load_model(cfg.model)
-    task = ClassificationTask(cfg.task, tokenizer)
-    est = cfg.estimator
-    apply_peft(model, cfg.peft)  # freezes the model and adds the adapter's parameters (peft != none)
-    if est.name == "agzo" and est.agzo.tied_embeddings == "freeze":
-        freeze_tied_embeddings(model)
-    params = TrainableParams.from_model(model)
-    if len(params) == 0:
-        raise TrainingError("nothing to train: every parameter is frozen (check peft and estimator.agzo.tied_embeddings)")
-    step = load_snapshot_into(params, snapshot) if snapshot is not None else 0
-    agzo = est.name == "agzo"
-    directions = (SubspaceDirections if agzo else Directions)(seed, est.distribution, mesh.device, kernels=kernels)
-    estimator = build_estimator(est)
-    divide = work_division(cfg, mesh, estimator)
-    engine = build_engine(cfg, model, adapter_for(model), params, directions, mesh.node, divide)  # places the model
-    if estimator.batched:
-        engine.stacked_lora = "materialize" if est.prge.materialize else "on_the_fly"
-    capture = ActivationCapture(model, params, directions, est.agzo.rank, est.agzo.power_iters) if agzo else None
-    return Components(cfg, mesh, seed, model, tokenizer, task, params, engine, estimator,
-                      TrainSampler(task.size("train"), cfg.batch_size, seed), capture), step
-
-
-def freeze_tied_embeddings(model: torch.nn.Module) -> None:
-    """AGZO's tied-embedding policy `freeze`: a token embedding that is also the LM head trains
-    neither as a table (dense noise over every row would swamp the subspace directions' advantage)
-    nor as a linear layer (the head is read by label rows, so it has no input activations here)."""
-    head = model.get_output_embeddings()
-    embed = model.get_input_embeddings()
-    if head is not None and embed is not None and head.weight is embed.weight:
-        embed.weight.requires_grad_(False)
-
-
-def valid_tokens(batch, row_tokens: int) -> torch.Tensor:
-    """[rows, cols] bool: True at the real tokens of the packed batch (row tails are padding)."""
-    packed = batch.pack(row_tokens)
-    rows, cols = packed.input_ids.shape
-    ends = torch.zeros(rows, dtype=torch.long).scatter_reduce(0, packed.last_row, packed.last_col + 1, "amax")
-    return torch.arange(cols)[None, :] < ends[:, None]
-
-
-def work_division(cfg, mesh: Mesh, estimator: Estimator) -> bool:
-    """Whether the node's ranks share the master and divide noise and update work (engine.divide_work)."""
-    mode = str(cfg.engine.divide_work).lower()
-    if mode == "false":
-        return False
-    why = None
-    if not mesh.node.shared:
-        why = "this process has no peers on its machine"
-    elif mesh.device.type != "cpu":
-        why = "it divides host-side work (CPU runs only)"
-    elif cfg.offload.mode != "none":
-        why = "offloaded runs divide the update by slices already (comm.sliced)"
-    elif cfg.estimator.name != "mezo" or cfg.peft.method != "none":
-        why = "it serves full-parameter estimator=mezo (other estimators and trainable sets evaluate their own way)"
-    elif not division_applies(estimator.plan(), mesh.shape.pert):
-        why = f"a perturbation rank of mesh {mesh.shape} would have no perturbed evaluation in the estimator's plan"
-    if why is not None and mode == "true":
-        raise TrainingError(f"engine.divide_work=true cannot apply: {why}; use engine.divide_work=auto")
-    return why is None
-
-
 def zo_step(c: Components, step: int) -> StepOutcome:
-    """One ZO-SGD step on the mesh (DESIGN §2); every rank returns the same outcome."""
-    cfg, mesh, engine = c.cfg, c.mesh, c.engine
-    batch = c.task.batch("train", c.sampler.indices(step))                   # the global batch
-    shard = batch.shard(mesh.data_rank, mesh.shape.data)                      # my data shard
-    plan = c.estimator.plan()                                                  # every forward
-    shared = [i for i, ev in enumerate(plan) if c.estimator.shared_clean and not ev.perturbed]
-    dealt = [i for i in range(len(plan)) if i not in shared]
-    mine = [dealt[j] for j in mesh.my_evaluations(len(dealt))]                 # dealt over P
-    local = torch.zeros(len(plan), 2, dtype=torch.float64)
-    if shared:                                                                 # AGZO: every rank, global batch
-        with c.capture.capture(step, valid_tokens(batch, engine.row_tokens)):  # -> the step's bases
-            logits = engine.label_logits(batch, c.task.label_ids, [plan[i] for i in shared], step, 0.0)
-        if mesh.rank == 0:                                                     # counted once in the exchange
-            local[shared] = objective_sums(logits.cpu(), batch.labels, cfg.objective)
-    if mine or engine.collective_blocks:                                       # (sliced: walk with peers)
-        node_plan = [plan[dealt[j]] for j in mesh.node_evaluations(len(dealt))]  # (work division)
-        logits = engine.label_logits(shard, c.task.label_ids, [plan[i] for i in mine], step, c.estimator.eps,
-                                     node_plan=node_plan)
-        local[mine] = objective_sums(logits.cpu(), shard.labels, cfg.objective)  # (loss sum, count)
+    """One ZO-SGD step on the mesh; every rank returns the same outcome."""
+    cfg, mesh, engine, estimator = c.cfg, c.mesh, c.engine, c.estimator
+    batch = c.task.batch("train", c.sampler.indices(step))                  # the global batch
+    shard = batch.shard(mesh.data_rank, mesh.shape.data)                     # my data shard
+    plan = estimator.dealt_plan()                                            # every forward dealt over P
+    local = torch.zeros(len(plan) + estimator.shared_clean, 2, dtype=torch.float64)
+    if estimator.shared_clean:                                               # AGZO: bases from a clean forward
+        with c.capture.capture(step, batch.pack(engine.row_tokens).real), engine.materialized() as weights:
+            scores = weights.score(batch)                                    # every rank, the global batch
+        if mesh.rank == 0:                                                   # counted once in the exchange
+            local[0] = objective_sums(scores, batch, cfg.objective)
+    for i, scores in engine.evaluate(shard, plan, step).items():             # my evaluations, on my shard
+        local[i + estimator.shared_clean] = objective_sums(scores, shard, cfg.objective)
     with engine.timers("comm"):
-        sums = mesh.exchange(local)                                            # global, on every rank
+        sums = mesh.exchange(local)                                          # global, on every rank
     losses = sums[:, 0] / sums[:, 1]
     lr = learning_rate(step, cfg.optim.lr, cfg.steps, cfg.optim.schedule, cfg.optim.warmup_steps)
-    if not torch.isfinite(losses).all():                                       # skip, never update
+    if not torch.isfinite(losses).all():                                     # skip, never update
         return StepOutcome(batch, losses, None, lr)
-    result = c.estimator.combine(losses)                                       # projected gradients
-    engine.update(step, result.coefficients, lr, cfg.optim.weight_decay)     # same on every rank
+    result = estimator.combine(losses)                                       # projected gradients
+    engine.apply(step, result.coefficients, lr, cfg.optim.weight_decay)      # same on every rank
     return StepOutcome(batch, losses, result, lr)
 
 
@@ -189,6 +100,7 @@ _DEFAULT_THREADS = torch.get_num_threads()
 
 
 def device_kind(name: str) -> str:
+    name = str(name)
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda" and not torch.cuda.is_available():
@@ -196,143 +108,62 @@ def device_kind(name: str) -> str:
     return name
 
 
-def config_fingerprint(cfg) -> str:
-    """What a snapshot must agree with to be resumed: everything that shapes the trajectory except
-    the mesh, offloading, threads and evaluation cadence (those change where and how fast, not what)."""
-    keys = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "task", "estimator", "optim", "peft")}
-    keys["batch_size"] = cfg.batch_size
-    keys["objective"] = cfg.objective
-    if cfg.optim.schedule != "constant":
-        keys["steps"] = cfg.steps  # a decaying schedule depends on the run length
-    return hashlib.sha256(json.dumps(keys, sort_keys=True).encode()).hexdigest()[:16]
-
-
 def prepare_run_dir(run_dir: Path, resume: str) -> None:
     """Never mix two runs in one directory: a used directory is refused unless resuming."""
-    used = (run_dir / "metrics.jsonl").exists()
-    if used and resume == "never":
+    if (run_dir / "metrics.jsonl").exists() and resume == "never":
         raise TrainingError(f"{run_dir} already holds a run (metrics.jsonl); choose another hydra.run.dir "
                             "or add resume=auto to continue it")
 
 
-def find_resume_point(cfg, run_dir: Path, mesh: Mesh):
-    """Rank 0 picks the newest valid snapshot (resume=auto) and every rank loads it."""
-    found = None
-    if cfg.resume == "auto" and mesh.is_main:
-        for stale in snapshots_dir(run_dir).glob(".step-*.tmp-*"):  # a snapshot whose writer died
-            log.warning("Removing an unfinished snapshot %s", stale)
-            shutil.rmtree(stale, ignore_errors=True)
-        newest = newest_valid_snapshot(run_dir)
-        if newest is not None:
-            path, _, state = newest
-            found = (str(path), state)
-        elif (run_dir / "metrics.jsonl").exists():
-            log.warning("resume=auto: %s has no valid snapshot; starting over (earlier logs set aside)", run_dir)
-            for name in ("metrics.jsonl", "trajectory.jsonl"):
-                if (run_dir / name).exists():
-                    (run_dir / name).rename(run_dir / f"{name}.abandoned-{int(time.time())}")
-    return mesh.broadcast_object(found)
-
-
-def build_run(cfg, run_dir: Path, mesh: Mesh) -> Run:
-    # Set (or restore) per run: a sweep runs several jobs in one process.
-    torch.set_num_threads(cfg.threads or _DEFAULT_THREADS)
-    resume = find_resume_point(cfg, run_dir, mesh)
-    if resume is not None:
-        _, state = resume
-        if state["config_fingerprint"] != config_fingerprint(cfg):
-            raise TrainingError(f"cannot resume from {resume[0]}: it was written with a different model, task, "
-                                "estimator, optimiser, trainable set (peft), objective or batch size (or steps, with a "
-                                "decaying lr schedule); use another hydra.run.dir to start afresh")
-        if not same_directions(state.get("directions_version"), cfg.estimator.distribution):
-            raise TrainingError(f"cannot resume from {resume[0]}: its {cfg.estimator.distribution} directions were "
-                                f"drawn with scheme {state.get('directions_version')}, and this distzo draws scheme "
-                                f"{DIRECTIONS_VERSION}; finish that run with the distzo version that started it, or "
-                                "use another hydra.run.dir to start afresh")
-        if cfg.seed is not None and cfg.seed != state["seed"]:
-            raise TrainingError(f"cannot resume from {resume[0]}: it used seed {state['seed']}, not seed={cfg.seed}")
-        seed = state["seed"]
-    else:
-        # Rank 0 fixes the run seed (the configured one, or one it draws); every direction derives from it.
+def start_run(cfg, run_dir: Path, mesh: Mesh) -> Run:
+    """Everything the loop needs; with resume=auto, the weights and logs of the step an interrupted
+    run reached (its newest snapshot, then the steps logged after it, re-applied)."""
+    torch.set_num_threads(cfg.threads or _DEFAULT_THREADS)  # set (or restored) per run: a sweep runs several
+    point: ResumePoint | None = find_resume_point(cfg, run_dir, mesh)
+    if point is not None:
+        seed = check_identity(cfg, point.snapshot or str(run_dir), point.identity)
+    else:  # rank 0 fixes the run seed (the configured one, or one it draws); every direction derives from it
         seed = mesh.broadcast_object(cfg.seed if cfg.seed is not None else secrets.randbits(63))
-    c, start_step = build_components(cfg, mesh, seed, Path(resume[0]) if resume is not None else None)
-    nonfinite = int(resume[1].get("nonfinite_in_a_row", 0)) if resume is not None else 0
-    task, params, estimator = c.task, c.params, c.estimator
-    if mesh.is_main and resume is not None:
-        for name in ("metrics.jsonl", "trajectory.jsonl"):
-            truncate_after(run_dir / name, start_step)  # the killed run's steps after the snapshot
+    c = build_components(cfg, mesh, seed, weights=point.weights() if point is not None else None)
+    start, nonfinite = 0, 0
+    if point is not None:
+        if point.snapshot is not None:
+            log.info("Resuming from %s (step %d of %d)", point.snapshot, point.snapshot_step, cfg.steps)
+        if point.records:
+            log.info("Re-applying the %d step(s) logged after %s (trajectory.jsonl), no forward passes",
+                     len(point.records), "it" if point.snapshot else "the initial weights")
+        nonfinite = catch_up(c.engine, point.records, point.nonfinite_in_a_row, mesh.is_main)
+        start = point.step
+        if mesh.is_main:
+            truncate_logs(run_dir, start)
     sinks = open_sinks(cfg, run_dir, {"world_size": mesh.world_size, "pert": mesh.shape.pert, "data": mesh.shape.data,
                                       "nodes": mesh.world_size // mesh.node.size, "seed": seed}) if mesh.is_main else []
     metrics = MetricsWriter(run_dir / "metrics.jsonl" if mesh.is_main else None, static={"mesh": str(mesh.shape)},
                             sinks=sinks)
     trajectory = JsonlWriter(run_dir / "trajectory.jsonl" if mesh.is_main else None)
-    n_evals = len(estimator.plan()) - (1 if estimator.shared_clean else 0)  # dealt over P (AGZO: not its clean one)
+    checkpoints = Checkpointer(cfg, run_dir, mesh, seed, trajectory)
+    if point is None:
+        checkpoints.start()
+    evaluator = Evaluator(c.task, c.engine, mesh, cfg.eval_batch_size, metrics)
+    run = Run(**vars(c), run_dir=run_dir, start_step=start, nonfinite_in_a_row=nonfinite, metrics=metrics,
+              trajectory=trajectory, checkpoints=checkpoints, evaluator=evaluator)
+    describe_run(run)
+    return run
+
+
+def describe_run(run: Run) -> None:
+    cfg, mesh, task, params, estimator = run.cfg, run.mesh, run.task, run.params, run.estimator
+    n_evals = len(estimator.dealt_plan())
     log.info("Task %s: %d train / %d validation / %d test examples; label words %s",
              task.name, task.size("train"), task.size("validation"), task.size("test"), task.label_words)
     log.info("Training %.2fM parameters (peft=%s) with %s (q=%d, eps=%g, %s directions), seed %d, mesh %s "
-             "(%d evaluations per step over %d perturbation ranks, batch %d over %d data ranks), %s, run dir %s",
-             params.numel() / 1e6, cfg.peft.method, cfg.estimator.name, cfg.estimator.q, cfg.estimator.eps,
-             cfg.estimator.distribution, seed, mesh.shape, n_evals, mesh.shape.pert, cfg.batch_size,
-             mesh.shape.data, "blocks offloaded to host memory" if cfg.offload.mode == "cpu" else "resident",
-             run_dir)
-    if resume is not None:
-        log.info("Resuming from %s at step %d of %d", resume[0], start_step, cfg.steps)
+             "(%d evaluations per step over %d perturbation ranks, batch %d over %d data ranks), engine: %s, "
+             "run dir %s", params.numel() / 1e6, cfg.peft.method, cfg.estimator.name, cfg.estimator.q,
+             cfg.estimator.eps, cfg.estimator.distribution, run.seed, mesh.shape, n_evals, mesh.shape.pert,
+             cfg.batch_size, mesh.shape.data, run.engine.describe(), run.run_dir)
     if mesh.shape.pert > n_evals:
         log.warning("mesh P=%d exceeds the %d evaluations a step needs: %d perturbation ranks idle; raise "
                     "estimator.q to use them", mesh.shape.pert, n_evals, mesh.shape.pert - n_evals)
-    return Run(**vars(c), run_dir=run_dir, start_step=start_step, nonfinite_in_a_row=nonfinite, metrics=metrics,
-               trajectory=trajectory)
-
-
-def load_snapshot_into(params: TrainableParams, path: Path) -> int:
-    tensors, state = read_snapshot(path)  # verified again on every rank
-    names = {p.name for p in params}
-    if set(tensors) != names:
-        raise TrainingError(f"{path} holds other parameters than this model trains "
-                            f"(missing {sorted(names - set(tensors))[:3]}, extra {sorted(set(tensors) - names)[:3]})")
-    with torch.no_grad():
-        for p in params:
-            p.tensor.copy_(tensors[p.name])
-    return int(state["step"])
-
-
-def snapshot(run: Run, step: int, nonfinite_in_a_row: int) -> None:
-    """Flush deferred updates, then rank 0 writes the snapshot (every rank holds the same weights)."""
-    run.engine.flush()
-    if not run.mesh.is_main:
-        return
-    run.trajectory.sync()
-    state = {"seed": run.seed, "directions_version": DIRECTIONS_VERSION,
-             "distribution": run.cfg.estimator.distribution, "device_type": run.mesh.device.type,
-             "mesh": str(run.mesh.shape), "config_fingerprint": config_fingerprint(run.cfg),
-             "nonfinite_in_a_row": nonfinite_in_a_row, "pending_update": None}
-    path = write_snapshot(run.run_dir, step, {p.name: p.tensor for p in run.params}, state, run.cfg.checkpoint.keep)
-    log.info("Snapshot at step %d: %s", step, path)
-
-
-def evaluate(run: Run, split: str, step: int) -> dict[str, float]:
-    """Accuracy and mean cross-entropy of the master weights on a whole split, its batches dealt
-    over all ranks."""
-    start = time.time()
-    mesh = run.mesh
-    batches = list(run.task.batches(split, run.cfg.eval_batch_size))
-    mine = batches[mesh.rank::mesh.world_size]
-    run.engine.flush()  # on every rank: a sliced flush is collective, and some ranks may have no batch
-    progress = Progress(f"eval {split}", len(batches), enabled=mesh.is_main)
-    correct = seen = 0
-    loss_sum = 0.0
-    for i, batch in enumerate(mine):
-        logits = run.engine.clean_label_logits(batch, run.task.label_ids).cpu()
-        c, n = accuracy_counts(logits, batch.labels)
-        correct, seen = correct + c, seen + n
-        loss_sum += float(cross_entropy_sums(logits[None], batch.labels)[0, 0])
-        progress.update(min(len(batches), (i + 1) * mesh.world_size))
-    correct, seen, loss_sum = mesh.all_sum([correct, seen, loss_sum])
-    result = {"accuracy": correct / seen, "loss": loss_sum / seen, "examples": int(seen)}
-    run.metrics.write("eval", step=step, split=split, **result, eval_time_s=round(time.time() - start, 3))
-    log.info("step %d: %s accuracy %.4f, loss %.4f (%d examples, %s)", step, split, result["accuracy"],
-             result["loss"], seen, format_duration(time.time() - start))
-    return result
 
 
 def train(cfg, run_dir: Path) -> dict[str, Any]:
@@ -341,58 +172,52 @@ def train(cfg, run_dir: Path) -> dict[str, Any]:
         run_dir = Path(mesh.broadcast_object(str(run_dir)))  # rank 0's directory (see __main__)
         if mesh.is_main:
             prepare_run_dir(run_dir, cfg.resume)
-        run = build_run(cfg, run_dir, mesh)
-        try:
-            return _train(run)
-        finally:
-            run.metrics.close()
-            run.trajectory.close()
-            run.engine.directions.close()
+        with StopRequests() as stop:
+            run = start_run(cfg, run_dir, mesh)
+            try:
+                return _train(run, stop)
+            finally:
+                run.close()
     finally:
         mesh.close()
 
 
-def _train(run: Run) -> dict[str, Any]:
-    cfg, mesh, run_dir = run.cfg, run.mesh, run.run_dir
-    first = last = evaluate(run, "validation", 0) if run.start_step == 0 else None
+def _train(run: Run, stop: StopRequests) -> dict[str, Any]:
+    cfg, mesh = run.cfg, run.mesh
+    first = run.evaluator.run("validation", 0) if run.start_step == 0 else None
     progress = Progress("train step", cfg.steps, every_s=15.0, enabled=mesh.is_main)
     wall_start, step_times, loss_ema, nonfinite = time.time(), [], None, run.nonfinite_in_a_row
-    offloaded = cfg.offload.mode != "none"
     for step in range(run.start_step, cfg.steps):
         moved_before = run.engine.transfer_stats()
         started = time.perf_counter()
-        out = zo_step(run, step)                     # batch, plan, forwards, exchange, update (DESIGN §2)
+        out = zo_step(run, step)                     # batch, plan, forwards, exchange, update
         if out.result is None:                       # non-finite losses: skipped, weights unchanged
             nonfinite = skip_nonfinite_step(run, step, out.losses, nonfinite)
-            continue
-        nonfinite, result, lr, batch = 0, out.result, out.lr, out.batch
-        step_time = time.perf_counter() - started
-        step_times.append(step_time)
+        else:
+            nonfinite = 0
+            step_time = time.perf_counter() - started
+            step_times.append(step_time)
+            loss_ema = log_step(run, step, out, step_time, moved_before, loss_ema, progress)
+        done = step + 1
+        if stop.agreed(mesh):                        # SIGTERM / SIGUSR1 / SIGINT on any rank
+            with stop.holding():
+                path = run.checkpoints.save(run.engine, done, nonfinite)
+            raise Stopped(done, stop.name, str(path) if path else None)
+        if cfg.replica_check_every and done % cfg.replica_check_every == 0 and done < cfg.steps:
+            with run.engine.materialized() as weights:  # compare current masters
+                check_replicas(mesh, weights.params, done)
+        if run.checkpoints.due(done):
+            with stop.holding():
+                run.checkpoints.save(run.engine, done, nonfinite)
+        if cfg.eval_every and done % cfg.eval_every == 0 and done < cfg.steps:
+            run.evaluator.run("validation", done)
 
-        run.trajectory.append({"step": step + 1, "update": step, "coefficients": [list(c) for c in result.coefficients],
-                               "lr": lr, "weight_decay": cfg.optim.weight_decay, "grads": list(result.grads)})
-        transfers = step_transfers(run, moved_before) if offloaded else {}
-        run.metrics.write("train", step=step + 1, loss=result.loss, projected_grad=result.grads[0],
-                          projected_grads=list(result.grads), lr=lr, tokens=batch.tokens,
-                          step_time_s=round(step_time, 4), tokens_per_s=round(batch.tokens / step_time, 1),
-                          **transfers, peak_mem_bytes=peak_memory_bytes(mesh.device))
-        loss_ema = result.loss if loss_ema is None else 0.9 * loss_ema + 0.1 * result.loss
-        progress.update(step + 1, f"loss {loss_ema:.4f} lr {lr:.2e} {step_time:.2f}s/step",
-                        force=(step + 1) % cfg.log_every == 0)
-        if cfg.replica_check_every and (step + 1) % cfg.replica_check_every == 0 and step + 1 < cfg.steps:
-            run.engine.flush()  # compare current masters (flushing early changes no value)
-            check_replicas(mesh, run.params, step + 1)
-        if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0:
-            snapshot(run, step + 1, nonfinite)
-        if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
-            last = evaluate(run, "validation", step + 1)
-
-    run.engine.flush()  # deferred updates reach the master weights before they are checked or saved
-    replica_checksums = check_replicas(mesh, run.params, cfg.steps)
-    if cfg.checkpoint.every and cfg.steps % cfg.checkpoint.every and cfg.steps > run.start_step:
-        snapshot(run, cfg.steps, nonfinite)  # the end of the run, if not on the cadence
-    last = evaluate(run, "validation", cfg.steps)
-    test = evaluate(run, "test", cfg.steps)
+    with run.engine.materialized() as weights:      # owed updates reach the master before it is checked
+        replica_checksums = check_replicas(mesh, weights.params, cfg.steps)
+    if cfg.checkpoint.every and not run.checkpoints.due(cfg.steps) and cfg.steps > run.start_step:
+        run.checkpoints.save(run.engine, cfg.steps, nonfinite)  # the end of the run, if not on the cadence
+    last = run.evaluator.run("validation", cfg.steps)
+    test = run.evaluator.run("test", cfg.steps)
     summary = {
         "steps": cfg.steps, "resumed_from_step": run.start_step, "seed": run.seed, "mesh": str(mesh.shape),
         "directions_version": DIRECTIONS_VERSION,
@@ -402,22 +227,41 @@ def _train(run: Run) -> dict[str, Any]:
         "step_time_s": round(statistics.median(step_times), 3) if step_times else math.nan,
         "wall_time_s": round(time.time() - wall_start, 1),
         "peak_rss_bytes": peak_rss_bytes(), "peak_mem_bytes": peak_memory_bytes(mesh.device),
-        "trainable_parameters": run.params.numel(), "offload": cfg.offload.mode,
-        **host_master_summary(run), "work_divided": run.engine.division is not None,
+        "trainable_parameters": run.params.numel(), "offload": str(cfg.offload.mode),
+        **host_master_summary(run), "engine": run.engine.mode, "engine_description": run.engine.describe(),
         "replica_checksums": replica_checksums,  # every rank's, in rank order: identical (checked)
     }
+    if cfg.save_final:
+        with run.engine.materialized() as weights:
+            if mesh.is_main:
+                path = save_final(weights.model, run.tokenizer, run.run_dir / "final", weights.params, cfg)
+                summary["final_weights"] = str(path)
+                log.info("Saved trained weights to %s", path)
     if mesh.is_main:
-        if cfg.save_final:
-            path = save_final(run.model, run.tokenizer, run_dir / "final", run.params, cfg)
-            summary["final_weights"] = str(path)
-            log.info("Saved trained weights to %s", path)
-        atomic_write_json(run_dir / "summary.json", summary)
+        atomic_write_json(run.run_dir / "summary.json", summary)
     run.metrics.write("summary", **summary)
     before = f"{first['accuracy']:.4f}" if first else f"(resumed at step {run.start_step})"
     log.info("Validation accuracy %s -> %.4f after %d steps (%s training, median %.2f s/step); test accuracy %.4f",
              before, last["accuracy"], cfg.steps, format_duration(summary["train_time_s"]),
              summary["step_time_s"] if step_times else float("nan"), test["accuracy"])
     return summary
+
+
+def log_step(run: Run, step: int, out: StepOutcome, step_time: float, moved_before: dict[str, float],
+             loss_ema: float | None, progress: Progress) -> float:
+    """The step's trajectory record (what resume and replay re-apply), metrics line and progress."""
+    cfg, result, lr, batch = run.cfg, out.result, out.lr, out.batch
+    run.trajectory.append({"step": step + 1, "update": step, "coefficients": [list(c) for c in result.coefficients],
+                           "lr": lr, "weight_decay": cfg.optim.weight_decay, "grads": list(result.grads)})
+    transfers = step_transfers(run, moved_before) if cfg.offload.mode != "none" else {}
+    run.metrics.write("train", step=step + 1, loss=result.loss, projected_grad=result.grads[0],
+                      projected_grads=list(result.grads), lr=lr, tokens=batch.tokens,
+                      step_time_s=round(step_time, 4), tokens_per_s=round(batch.tokens / step_time, 1),
+                      **transfers, peak_mem_bytes=peak_memory_bytes(run.mesh.device))
+    loss_ema = result.loss if loss_ema is None else 0.9 * loss_ema + 0.1 * result.loss
+    progress.update(step + 1, f"loss {loss_ema:.4f} lr {lr:.2e} {step_time:.2f}s/step",
+                    force=(step + 1) % cfg.log_every == 0)
+    return loss_ema
 
 
 def host_master_summary(run: Run) -> dict[str, Any]:
@@ -428,7 +272,7 @@ def host_master_summary(run: Run) -> dict[str, Any]:
     mem = run.engine.host_master_bytes()
     (node_resident,) = run.mesh.node.all_sum([mem["resident"]])
     return {"host_master_copy_bytes": mem["copy"], "host_master_node_bytes": int(node_resident),
-            "node_ranks": run.mesh.node.size, "comm_sliced": bool(getattr(run.engine, "sliced", False))}
+            "node_ranks": run.mesh.node.size, "comm_sliced": run.engine.mode == "offload-sliced"}
 
 
 def step_transfers(run: Run, before: dict[str, float]) -> dict[str, Any]:
@@ -453,7 +297,7 @@ def skip_nonfinite_step(run: Run, step: int, losses: torch.Tensor, in_a_row: int
                 [float(x) for x in losses], in_a_row, cfg.max_nonfinite_steps)
     if in_a_row >= cfg.max_nonfinite_steps:
         if cfg.checkpoint.every:
-            snapshot(run, step + 1, in_a_row)
+            run.checkpoints.save(run.engine, step + 1, in_a_row)
         raise TrainingError(f"{in_a_row} steps in a row had non-finite losses (last at step {step + 1}); the weights "
                             f"were left unchanged{' and snapshotted' if cfg.checkpoint.every else ''}. Lower optim.lr "
                             f"(now {cfg.optim.lr:g}) or estimator.eps (now {cfg.estimator.eps:g}), then resume=auto")

@@ -8,87 +8,13 @@ cross-entropy over the label words' logits, prediction = the highest one).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-
 import torch
 
-from ..config import ConfigError
+from ..errors import ConfigError
+from ..scoring import Batch, label_word_batch
 from .datasets import Splits, load_splits
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Packed:
-    """Prompts packed end to end into rows of at most `row_tokens` tokens. Position ids restart at 0
-    for every prompt, which transformers' mask helpers turn into a block-causal mask, so no prompt
-    sees another and almost no compute is spent on padding. Row tails are filled with a pad segment
-    (its own positions, so it is masked off too)."""
-
-    input_ids: torch.Tensor  # [R, T]
-    position_ids: torch.Tensor  # [R, T]
-    last_row: torch.Tensor  # [B] row of each prompt's last token
-    last_col: torch.Tensor  # [B] column of each prompt's last token
-
-    def to(self, device: torch.device) -> "Packed":
-        return Packed(self.input_ids.to(device), self.position_ids.to(device), self.last_row.to(device),
-                      self.last_col.to(device))
-
-
-@dataclass
-class Batch:
-    """Tokenised prompts and labels. Rows are independent: shard() takes any contiguous slice."""
-
-    sequences: list[list[int]]
-    labels: torch.Tensor  # [B]
-    pad_id: int = 0
-
-    @property
-    def size(self) -> int:
-        return len(self.sequences)
-
-    @property
-    def tokens(self) -> int:
-        return sum(len(s) for s in self.sequences)
-
-    def shard(self, index: int, count: int) -> "Batch":
-        """The index-th of `count` contiguous shards (sizes differ by at most one)."""
-        bounds = shard_bounds(self.size, count)
-        lo, hi = bounds[index], bounds[index + 1]
-        return Batch(self.sequences[lo:hi], self.labels[lo:hi], self.pad_id)
-
-    def pack(self, row_tokens: int = 1024) -> Packed:
-        rows: list[list[list[int]]] = [[]]
-        used = 0
-        for seq in self.sequences:
-            if rows[-1] and used + len(seq) > row_tokens:
-                rows.append([])
-                used = 0
-            rows[-1].append(seq)
-            used += len(seq)
-        width = max(sum(len(s) for s in row) for row in rows)
-        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        pos = torch.zeros((len(rows), width), dtype=torch.long)
-        last_row, last_col = [], []
-        for r, row in enumerate(rows):
-            col = 0
-            for seq in row:
-                ids[r, col:col + len(seq)] = torch.tensor(seq, dtype=torch.long)
-                pos[r, col:col + len(seq)] = torch.arange(len(seq))
-                col += len(seq)
-                last_row.append(r)
-                last_col.append(col - 1)
-            pos[r, col:] = torch.arange(width - col)
-        return Packed(ids, pos, torch.tensor(last_row), torch.tensor(last_col))
-
-
-def shard_bounds(n: int, count: int) -> list[int]:
-    """Boundaries of `count` contiguous shards of n items, sizes differing by at most one."""
-    base, extra = divmod(n, count)
-    bounds = [0]
-    for i in range(count):
-        bounds.append(bounds[-1] + base + (1 if i < extra else 0))
-    return bounds
 
 
 class ClassificationTask:
@@ -138,7 +64,8 @@ class ClassificationTask:
 
     def batch(self, split: str, indices) -> Batch:
         indices = list(indices)
-        return Batch([self._encoded[split][i] for i in indices], self._labels[split][indices], self.pad_id)
+        return label_word_batch([self._encoded[split][i] for i in indices], self._labels[split][indices],
+                                self.label_ids, self.pad_id)
 
     def batches(self, split: str, batch_size: int):
         n = self.size(split)

@@ -55,6 +55,11 @@ class Mesh:
             self.pert_rank, self.data_rank = device_mesh.get_local_rank("pert"), device_mesh.get_local_rank("data")
             self._pert_group, self._data_group = device_mesh.get_group("pert"), device_mesh.get_group("data")
 
+    @classmethod
+    def single(cls, device: torch.device | str = "cpu") -> "Mesh":
+        """The 1x1 mesh of a process on its own (no torch.distributed)."""
+        return cls(MeshShape(1, 1), torch.device(device))
+
     @property
     def is_main(self) -> bool:
         return self.rank == 0

@@ -2,7 +2,7 @@
 
 torchrun gives every agent a contiguous range of global ranks (`GROUP_RANK` numbers the agent,
 `LOCAL_RANK` / `LOCAL_WORLD_SIZE` the process within it), so the node of global rank r is
-r // LOCAL_WORLD_SIZE. Every rank holds the same weights (DESIGN I1), so a node needs only one copy
+r // LOCAL_WORLD_SIZE. Every rank holds the same weights (I1, docs/architecture.md#invariants), so a node needs only one copy
 of what it keeps in host memory: `Node.shared_tensor` maps one buffer into every local rank.
 
 Shared buffers are files in /dev/shm, created by local rank 0, mapped by every local rank, then

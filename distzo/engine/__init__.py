@@ -1,35 +1,82 @@
-"""Engines run a step's forward evaluations and its update; they differ in where weights live."""
+"""Engines run a step's forward evaluations and its update (docs/architecture.md#engines).
+
+`build_engine` picks the mode once, from the configuration and the mesh:
+
+| mode | class | when |
+|---|---|---|
+| resident | `ResidentEngine` | the default |
+| work-divided | `DividedEngine` | CPU, resident, several ranks on a machine, full-parameter MeZO (engine.divide_work) |
+| offloaded | `OffloadEngine` | offload=cpu with one rank per node, or comm.sliced=false |
+| offloaded, sliced | `SlicedOffloadEngine` | offload=cpu with several ranks per node and comm.sliced=true |
+| stacked LoRA | `StackedLoRAEngine` | estimator=prge (P-RGE's batched forward) |
+"""
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
-from ..dist.node import Node
-from .base import StagedEngine
-from .division import WorkDivision, division_applies, share_master
-from .offload import OffloadEngine
-from .resident import ResidentEngine
+from ..dist.mesh import Mesh
+from ..errors import DistzoError
+from ..timing import DISABLED, Timers
+from ..zo.estimators import Estimator
+from .base import Engine, Materialized
+from .divided import DividedEngine, division_applies
+from .offload import OffloadEngine, SlicedOffloadEngine
+from .stacked import StackedLoRAEngine
+from .staged import ResidentEngine, StagedEngine
+
+log = logging.getLogger("distzo")
 
 
-def build_engine(cfg, model, adapter, params, directions, node: Node | None = None,
-                 divide: bool = False) -> StagedEngine:
-    """The engine a run config asks for (`offload`, `comm`, `engine`), with the model placed
-    accordingly. node: this rank's node (shared host memory, slices), when launched with peers.
-    divide: resident on CPU, share the master over the node and divide noise and update work."""
+class EngineConfigError(DistzoError):
+    """An engine setting that cannot apply to this run."""
+
+
+def work_division(cfg, mesh: Mesh, estimator: Estimator) -> bool:
+    """Whether the node's ranks share the master and divide noise and update work (engine.divide_work):
+    `auto` wherever it applies, `true` required (an error naming why it cannot apply), `false` never."""
+    mode = str(cfg.engine.divide_work).lower()
+    if mode == "false":
+        return False
+    why = None
+    if not mesh.node.shared:
+        why = "this process has no peers on its machine"
+    elif mesh.device.type != "cpu":
+        why = "it divides host-side work (CPU runs only)"
+    elif cfg.offload.mode != "none":
+        why = "offloaded runs divide the update by slices already (comm.sliced)"
+    elif cfg.estimator.name != "mezo" or cfg.peft.method != "none":
+        why = "it serves full-parameter estimator=mezo (other estimators and trainable sets evaluate their own way)"
+    elif not division_applies(estimator.dealt_plan(), mesh.shape.pert):
+        why = f"a perturbation rank of mesh {mesh.shape} would have no perturbed evaluation in the estimator's plan"
+    if why is not None and mode == "true":
+        raise EngineConfigError(f"engine.divide_work=true cannot apply: {why}; use engine.divide_work=auto")
+    return why is None
+
+
+def build_engine(cfg, mesh: Mesh, model, adapter, params, directions, estimator: Estimator,
+                 timers: Timers = DISABLED) -> Engine:
+    """The engine a run config asks for (`offload`, `comm`, `engine`, the estimator), with the model
+    placed accordingly."""
     off, opts = cfg.offload, cfg.engine
+    common = dict(eps=estimator.eps, mesh=mesh, row_tokens=opts.row_tokens,
+                  fuse_update=str(opts.fuse_update).lower() != "false", timers=timers)
     if off.mode == "cpu":
         dtype = getattr(torch, off.transfer_dtype) if off.transfer_dtype else None
-        engine = OffloadEngine(model, adapter, params, directions, slots=off.slots, transfer_dtype=dtype,
-                               row_tokens=opts.row_tokens, node=node, sliced=cfg.comm.sliced)
-    else:
-        model.to(directions.device)
-        engine = ResidentEngine(model, adapter, params, directions, row_tokens=opts.row_tokens)
-        if divide:
-            share_master(params, node)
-            engine.division = WorkDivision(node)
-    fuse = str(opts.fuse_update).lower()
-    engine.fuse_update = fuse != "false"
-    return engine
+        if cfg.comm.sliced and mesh.node.shared:
+            return SlicedOffloadEngine(model, adapter, params, directions, slots=off.slots, transfer_dtype=dtype,
+                                       node=mesh.node, **common)
+        return OffloadEngine(model, adapter, params, directions, slots=off.slots, transfer_dtype=dtype, **common)
+    model.to(directions.device)
+    if estimator.batched:
+        return StackedLoRAEngine(model, adapter, params, directions, materialize=cfg.estimator.prge.materialize,
+                                 **common)
+    if work_division(cfg, mesh, estimator):
+        return DividedEngine(model, adapter, params, directions, node=mesh.node, **common)
+    return ResidentEngine(model, adapter, params, directions, **common)
 
-
-__all__ = ["OffloadEngine", "ResidentEngine", "StagedEngine", "build_engine", "division_applies"]
+__all__ = ["DividedEngine", "Engine", "EngineConfigError", "Materialized", "OffloadEngine", "ResidentEngine",
+           "SlicedOffloadEngine", "StackedLoRAEngine", "StagedEngine", "build_engine", "division_applies",
+           "work_division"]

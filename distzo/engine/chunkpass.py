@@ -19,7 +19,8 @@ is adding its magnitude, exactly. A master narrower than float32 rounds z to its
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
 
 import torch
 
@@ -27,8 +28,21 @@ from ..native import Kernels, Source
 from ..zo.directions import ChunkRef, Directions
 from ..zo.params import TrainableParam
 
-if TYPE_CHECKING:
-    from .update import PendingUpdate
+
+@dataclass
+class PendingUpdate:
+    """An update decided but not yet applied everywhere (I5): theta <- theta (1 - lr wd) -
+    sum_k (lr c_k) z_k(step), and the stages that still owe it."""
+
+    step: int
+    coefficients: tuple[tuple[int, float], ...]
+    lr: float
+    weight_decay: float
+    stages: set = field(default_factory=set)
+
+    @property
+    def terms(self) -> list[tuple[int, float]]:
+        return [(k, self.lr * c) for k, c in self.coefficients if c != 0.0]
 
 # Working copies of one chunk, by query: query -> [(sign, out)], out holding the same elements as master.
 Copies = Mapping[int, Sequence[tuple[int, torch.Tensor]]]

@@ -40,7 +40,11 @@ import torch.distributed as dist
 from ..dist.mesh import Mesh
 from ..dist.node import Node
 from ..zo.estimators import Evaluation
-from ..zo.params import TrainableParams
+from ..zo.params import TrainableParam, TrainableParams
+from .chunkpass import PendingUpdate
+from .staged import ResidentEngine
+from .update import apply_update
+from .weights import StageNoise
 
 T = TypeVar("T")
 
@@ -129,3 +133,114 @@ class WorkDivision:
 
     def barrier(self) -> None:
         self.node.barrier()
+
+
+class DividedStageNoise(StageNoise):
+    """A stage's working copies built by the node's ranks together: this rank updates and builds only
+    the chunks it owns, of every copy any rank of the node needs (`node_evals`: their (query, sign)
+    pairs), in node-shared stage slot `slot`, and reads its own copies from there once `ready`
+    returns (every peer has written its share)."""
+
+    def __init__(self, *args, division: WorkDivision, slot: int, node_evals: Sequence[tuple[int, int]], **kwargs):
+        super().__init__(*args, **kwargs)
+        self.division, self.slot, self.node_evals = division, slot, list(node_evals)
+        self._arrival: Arrival | None = None  # the node's ranks are still writing their shares
+
+    def ready(self) -> None:
+        if self._arrival is not None:
+            with self.timers("wait"):
+                self._arrival.wait()
+            self._arrival = None
+
+    def prepare(self, entries: Sequence[TrainableParam], source: Callable[[TrainableParam], torch.Tensor],
+                pending: PendingUpdate | None = None) -> None:
+        todo = list(entries)
+        # Node-shared layout, per dtype: for each node evaluation in turn, the stage's parameters end to end.
+        offset: dict[str, int] = {}
+        segment: dict[torch.dtype, int] = {}
+        for p in todo:
+            offset[p.name] = segment.get(p.tensor.dtype, 0)
+            segment[p.tensor.dtype] = offset[p.name] + p.numel()
+        buffers = {dtype: self.division.stage_buffer(self.slot, n * len(self.node_evals), dtype)
+                   for dtype, n in sorted(segment.items(), key=lambda kv: str(kv[0]))}
+
+        def copy_of(p: TrainableParam, e: int) -> torch.Tensor:
+            start = e * segment[p.tensor.dtype] + offset[p.name]
+            return buffers[p.tensor.dtype][start:start + p.numel()]
+
+        with self.timers("perturb"):  # the chunks I own: their update, then every node copy of them
+            self._perturb_chunks(todo, source, pending, {
+                p.name: [(q, sign, copy_of(p, e)) for e, (q, sign) in enumerate(self.node_evals)] for p in todo},
+                mine=self.division.mine)
+        self._arrival = self.division.arrive()  # `ready` waits for the peers' shares
+        for i, ev in enumerate(self.plan):
+            if ev.perturbed:
+                e = self.node_evals.index((ev.query, ev.sign))
+                self._copies.update({(p.name, i): copy_of(p, e).view(p.shape) for p in todo})
+
+
+class DividedEngine(ResidentEngine):
+    """Resident weights on CPU, shared by the node's ranks, which divide the step's noise generation
+    and update (the module docstring). Every rank must run at least one perturbed evaluation per
+    step (`division_applies`), since each walks every block with its peers."""
+
+    mode = "divided"
+
+    def __init__(self, model, adapter, params: TrainableParams, directions, *, node: Node, **kwargs):
+        super().__init__(model, adapter, params, directions, **kwargs)
+        share_master(params, node)
+        self.division = WorkDivision(node)
+        # Announced when this rank's last perturbed evaluation has read the shared master for the last
+        # time; every write to the master first waits until all peers announced it.
+        self._reads_done: Arrival | None = None
+
+    def describe(self) -> str:
+        return f"resident, master shared by the node's {self.division.node.size} ranks, which divide noise and update"
+
+    def _update(self, u: PendingUpdate, targets) -> None:
+        apply_update(self.directions, targets, u, mine=self.division.mine)
+
+    def _apply_outer(self) -> None:
+        super()._apply_outer()
+        self.division.barrier()  # the peers' chunks are updated before anyone reads them
+
+    def _before_write(self) -> None:
+        """Before this rank changes the shared master, every peer has finished the evaluation that read
+        it (a training step's loss exchange already ensures this; the engine does not rely on its
+        caller for it)."""
+        if self._reads_done is not None:
+            with self.timers("wait"):
+                self._reads_done.wait()
+            self._reads_done = None
+
+    def _after_flush(self) -> None:
+        self.division.barrier()
+
+    def _look_ahead(self, perturbed: bool) -> bool:
+        # A rank builds its share of block i+1 between its wait for block i and its forward through
+        # block i, so its peers' jitter is absorbed (the module docstring).
+        return perturbed
+
+    def _after_walk(self, perturbed: bool) -> None:
+        if perturbed:  # every rank of the node runs perturbed evaluations in step with its peers
+            self._reads_done = self.division.arrive()
+
+    def _prepare_block(self, i, sources, step, plan, perturbed, full_plan) -> StageNoise:
+        u = self.take_pending(i)
+        if u is not None and not perturbed:
+            # divided, this rank would update only its own chunks and then read the whole block with no
+            # handshake; every clean forward reads materialized weights, which keeps this unreachable
+            raise RuntimeError("internal error: a clean forward on a divided engine still owes an update")
+        if not perturbed:
+            return self._noise(step, plan)
+        if u is not None and not self.fuse_update:
+            with self.timers("update"):  # each rank updates the chunks it then perturbs: no handshake needed
+                self._update(u, self._targets(i, sources))
+            u = None
+        dealt = full_plan if full_plan is not None else plan
+        node_evals = sorted({(ev.query, ev.sign)
+                             for ev in (dealt[j] for j in self.mesh.node_evaluations(len(dealt))) if ev.perturbed})
+        noise = DividedStageNoise(self.directions, self.workspace, step, self.eps, plan, self.timers,
+                                  division=self.division, slot=i % STAGE_SLOTS, node_evals=node_evals)
+        noise.prepare(self.block_params[i], lambda p: p.tensor, u)
+        return noise

@@ -27,412 +27,46 @@ operations of the resident update, so the weights stay bitwise the same.
 
 from __future__ import annotations
 
-import math
-import time
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Callable, Iterator, Mapping, Sequence
+from typing import Iterator, Mapping
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..dist.node import Node, mapped_resident_bytes
 from ..models.adapters import DecoderAdapter
 from ..zo.directions import Directions
 from ..zo.params import TrainableParams
-from .base import StagedEngine
+from .staged import StagedEngine
+from .streamer import BlockStreamer, build_host_blocks, place_resident
 from .update import apply_update
-
-SLICE_ALIGN = 256  # elements: every slice starts on a 1 KiB (fp32) boundary, friendly to DMA engines
-
-
-@dataclass
-class HostBlock:
-    """One block's parameters laid end to end in a flat host buffer (the master copy).
-
-    `padded` is `flat` plus tail padding to `parts * slice_len` elements; slice j of the block is
-    padded[j * slice_len:(j + 1) * slice_len] (parts = 1 when not sliced)."""
-
-    prefix: str
-    names: list[str]
-    shapes: list[torch.Size]
-    offsets: list[int]
-    flat: torch.Tensor
-    padded: torch.Tensor
-    slice_len: int
-    parts: int
-
-    @property
-    def numel(self) -> int:
-        return self.flat.numel()
-
-    def slice_range(self, j: int) -> tuple[int, int]:
-        """Elements [lo, hi) of the block (not of the padding) that slice j holds."""
-        lo = min(j * self.slice_len, self.numel)
-        return lo, min(lo + self.slice_len, self.numel)
-
-    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        """This block's parameters as views of any flat buffer with the same layout."""
-        return {n: flat[o:o + s.numel()].view(s) for n, s, o in zip(self.names, self.shapes, self.offsets)}
-
-
-def _pin(tensor: torch.Tensor) -> None:
-    """Page-lock memory torch did not allocate (a shared mapping) so uploads from it are DMA."""
-    err = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel() * tensor.element_size(), 0)
-    if int(err) != 0:
-        raise RuntimeError(f"cudaHostRegister failed ({err}); the shared host master cannot be pinned")
-
-
-def build_host_blocks(adapter: DecoderAdapter, pin_memory: bool, node: Node | None = None) -> list[HostBlock]:
-    """Move every block's parameters into a flat host buffer per block. The Parameter objects stay
-    the same (only `.data` is re-pointed), so anything holding them keeps working.
-
-    node: lay the blocks out in one buffer shared by the node's ranks, each block padded into
-    node.size aligned slices. Local rank 0 fills it; every rank holds the same weights (I1)."""
-    parts = node.size if node is not None else 1
-    layout = []
-    for prefix, module in adapter.blocks:
-        named = list(module.named_parameters())
-        dtypes = {p.dtype for _, p in named}
-        if len(dtypes) != 1:
-            raise ValueError(f"block {prefix} mixes parameter dtypes {dtypes}; offloading needs one dtype per block")
-        numel = sum(p.numel() for _, p in named)
-        slice_len = math.ceil(math.ceil(numel / parts) / SLICE_ALIGN) * SLICE_ALIGN if parts > 1 else numel
-        layout.append((prefix, named, dtypes.pop(), numel, slice_len))
-    shared = None
-    if node is not None:
-        dtypes = {dtype for _, _, dtype, _, _ in layout}
-        if len(dtypes) != 1:
-            raise ValueError(f"blocks of several dtypes {dtypes}; the node-shared master needs one")
-        shared = node.shared_tensor(sum(parts * s for *_, s in layout), dtypes.pop(), "master")
-        if pin_memory:
-            _pin(shared)
-    blocks, start = [], 0
-    for prefix, named, dtype, numel, slice_len in layout:
-        if shared is not None:
-            padded = shared[start:start + parts * slice_len]
-            start += parts * slice_len
-        else:
-            padded = torch.empty(numel, dtype=dtype, pin_memory=pin_memory)
-        flat = padded[:numel]
-        names, shapes, offsets, offset = [], [], [], 0
-        for rel, p in named:
-            view = flat[offset:offset + p.numel()].view(p.shape)
-            if node is None or node.local_rank == 0:
-                view.copy_(p.data)
-            # Re-pointed at once, so the private copy is freed parameter by parameter and no rank
-            # holds the whole model twice. Nothing reads the weights before the barrier below.
-            p.data = view
-            names.append(f"{prefix}.{rel}")
-            shapes.append(p.shape)
-            offsets.append(offset)
-            offset += p.numel()
-        blocks.append(HostBlock(prefix, names, shapes, offsets, flat, padded, slice_len, parts))
-    if node is not None:
-        node.barrier()  # local rank 0 has filled the master
-    return blocks
-
-
-def place_resident(model: nn.Module, device: torch.device, host_blocks: Sequence[HostBlock]) -> None:
-    """Everything except the offloaded block parameters goes to the compute device."""
-    offloaded = {n for b in host_blocks for n in b.names}
-    for name, p in model.named_parameters():
-        if name not in offloaded:
-            p.data = p.data.to(device)
-    for module in model.modules():
-        for key, buf in list(module._buffers.items()):
-            if buf is not None:
-                module._buffers[key] = buf.to(device)
-
-
-# (block index, the slot's flat buffer, [lo, hi) of the block, float32 delta buffer or None) -> updated?
-SliceUpdate = Callable[[int, torch.Tensor, int, int, "torch.Tensor | None"], bool]
-
-
-class BlockStreamer:
-    """Moves blocks between the host masters and a ring of device slots.
-
-    prefetch(i) starts block i's upload; acquire(i) makes the compute stream wait for it and
-    returns the slot; release(i, write_back) returns the slot to the ring, first copying the
-    block (or, at reduced precision, its update delta) back to the host master.
-
-    Sliced (a node of n ranks): prefetch(i) uploads this rank's slice, lets `slice_update` apply
-    the deferred update to it, writes the slice back, and all-gathers the other slices from the
-    node's peers; `local=True` (evaluation) uploads the whole block instead, with no collective,
-    since ranks evaluate different numbers of batches."""
-
-    def __init__(self, blocks: Sequence[HostBlock], device: torch.device, slots: int,
-                 transfer_dtype: torch.dtype | None, node: Node | None = None):
-        self.blocks, self.device = blocks, device
-        self.cuda = device.type == "cuda"
-        self.node = node if node is not None and node.shared else None
-        self.part = node.local_rank if self.node is not None else 0
-        dtype = blocks[0].flat.dtype
-        size = max(b.padded.numel() for b in blocks)
-        self.transfer_dtype = transfer_dtype if transfer_dtype not in (None, dtype) else None
-        n = min(slots, len(blocks))
-        self.slots = [torch.empty(size, dtype=dtype, device=device) for _ in range(n)]
-        self.owner: list[int | None] = [None] * n  # block whose current weights fill the slot
-        if self.transfer_dtype is not None:
-            pin = self.cuda
-            self.host_stage = [torch.empty(size, dtype=self.transfer_dtype, pin_memory=pin) for _ in range(n)]
-            self.device_stage = [torch.empty(size, dtype=self.transfer_dtype, device=device) for _ in range(n)]
-            self.deltas = [torch.zeros(size, dtype=torch.float32, device=device) for _ in range(n)]
-        if self.cuda:
-            self.upload_stream = torch.cuda.Stream(device)
-            self.offload_stream = torch.cuda.Stream(device)
-            self.uploaded = [torch.cuda.Event() for _ in range(n)]
-            self.slot_free: list[torch.cuda.Event | None] = [None] * n
-            self.written: dict[int, torch.cuda.Event] = {}  # block -> its last write-back
-            self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-        self.slice_update: SliceUpdate | None = None
-        self.bytes_up = self.bytes_down = self.bytes_peer = 0
-        self.transfer_s = 0.0
-
-    @property
-    def sliced(self) -> bool:
-        return self.node is not None
-
-    def slot_of(self, i: int) -> int:
-        return i % len(self.slots)
-
-    # --- timing ----------------------------------------------------------------------------------------
-
-    @contextmanager
-    def _timed_transfer(self) -> Iterator[None]:
-        """Wall time of host-side copies (CPU), or device time between events (CUDA, resolved lazily)."""
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            yield
-            end.record()
-            self._timed.append((start, end))
-            return
-        t0 = time.perf_counter()
-        yield
-        self.transfer_s += time.perf_counter() - t0
-
-    def transfer_seconds(self) -> float:
-        if self.cuda and self._timed:
-            for start, end in self._timed:
-                end.synchronize()
-                self.transfer_s += start.elapsed_time(end) / 1e3
-            self._timed.clear()
-        return self.transfer_s
-
-    # --- moving a range of a block ------------------------------------------------------------------
-
-    def _upload(self, block: HostBlock, s: int, lo: int, hi: int) -> None:
-        with self._timed_transfer():
-            if self.transfer_dtype is None:
-                self.slots[s][lo:hi].copy_(block.flat[lo:hi], non_blocking=True)
-                self.bytes_up += (hi - lo) * block.flat.element_size()
-            else:
-                self.host_stage[s][lo:hi].copy_(block.flat[lo:hi])  # narrow on the host (CPU work)
-                self.device_stage[s][lo:hi].copy_(self.host_stage[s][lo:hi], non_blocking=True)
-                self.slots[s][lo:hi].copy_(self.device_stage[s][lo:hi])  # widen on the device
-                self.bytes_up += (hi - lo) * self.host_stage[s].element_size()
-
-    def _write_back(self, block: HostBlock, s: int, lo: int, hi: int) -> None:
-        with self._timed_transfer():
-            if self.transfer_dtype is None:
-                block.flat[lo:hi].copy_(self.slots[s][lo:hi], non_blocking=True)
-                self.bytes_down += (hi - lo) * block.flat.element_size()
-                return
-            self.device_stage[s][lo:hi].copy_(self.deltas[s][lo:hi])  # narrow the delta on the device
-            self.host_stage[s][lo:hi].copy_(self.device_stage[s][lo:hi], non_blocking=True)
-            self.bytes_down += (hi - lo) * self.host_stage[s].element_size()
-        if not self.cuda:
-            self._add_delta(block, s, lo, hi)
-
-    def _add_delta(self, block: HostBlock, s: int, lo: int, hi: int) -> None:
-        block.flat[lo:hi].add_(self.host_stage[s][lo:hi].to(block.flat.dtype))
-
-    def _gather(self, block: HostBlock, s: int) -> None:
-        """Every peer's slice of the block into this slot (this rank's slice is already there)."""
-        padded = self.slots[s][:block.padded.numel()]
-        parts = list(padded.split(block.slice_len))
-        with self._timed_transfer():
-            if self.cuda:  # NCCL gathers in place into one buffer
-                dist.all_gather_into_tensor(padded, parts[self.part], group=self.node.device_group)
-            else:  # gloo takes a list of outputs; the input must not alias one of them
-                dist.all_gather(parts, parts[self.part].clone(), group=self.node.device_group)
-        self.bytes_peer += (block.parts - 1) * block.slice_len * block.flat.element_size()
-
-    # --- the ring --------------------------------------------------------------------------------------
-
-    def prefetch(self, i: int, local: bool = False) -> None:
-        if self.sliced and not local:
-            self._prefetch_sliced(i)
-            return
-        s = self.slot_of(i)
-        if self.owner[s] == i:
-            return
-        self.owner[s] = i
-        block = self.blocks[i]
-        if not self.cuda:
-            self._upload(block, s, 0, block.numel)
-            return
-        with torch.cuda.stream(self.upload_stream):
-            self._wait_for_slot(i, s)
-            self._upload(block, s, 0, block.numel)
-            self.uploaded[s].record(self.upload_stream)
-
-    def _wait_for_slot(self, i: int, s: int) -> None:
-        if self.slot_free[s] is not None:
-            self.upload_stream.wait_event(self.slot_free[s])  # the slot's previous block is done
-        if i in self.written:
-            self.upload_stream.wait_event(self.written[i])  # the host master is current
-
-    def _prefetch_sliced(self, i: int) -> None:
-        """My slice up, its deferred update, my slice back, the peers' slices in."""
-        s, block = self.slot_of(i), self.blocks[i]
-        lo, hi = block.slice_range(self.part)
-        current = self.owner[s] == i
-
-        def work() -> None:
-            if not current:
-                self._upload(block, s, lo, hi)
-            delta = self.deltas[s] if self.transfer_dtype is not None else None
-            updated = self.slice_update is not None and self.slice_update(i, self.slots[s], lo, hi, delta)
-            if updated:
-                self._write_back(block, s, lo, hi)
-            if updated or not current:
-                self._gather(block, s)
-
-        self.owner[s] = i
-        if not self.cuda:
-            work()
-            return
-        with torch.cuda.stream(self.upload_stream):
-            self._wait_for_slot(i, s)
-            written_before = self.bytes_down
-            work()
-            if self.bytes_down != written_before:
-                done = torch.cuda.Event()
-                done.record(self.upload_stream)
-                self.written[i] = done
-                if self.transfer_dtype is not None:
-                    done.synchronize()  # the host adds the delta, so it must have arrived
-                    self._add_delta(block, s, lo, hi)
-            self.uploaded[s].record(self.upload_stream)
-
-    def flush_slice(self, i: int) -> None:
-        """Sliced: bring my slice of block i's host master up to date (no collective)."""
-        s, block = self.slot_of(i), self.blocks[i]
-        lo, hi = block.slice_range(self.part)
-        self.owner[s] = None  # the slot ends with only my slice current
-
-        def work() -> bool:
-            self._upload(block, s, lo, hi)
-            delta = self.deltas[s] if self.transfer_dtype is not None else None
-            updated = self.slice_update is not None and self.slice_update(i, self.slots[s], lo, hi, delta)
-            if updated:
-                self._write_back(block, s, lo, hi)
-            return updated
-
-        if not self.cuda:
-            work()
-            return
-        with torch.cuda.stream(self.upload_stream):
-            self._wait_for_slot(i, s)
-            if work():
-                done = torch.cuda.Event()
-                done.record(self.upload_stream)
-                self.written[i] = self.slot_free[s] = done
-                if self.transfer_dtype is not None:
-                    done.synchronize()
-                    self._add_delta(block, s, lo, hi)
-
-    def acquire(self, i: int, local: bool = False) -> dict[str, torch.Tensor]:
-        self.prefetch(i, local)
-        s = self.slot_of(i)
-        if self.cuda:
-            compute = torch.cuda.current_stream(self.device)
-            compute.wait_event(self.uploaded[s])
-            if self.slot_free[s] is not None:  # a block kept in its slot: its last write-back has read it
-                compute.wait_event(self.slot_free[s])
-        return self.blocks[i].views(self.slots[s])
-
-    def delta_views(self, i: int) -> dict[str, torch.Tensor] | None:
-        if self.transfer_dtype is None:
-            return None
-        return self.blocks[i].views(self.deltas[self.slot_of(i)])
-
-    def release(self, i: int, write_back: bool, updated: bool = False) -> None:
-        """Done computing with block i. write_back: copy it (or its delta) to the host master.
-        updated: its update reached the master some other way (sliced) and the slot differs from it."""
-        s, block = self.slot_of(i), self.blocks[i]
-        if (write_back or updated) and self.transfer_dtype is not None:
-            # The slot holds the update at full precision, the host master its narrowed delta: the
-            # next use must upload again to see exactly what every other path sees.
-            self.owner[s] = None
-        if not self.cuda:
-            if write_back:
-                self._write_back(block, s, 0, block.numel)
-            return
-        if not write_back:
-            ev = torch.cuda.Event()
-            ev.record(torch.cuda.current_stream(self.device))
-            self.slot_free[s] = ev
-            return
-        computed = torch.cuda.Event()
-        computed.record(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.offload_stream):
-            self.offload_stream.wait_event(computed)
-            self._write_back(block, s, 0, block.numel)
-            done = torch.cuda.Event()
-            done.record(self.offload_stream)
-        self.slot_free[s] = self.written[i] = done
-        if self.transfer_dtype is not None:
-            done.synchronize()  # the host adds the delta below, so it must have arrived
-            self._add_delta(block, s, 0, block.numel)
-
-    def synchronize(self) -> None:
-        """Wait for every write-back: the host masters are then safe to read."""
-        if self.cuda:
-            self.offload_stream.synchronize()
-            self.upload_stream.synchronize()
 
 
 class OffloadEngine(StagedEngine):
-    """Blocks in host memory, streamed through the device. node + sliced: one node-shared host
-    master and DistZO2's sliced upload / update / write-back (see the module docstring)."""
+    """Blocks in host memory (one master per rank), streamed whole through the device slot ring."""
+
+    mode = "offload"
 
     def __init__(self, model: nn.Module, adapter: DecoderAdapter, params: TrainableParams, directions: Directions,
-                 slots: int = 3, transfer_dtype: torch.dtype | None = None, row_tokens: int = 1024,
-                 node: Node | None = None, sliced: bool = False):
+                 *, slots: int = 3, transfer_dtype: torch.dtype | None = None, **kwargs):
         device = directions.device
-        self.node = node if sliced and node is not None and node.shared else None
-        self.host_blocks = build_host_blocks(adapter, pin_memory=device.type == "cuda", node=self.node)
+        self.host_blocks = build_host_blocks(adapter, pin_memory=device.type == "cuda", node=self._shared_node())
         place_resident(model, device, self.host_blocks)
-        super().__init__(model, adapter, params, directions, row_tokens)
-        self.streamer = BlockStreamer(self.host_blocks, device, slots, transfer_dtype, self.node)
-        self.streamer.slice_update = self._update_slice
-        # Sliced blocks arrive through collectives over the node: every local rank must stream every
-        # block every step, even a rank with no evaluation of its own (P larger than the plan).
-        self.collective_blocks = self.node is not None
-        self._local = False
+        super().__init__(model, adapter, params, directions, **kwargs)
+        self.streamer = BlockStreamer(self.host_blocks, device, slots, transfer_dtype, self._shared_node())
 
-    @property
-    def sliced(self) -> bool:
-        return self.node is not None
+    def _shared_node(self) -> Node | None:
+        """The node whose ranks share one host master (sliced), or None (a master of its own)."""
+        return None
+
+    def describe(self) -> str:
+        dtype = self.streamer.transfer_dtype
+        return "blocks offloaded to host memory" + (f", moved in {str(dtype).replace('torch.', '')}" if dtype else "")
 
     @contextmanager
     def block_sources(self, i: int) -> Iterator[Mapping[str, torch.Tensor]]:
         """Upload block i (prefetching the next ones), let it compute, write it back if the deferred
         update changed it."""
-        if self.sliced:
-            with self.timers("transfer"):
-                for j in range(i, min(i + len(self.streamer.slots), len(self.host_blocks))):
-                    self.streamer.prefetch(j, self._local)  # next blocks' slices overlap this compute
-                views = self.streamer.acquire(i, self._local)
-            try:
-                yield views
-            finally:
-                self.streamer.release(i, write_back=False, updated=not self._local)
-            return
         updated = self.owes(i)
         with self.timers("transfer"):
             for j in range(i, min(i + len(self.streamer.slots), len(self.host_blocks))):
@@ -450,6 +84,50 @@ class OffloadEngine(StagedEngine):
         finally:
             with self.timers("transfer"):
                 self.streamer.release(i, write_back=updated)
+
+    def _after_flush(self) -> None:
+        self.streamer.synchronize()
+
+    def host_master_bytes(self) -> dict[str, int]:
+        copy = sum(b.numel * b.flat.element_size() for b in self.host_blocks)
+        return {"copy": copy, "resident": copy}  # a private copy, every page written
+
+    def transfer_stats(self) -> dict[str, float]:
+        s = self.streamer
+        return {"h2d_bytes": s.bytes_up, "d2h_bytes": s.bytes_down, "peer_bytes": s.bytes_peer,
+                "transfer_s": s.transfer_seconds()}
+
+
+class SlicedOffloadEngine(OffloadEngine):
+    """DistZO2's sliced communication: one node-shared host master; each rank uploads, updates and
+    writes back its slice of every block and all-gathers the rest from its peers (the module
+    docstring). Blocks arrive through collectives, so every rank walks every block every step."""
+
+    walks_with_peers = True
+    mode = "offload-sliced"
+
+    def __init__(self, model, adapter, params, directions, *, node: Node, **kwargs):
+        self.node = node
+        super().__init__(model, adapter, params, directions, **kwargs)
+        self.streamer.slice_update = self._update_slice
+        self._local = False
+
+    def _shared_node(self) -> Node | None:
+        return self.node
+
+    def describe(self) -> str:
+        return super().describe() + f", one node-shared master sliced over {self.node.size} ranks"
+
+    @contextmanager
+    def block_sources(self, i: int) -> Iterator[Mapping[str, torch.Tensor]]:
+        with self.timers("transfer"):
+            for j in range(i, min(i + len(self.streamer.slots), len(self.host_blocks))):
+                self.streamer.prefetch(j, self._local)  # next blocks' slices overlap this compute
+            views = self.streamer.acquire(i, self._local)
+        try:
+            yield views
+        finally:
+            self.streamer.release(i, write_back=False, updated=not self._local)
 
     def _update_slice(self, i: int, slot: torch.Tensor, lo: int, hi: int, delta: torch.Tensor | None) -> bool:
         """Apply block i's deferred update (if owed) to elements [lo, hi) of its slot."""
@@ -473,18 +151,14 @@ class OffloadEngine(StagedEngine):
         return True
 
     def _flush_block(self, i: int) -> None:
-        if self.sliced:
-            self.streamer.flush_slice(i)
-        else:
-            super()._flush_block(i)
+        self.streamer.flush_slice(i)
 
-    def after_flush(self) -> None:
+    def _after_flush(self) -> None:
         self.streamer.synchronize()
-        if self.sliced:
-            self.node.barrier()  # every slice of the shared master is current before anyone reads it
+        self.node.barrier()  # every slice of the shared master is current before anyone reads it
 
     @contextmanager
-    def local_reads(self) -> Iterator[None]:
+    def _local_reads(self) -> Iterator[None]:
         """Evaluation: read whole blocks from the (flushed) master, with no collective."""
         self._local = True
         try:
@@ -498,11 +172,5 @@ class OffloadEngine(StagedEngine):
 
     def host_master_bytes(self) -> dict[str, int]:
         copy = sum(b.numel * b.flat.element_size() for b in self.host_blocks)
-        if self.sliced:  # the proportional share of the shared mapping actually resident
-            return {"copy": copy, "resident": mapped_resident_bytes(self.host_blocks[0].flat)["pss"]}
-        return {"copy": copy, "resident": copy}  # a private copy, every page written
-
-    def transfer_stats(self) -> dict[str, float]:
-        s = self.streamer
-        return {"h2d_bytes": s.bytes_up, "d2h_bytes": s.bytes_down, "peer_bytes": s.bytes_peer,
-                "transfer_s": s.transfer_seconds()}
+        # the proportional share of the shared mapping actually resident
+        return {"copy": copy, "resident": mapped_resident_bytes(self.host_blocks[0].flat)["pss"]}

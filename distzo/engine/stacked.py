@@ -17,11 +17,12 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..data.tasks import Batch
 from ..peft.lora import lora_layers, stacked_b
+from ..scoring import Packed, Scores
 from ..zo.directions import Directions
 from ..zo.estimators import Evaluation
 from ..zo.params import TrainableParam
+from .staged import ResidentEngine
 from .weights import CleanWeights
 
 
@@ -44,36 +45,56 @@ def stack_copies(directions: Directions, p: TrainableParam, plan: Sequence[Evalu
     return torch.stack([perturbed_copy(directions, p, p.tensor, ev, step, eps) for ev in plan])
 
 
-def stacked_label_logits(engine, batch: Batch, label_ids: torch.Tensor, plan: Sequence[Evaluation], step: int,
-                         eps: float, materialize: bool) -> torch.Tensor:
-    """Label-word logits [len(plan), B, C], every evaluation in one forward."""
-    layers = {f"{name}.lora_B": module for name, module in lora_layers(engine.model)}
-    others = [p.name for p in engine.params if p.name not in layers]
-    if others or not layers:
-        raise StackedLoRAError(f"batched evaluation perturbs LoRA-FA B matrices only; also trainable: {others[:3]}")
-    engine.flush()  # the owed update (a few LoRA B matrices) before the copies are drawn from the masters
-    E = len(plan)
-    packed = batch.pack(engine.row_tokens).to(engine.device)
-    R = packed.input_ids.shape[0]
-    ctx = engine.adapter.context(packed.input_ids.repeat(E, 1), packed.position_ids.repeat(E, 1))
-    clean = CleanWeights(engine.model)
-    hidden = engine.adapter.stem(ctx, clean)
-    for i, (prefix, _) in enumerate(engine.adapter.blocks):
-        mine = [(p, layers[p.name]) for p in engine.params if p.name.startswith(prefix + ".")]
-        stacks: dict = {}
-        for p, module in mine:
-            if materialize:
-                with engine.timers("perturb"):
-                    stacks[module] = stack_copies(engine.directions, p, plan, step, eps)
-            else:
-                stacks[module] = _on_the_fly(engine.directions, p, plan, step, eps)
-        with stacked_b(stacks):
-            hidden = engine.adapter.block(i, hidden, ctx, clean)
-    rows = (packed.last_row[None] + R * torch.arange(E, device=engine.device)[:, None]).reshape(-1)
-    cols = packed.last_col.repeat(E)
-    features = engine.adapter.final(hidden[rows, cols], clean)
-    out = engine.adapter.head(features, label_ids.to(engine.device), clean)
-    return out.to(torch.promote_types(out.dtype, torch.float32)).view(E, batch.size, -1)
+class StackedLoRAEngine(ResidentEngine):
+    """P-RGE: a rank's perturbed evaluations run as one batched forward over stacked LoRA-FA B
+    copies; clean forwards (evaluation) take the ordinary stage loop."""
+
+    mode = "stacked-lora"
+
+    def __init__(self, *args, materialize: bool = True, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.materialize = materialize
+        self.layers = {f"{name}.lora_B": module for name, module in lora_layers(self.model)}
+        others = [p.name for p in self.params if p.name not in self.layers]
+        if others or not self.layers:
+            raise StackedLoRAError(f"batched evaluation perturbs LoRA-FA B matrices only; also trainable: {others[:3]}")
+
+    def describe(self) -> str:
+        how = "materialised" if self.materialize else "drawn inside each layer"
+        return f"resident, each rank's evaluations in one batched forward over stacked LoRA B copies ({how})"
+
+    def _run(self, packed: Packed, plan: Sequence[Evaluation], step: int, full_plan) -> list[Scores]:
+        if not any(ev.perturbed for ev in plan):
+            return super()._run(packed, plan, step, full_plan)
+        return self._stacked(packed, plan, step)
+
+    @torch.inference_mode()
+    def _stacked(self, packed: Packed, plan: Sequence[Evaluation], step: int) -> list[Scores]:
+        """Scores of every evaluation of the plan, in one forward: rows [e R, (e + 1) R) of the
+        replicated batch belong to evaluation e."""
+        self.flush()  # the owed update (a few LoRA B matrices) before the copies are drawn from the masters
+        E, R = len(plan), packed.input_ids.shape[0]
+        mask_fn = packed.mask_fn()
+        if mask_fn is None:
+            ctx = self.adapter.context(packed.input_ids.repeat(E, 1), packed.position_ids.repeat(E, 1))
+        else:
+            replicated = packed.replicate(E)
+            ctx = self.adapter.context(replicated.input_ids, replicated.position_ids, mask_fn=replicated.mask_fn())
+        clean = CleanWeights(self.model)
+        hidden = self.adapter.stem(ctx, clean)
+        for i, (prefix, _) in enumerate(self.adapter.blocks):
+            mine = [(p, self.layers[p.name]) for p in self.params if p.name.startswith(prefix + ".")]
+            stacks: dict = {}
+            for p, module in mine:
+                if self.materialize:
+                    with self.timers("perturb"):
+                        stacks[module] = stack_copies(self.directions, p, plan, step, self.eps)
+                else:
+                    stacks[module] = _on_the_fly(self.directions, p, plan, step, self.eps)
+            with stacked_b(stacks):
+                hidden = self.adapter.block(i, hidden, ctx, clean)
+        hidden = hidden.view(E, R, *hidden.shape[1:])
+        return [self._head(hidden[e], packed, clean) for e in range(E)]
 
 
 def _on_the_fly(directions: Directions, p: TrainableParam, plan: Sequence[Evaluation], step: int,

@@ -6,45 +6,27 @@ is usually fused into, so every path performs the same floating-point operations
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from ..zo.directions import Directions, chunks_of
 from ..zo.params import TrainableParam
-from .chunkpass import chunk_pass
-
-if TYPE_CHECKING:
-    from .division import WorkDivision
-
-
-@dataclass
-class PendingUpdate:
-    """An update decided but not yet applied everywhere (DESIGN I5): which stages still owe it."""
-
-    step: int
-    coefficients: tuple[tuple[int, float], ...]
-    lr: float
-    weight_decay: float
-    stages: set = field(default_factory=set)
-
-    @property
-    def terms(self) -> list[tuple[int, float]]:
-        return [(k, self.lr * c) for k, c in self.coefficients if c != 0.0]
+from .chunkpass import PendingUpdate, chunk_pass
 
 
 def apply_update(directions: Directions, targets: Sequence[tuple[TrainableParam, torch.Tensor]], u: PendingUpdate,
                  deltas: Sequence[torch.Tensor] | None = None,
-                 windows: Sequence[tuple[int, int]] | None = None, division: WorkDivision | None = None) -> None:
+                 windows: Sequence[tuple[int, int]] | None = None,
+                 mine: Callable[[list, Callable[[Any], int]], list] | None = None) -> None:
     """Update each target tensor (the master of its parameter, wherever it lives now) in place.
 
     deltas: optional float32 tensors, one per target, that receive the change made to each
     element (for transferring an update at reduced precision to a full-precision master).
     windows: optional (start, stop) flat element range per target: only those elements are updated
     (a rank's slice of an offloaded block); where one cuts a Gaussian chunk, the whole chunk is drawn.
-    division: only the chunks this rank owns among its node's ranks (a node-shared master); the
-    caller synchronises the node before anyone reads the result."""
+    mine: keeps the chunks this rank owns among its node's ranks (work division over a node-shared
+    master); the caller synchronises the node before anyone reads the result."""
     work = []
     for i, (p, target) in enumerate(targets):
         lo, hi = windows[i] if windows is not None else (0, p.numel())
@@ -55,8 +37,8 @@ def apply_update(directions: Directions, targets: Sequence[tuple[TrainableParam,
                 work.append((p, target, None if deltas is None else deltas[i], ref, a, b, part))
 
     size = lambda item: item[5] - item[4]  # noqa: E731
-    if division is not None:
-        work = division.mine(work, size)
+    if mine is not None:
+        work = mine(work, size)
 
     def one(item) -> None:
         p, target, delta, ref, a, b, part = item

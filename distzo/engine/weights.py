@@ -14,13 +14,11 @@ from torch import nn
 from torch.func import functional_call
 from torch.nn import functional as F
 
+from ..timing import DISABLED, Timers
 from ..zo.directions import Directions, chunks_of
 from ..zo.estimators import Evaluation
-from ..timing import DISABLED, Timers
-from .division import Arrival, WorkDivision
-from .chunkpass import chunk_pass
-from .update import PendingUpdate
 from ..zo.params import TrainableParam, TrainableParams
+from .chunkpass import PendingUpdate, chunk_pass
 
 
 class Workspace:
@@ -70,15 +68,10 @@ class StageNoise:
         self.plan, self.timers = list(plan), timers
         self._copies: dict[tuple[str, int], torch.Tensor] = {}  # (parameter, evaluation index) -> copy
         self._used: dict[tuple[int, torch.dtype], int] = {}
-        self._rows: dict[tuple[str, int, int], tuple[torch.Tensor, ...]] = {}
-        self._arrival: Arrival | None = None  # divided: the node's ranks are still writing their shares
+        self._rows: dict[tuple[str, int, int | None], tuple[torch.Tensor, ...]] = {}
 
     def ready(self) -> None:
-        """Wait until the copies are complete (divided: every rank of the node has written its share)."""
-        if self._arrival is not None:
-            with self.timers("wait"):
-                self._arrival.wait()
-            self._arrival = None
+        """Wait until the copies are complete (a no-op here; divided stages wait for their peers)."""
 
     def copies(self, entries: Sequence[TrainableParam], index: int,
                source: Callable[[TrainableParam], torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -90,43 +83,31 @@ class StageNoise:
         return {p.name: self._copies[(p.name, index)] for p in entries}
 
     def prepare(self, entries: Sequence[TrainableParam], source: Callable[[TrainableParam], torch.Tensor],
-                pending: PendingUpdate | None = None, division: WorkDivision | None = None,
-                slot: int = 0, node_evals: Sequence[tuple[int, int]] = ()) -> None:
+                pending: PendingUpdate | None = None) -> None:
         """Build every evaluation's working copies of `entries` in one pass over their chunks, first
         applying `pending` (the previous step's update) to each master chunk: the deferred update
-        fused with the next perturbation, while the chunk is in cache.
-
-        division: the node's ranks share the master; this rank updates and builds only the chunks it
-        owns, of every copy any rank of the node needs (node_evals: their (query, sign) pairs), in
-        node-shared stage slot `slot`, and reads its copies from there once `ready` returns
-        (engine/division.py)."""
-        if division is None:
-            with self.timers("perturb"):
-                self._build(list(entries), source, pending)
-        else:
-            self._build_divided(list(entries), source, pending, division, slot, node_evals)
-
-    def _build(self, todo: Sequence[TrainableParam], source: Callable[[TrainableParam], torch.Tensor],
-               pending: PendingUpdate | None) -> None:
-        out = self._outputs(todo)
-        copies = {p.name: [(ev.query, ev.sign, out[(p.name, i)].view(-1)) for i, ev in enumerate(self.plan)
-                           if ev.perturbed] for p in todo}
-        self._perturb_chunks(todo, source, pending, copies)
-        self._copies.update(out)
+        fused with the next perturbation, while the chunk is in cache."""
+        with self.timers("perturb"):
+            todo = list(entries)
+            out = self._outputs(todo)
+            copies = {p.name: [(ev.query, ev.sign, out[(p.name, i)].view(-1)) for i, ev in enumerate(self.plan)
+                               if ev.perturbed] for p in todo}
+            self._perturb_chunks(todo, source, pending, copies)
+            self._copies.update(out)
 
     def _perturb_chunks(self, todo: Sequence[TrainableParam], source: Callable[[TrainableParam], torch.Tensor],
                         pending: PendingUpdate | None,
                         copies: Mapping[str, Sequence[tuple[int, int, torch.Tensor]]],
-                        division: WorkDivision | None = None) -> None:
-        """`chunk_pass` over every chunk of `todo` (only those this rank owns, with division),
-        largest first on the noise threads. copies: parameter -> [(query, sign, flat copy)]."""
+                        mine: Callable[[list, Callable], list] | None = None) -> None:
+        """`chunk_pass` over every chunk of `todo` (those `mine` keeps, when given), largest first on
+        the noise threads. copies: parameter -> [(query, sign, flat copy)]."""
         targets = {name: {q: [(sign, flat) for qq, sign, flat in entries if qq == q]
                           for q in sorted({q for q, _, _ in entries})} for name, entries in copies.items()}
         masters = {p.name: source(p).view(-1) for p in todo}
         work = [(p, ref) for p in todo for ref in chunks_of(p.key, p.shape)]  # all queries of a chunk: one item
         size = lambda item: item[1].stop - item[1].start  # noqa: E731
-        if division is not None:
-            work = division.mine(work, size)
+        if mine is not None:
+            work = mine(work, size)
 
         def one(item) -> None:  # pay the owed update on the master chunk, then write every copy of it
             p, ref = item
@@ -150,41 +131,19 @@ class StageNoise:
                 out.update({(p.name, i): v for p, v in zip(group, views)})
         return out
 
-    def _build_divided(self, todo: Sequence[TrainableParam], source: Callable[[TrainableParam], torch.Tensor],
-                       pending: PendingUpdate | None, division: WorkDivision, slot: int,
-                       node_evals: Sequence[tuple[int, int]]) -> None:
-        node_evals = list(node_evals)
-        # Node-shared layout, per dtype: for each node evaluation in turn, the stage's parameters end to end.
-        offset: dict[str, int] = {}
-        segment: dict[torch.dtype, int] = {}
-        for p in todo:
-            offset[p.name] = segment.get(p.tensor.dtype, 0)
-            segment[p.tensor.dtype] = offset[p.name] + p.numel()
-        buffers = {dtype: division.stage_buffer(slot, n * len(node_evals), dtype)
-                   for dtype, n in sorted(segment.items(), key=lambda kv: str(kv[0]))}
-
-        def copy_of(p: TrainableParam, e: int) -> torch.Tensor:
-            start = e * segment[p.tensor.dtype] + offset[p.name]
-            return buffers[p.tensor.dtype][start:start + p.numel()]
-
-        with self.timers("perturb"):  # the chunks I own: their update, then every node copy of them
-            self._perturb_chunks(todo, source, pending, {
-                p.name: [(q, sign, copy_of(p, e)) for e, (q, sign) in enumerate(node_evals)] for p in todo}, division)
-        self._arrival = division.arrive()  # `ready` waits for the peers' shares
-        for i, ev in enumerate(self.plan):
-            if ev.perturbed:
-                e = node_evals.index((ev.query, ev.sign))
-                self._copies.update({(p.name, i): copy_of(p, e).view(p.shape) for p in todo})
-
-    def rows(self, p: TrainableParam, query: int, index: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """(unique rows u, inverse map, eps * z[u]) for the rows an index tensor reads."""
-        key = (p.name, query, id(index))
+    def rows(self, p: TrainableParam, query: int, index: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        """(unique rows u, inverse map, eps * z[u]) for the rows an index tensor reads; for index None
+        (the whole table: a full-vocabulary head) (None, None, eps * z)."""
+        key = (p.name, query, None if index is None else id(index))
         if key not in self._rows:
             with self.timers("perturb"):
                 self._rows[key] = self._draw_rows(p, query, index)
         return self._rows[key][:3]
 
-    def _draw_rows(self, p: TrainableParam, query: int, index: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def _draw_rows(self, p: TrainableParam, query: int, index: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        if index is None:
+            z = self.directions.generate(p.shape, p.key, self.step, query)
+            return None, None, z.to(p.tensor.dtype).mul_(self.eps)
         unique, inverse = torch.unique(index, return_inverse=True)
         z = self.directions.rows(p.shape, p.key, self.step, query, unique)
         z = z.view((unique.numel(),) + tuple(p.shape[1:])).to(p.tensor.dtype).mul_(self.eps)
@@ -203,9 +162,10 @@ class CleanWeights:
     def __init__(self, model: nn.Module, sources: Mapping[str, torch.Tensor] | None = None):
         self.model, self.sources = model, sources or {}
 
-    def rows(self, name: str, index: torch.Tensor) -> torch.Tensor:
+    def rows(self, name: str, index: torch.Tensor | None) -> torch.Tensor:
+        """Rows `index` of a table (index None: the whole table)."""
         table = self.sources[name] if name in self.sources else self.model.get_parameter(name)
-        return F.embedding(index, table)
+        return table if index is None else F.embedding(index, table)
 
     def call(self, prefix: str, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         local = _module_sources(prefix, module, self.sources)
@@ -227,11 +187,14 @@ class PerturbedWeights:
         """Where the master value of p is on the compute device now."""
         return self.sources.get(p.name, p.tensor)
 
-    def rows(self, name: str, index: torch.Tensor) -> torch.Tensor:
+    def rows(self, name: str, index: torch.Tensor | None) -> torch.Tensor:
         p = self.params.get(name)
         if p is None:
             return CleanWeights(self.model, self.sources).rows(name, index)
         unique, inverse, z = self.noise.rows(p, self.ev.query, index)
+        if index is None:  # the whole table
+            master = self.source(p)
+            return master + z if self.ev.sign > 0 else master - z
         master = self.source(p)[unique]
         return (master + z if self.ev.sign > 0 else master - z)[inverse]
 

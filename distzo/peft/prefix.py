@@ -44,10 +44,20 @@ def _widen_mask(mask, rows: int, length: int, m: int, dtype: torch.dtype, device
     return torch.cat([lead, mask], dim=-1)
 
 
+def cache_argument(attention: nn.Module) -> str:
+    """The name under which the stock attention takes its cache: `cache` from transformers 5.24 on
+    (which still accepts, but overrides, the older `past_key_values`), `past_key_values` before."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(attention.forward).parameters else "past_key_values"
+
+
 def _prefix_pre_hook(module: nn.Module, args, kwargs):
     hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
     m = module.prefix_keys.shape[1]
-    kwargs["past_key_values"] = _PrefixKV(module.prefix_keys, module.prefix_values)
+    for name in ("cache", "past_key_values"):
+        kwargs.pop(name, None)
+    kwargs[module.prefix_cache_argument] = _PrefixKV(module.prefix_keys, module.prefix_values)
     kwargs["attention_mask"] = _widen_mask(kwargs.get("attention_mask"), hidden.shape[0], hidden.shape[1], m,
                                            hidden.dtype, hidden.device)
     return args, kwargs
@@ -74,4 +84,5 @@ def attach_prefix(model: nn.Module, m: int, init_seed: int) -> None:
         layer = cache.layers[i]
         attn.register_parameter("prefix_keys", nn.Parameter(layer.keys[0].clone().contiguous()))
         attn.register_parameter("prefix_values", nn.Parameter(layer.values[0].clone().contiguous()))
+        attn.prefix_cache_argument = cache_argument(attn)
         attn.register_forward_pre_hook(_prefix_pre_hook, with_kwargs=True)

@@ -11,27 +11,26 @@ about `CHUNK_NUMEL` elements.
 
 Gaussian z is drawn with torch's `normal_` from a generator seeded with the chunk's seed, so a
 Gaussian chunk is always generated whole and its values never depend on how the caller slices the
-tensor. Rademacher z is a counter stream: element e of a chunk is +1 when bit e % 64 of word e // 64
-is set, -1 otherwise, where word j is output j of SplitMix64 started at the chunk's seed
-(`stream_signs`). Any element range of a chunk can therefore be drawn on its own (embedding rows, a
-rank's slice). The values are the same on every device, and the fused CPU kernels
-(`distzo/native`) generate them inside their pass without writing z to memory.
+tensor. Rademacher z is a counter stream (`distzo.zo.rademacher`, the stream's one definition), so
+any element range of a chunk can be drawn on its own (embedding rows, a rank's slice), the same on
+every device.
+
+This module says which z a chunk has. Where the work runs (threads, scratch buffers, the bench's
+clock) is `distzo.zo.workers`, which `Directions` delegates to.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-import sys
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import torch
 
-from ..native import Stream
+from .rademacher import Stream, _int64, mix64, stream_rows, stream_signs
+from .workers import CHUNK_NUMEL, ChunkWorkers
 
 if TYPE_CHECKING:
     from ..native import Kernels
@@ -44,79 +43,12 @@ DIRECTIONS_VERSION = 3
 # The first scheme that drew each distribution's z as this distzo does (snapshots and run logs
 # record DIRECTIONS_VERSION; `same_directions` compares a recorded one with this distzo's).
 SCHEME_SINCE = {"gaussian": 1, "rademacher": 3}
-CHUNK_NUMEL = 1 << 20
 _MASK64 = (1 << 64) - 1
-_GAMMA, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
-
-
-def _mix64(x: int) -> int:
-    """splitmix64 finaliser: a bijective 64-bit mix with good avalanche."""
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
 
 
 def same_directions(recorded_version: int | None, distribution: str) -> bool:
     """Whether z recorded under `recorded_version` (a snapshot's) equals the z this distzo draws."""
     return recorded_version is not None and recorded_version >= SCHEME_SINCE[distribution]
-
-
-def _int64(c: int) -> int:
-    """A 64-bit pattern as the signed integer torch's int64 arithmetic (which wraps) works on."""
-    return c - (1 << 64) if c >= 1 << 63 else c
-
-
-def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
-    """Logical right shift of int64 bit patterns (torch's >> is arithmetic on int64)."""
-    return (x >> k) & ((1 << (64 - k)) - 1)
-
-
-def stream_words(seeds: torch.Tensor | int, words: torch.Tensor) -> torch.Tensor:
-    """SplitMix64 output `words` (int64 word indices) of the streams started at `seeds`, as int64
-    bit patterns: the splitmix64 finaliser of seed + (word + 1) * golden gamma, all modulo 2^64."""
-    seeds = _int64(seeds) if isinstance(seeds, int) else seeds
-    x = (words + 1) * _int64(_GAMMA) + seeds
-    x = (x ^ _shr(x, 30)) * _int64(_MIX1)
-    x = (x ^ _shr(x, 27)) * _int64(_MIX2)
-    return x ^ _shr(x, 31)
-
-
-_UNIT_SIGNS: dict[torch.device, torch.Tensor] = {}
-
-
-def _unit_signs(device: torch.device) -> torch.Tensor:
-    """[256, 8] float32: row b holds +-1 for bits 0..7 of byte b (bit set: +1)."""
-    table = _UNIT_SIGNS.get(device)
-    if table is None:
-        bits = (torch.arange(256)[:, None] >> torch.arange(8)[None, :]) & 1
-        with torch.inference_mode(False):
-            table = _UNIT_SIGNS[device] = (bits.float() * 2 - 1).to(device)
-    return table
-
-
-def stream_signs(seed: int, offset: int, n: int, scale: float = 1.0,
-                 device: torch.device | str = "cpu") -> torch.Tensor:
-    """Elements [offset, offset + n) of the Rademacher stream of a chunk with this seed, times scale
-    (float32; +-fl32(scale), exact), in torch ops: the definition the fused kernels reproduce."""
-    device = torch.device(device)
-    first, stop = offset >> 6, (offset + n + 63) >> 6
-    words = stream_words(seed, torch.arange(first, stop, dtype=torch.int64, device=device))
-    if sys.byteorder == "little":  # byte b of a word holds its bits 8b .. 8b + 7
-        unit = _unit_signs(device)[words.view(torch.uint8).long()].view(-1)
-    else:
-        unit = (((words[:, None] >> torch.arange(64, device=device)) & 1) * 2 - 1).float().view(-1)
-    start = offset - 64 * first
-    return unit[start:start + n].mul_(torch.tensor(scale, dtype=torch.float32))
-
-
-def stream_rows(seeds: torch.Tensor, offsets: torch.Tensor, row: int, scale: float = 1.0) -> torch.Tensor:
-    """[len(seeds), row] float32: row r = elements [offsets[r], offsets[r] + row) of stream seeds[r]
-    (int64 bit patterns), times scale: `stream_signs` for many short ranges at once."""
-    elements = offsets[:, None] + torch.arange(row, dtype=torch.int64, device=offsets.device)
-    bits = (stream_words(seeds[:, None], elements >> 6) >> (elements & 63)) & 1
-    magnitude = torch.tensor(scale, dtype=torch.float32, device=offsets.device)
-    return torch.where(bits.bool(), magnitude, -magnitude)
 
 
 def param_key(name: str) -> int:
@@ -146,14 +78,6 @@ class ChunkRef:
     stop: int
 
 
-def _serial_worker() -> None:
-    """Initialiser of the chunk threads: their torch ops run single-threaded. Otherwise each thread's
-    first large op starts an OpenMP team of its own (intra-op threads are per calling thread), the
-    teams oversubscribe the cores, and they keep spinning into the next forward. The calling
-    thread's own intra-op threads are unaffected."""
-    torch.set_num_threads(1)
-
-
 def _ref_size(ref: ChunkRef) -> int:
     return ref.stop - ref.start
 
@@ -174,37 +98,30 @@ class Directions:
     """
 
     def __init__(self, seed: int, distribution: str = "gaussian", device: torch.device | str = "cpu",
-                 threads: int | None = None, kernels: Kernels | None = None):
+                 threads: int | None = None, kernels: Kernels | None = None, clock: WorkClock | None = None):
         if distribution not in ("gaussian", "rademacher"):
             raise ValueError(f"unknown direction distribution {distribution!r}")
         self.seed = int(seed)
         self.distribution = distribution
         self.device = torch.device(device)
-        # On CPU, torch's RNG kernels are single-threaded: run independent chunks on several threads
-        # (the ops release the GIL). On CUDA the kernels are asynchronous already.
-        n = threads if threads is not None else torch.get_num_threads()
-        self._pool = ThreadPoolExecutor(max_workers=n, initializer=_serial_worker) if self.device.type == "cpu" and n > 1 else None
-        self._local = threading.local()
         self.kernels = kernels if self.device.type == "cpu" else None
-        self.clock: WorkClock | None = None  # set by `bench` (CPU): time in work items and in draws
+        self.workers = ChunkWorkers(self.device, threads, clock)  # where chunk work runs (not what z is)
+
+    @property
+    def clock(self) -> WorkClock | None:
+        """The work clock of `bench` (CPU): time in work items and in draws."""
+        return self.workers.clock
 
     def scratch(self, numel: int, slot: int = 0) -> torch.Tensor:
-        """A float32 buffer of `numel` elements private to the calling thread, reused across calls
-        (a fresh chunk-sized tensor per call would page-fault on every first touch). Different
-        slots are different buffers, for callers that hold several chunks' z at once."""
-        bufs = getattr(self._local, "bufs", None)
-        if bufs is None:
-            bufs = self._local.bufs = {}
-        buf = bufs.get(slot)
-        if buf is None or buf.numel() < numel:
-            with torch.inference_mode(False):
-                buf = bufs[slot] = torch.empty(max(numel, CHUNK_NUMEL), dtype=torch.float32, device=self.device)
-        return buf[:numel]
+        return self.workers.scratch(numel, slot)
+
+    def map(self, fn: Callable[[Any], None], items: Iterable[Any], cost: Callable[[Any], float] | None = None) -> None:
+        self.workers.map(fn, items, cost)
 
     def chunk_seed(self, step: int, query: int, key: int, chunk: int) -> int:
-        h = _mix64(self.seed)
+        h = mix64(self.seed)
         for coordinate in (step, query, key, chunk):
-            h = _mix64(h ^ (coordinate & _MASK64))
+            h = mix64(h ^ (coordinate & _MASK64))
         return h
 
     def stream(self, step: int, query: int, ref: ChunkRef, scale: float = 1.0) -> Stream | None:
@@ -247,44 +164,6 @@ class Directions:
             if scale != 1.0:
                 out.mul_(scale)
         return out
-
-    def map(self, fn: Callable[[Any], None], items: Iterable[Any], cost: Callable[[Any], float] | None = None) -> None:
-        """Run fn over work items, in parallel on CPU. fn must touch only its own item's memory.
-
-        cost: an item's relative work. Items then start largest first: the pool's threads take
-        items in submission order, so this is longest-processing-time scheduling. A block's chunks
-        differ in size by up to 8x (attention vs MLP projections), and in submission order the last
-        large chunk often runs alone while the other threads idle."""
-        items = list(items)
-        if self.clock is not None:
-            fn = self._clocked(fn)
-        if self._pool is None or len(items) < 2:
-            for item in items:
-                fn(item)
-            return
-        if cost is not None:
-            items.sort(key=cost, reverse=True)  # stable: equal costs keep their order
-        # Grad and inference modes are thread-local: carry the caller's into the workers.
-        inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
-
-        def run(item: Any) -> None:
-            with torch.inference_mode(inference), torch.set_grad_enabled(grad):
-                fn(item)
-
-        for _ in self._pool.map(run, items):
-            pass
-
-    def _clocked(self, fn: Callable[[Any], None]) -> Callable[[Any], None]:
-        clock = self.clock
-
-        def timed(item: Any) -> None:
-            started = time.perf_counter()
-            try:
-                fn(item)
-            finally:
-                clock.add(busy=time.perf_counter() - started)
-
-        return timed
 
     def generate(self, shape: Sequence[int], key: int, step: int, query: int) -> torch.Tensor:
         """The full z of one parameter (float32, contiguous)."""
@@ -342,6 +221,4 @@ class Directions:
                            torch.tensor(offsets, dtype=torch.int64, device=self.device), row)
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        self.workers.close()

@@ -21,8 +21,8 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from ..native import Stream
-from .directions import ChunkRef, Directions, _mix64
+from .directions import ChunkRef, Directions
+from .rademacher import Stream, mix64
 from .params import TrainableParams
 
 _R_SALT = 0x5A67D0_A620  # keeps R's stream apart from a dense z of the same parameter
@@ -73,7 +73,7 @@ class SubspaceDirections(Directions):
         cached = self._r.get((key, step, query))
         if cached is None:
             gen = torch.Generator(device=self.device)
-            gen.manual_seed(self.chunk_seed(step, query, _mix64(key ^ _R_SALT), 0))
+            gen.manual_seed(self.chunk_seed(step, query, mix64(key ^ _R_SALT), 0))
             cached = torch.randn(out_features, rank, generator=gen, device=self.device)
             with self._lock:
                 self._r[(key, step, query)] = cached

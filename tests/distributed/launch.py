@@ -53,7 +53,7 @@ def spawn_env(rank: int, world: int, port: int) -> None:
 
 # --- forked runs ------------------------------------------------------------------------------------
 
-PRELOAD = ["distzo.__main__", "distzo.train", "distzo.bench", "distzo.replay", "transformers",
+PRELOAD = ["distzo.__main__", "distzo.train", "distzo.bench", "distzo.replay", "distzo.validation", "transformers",
            "transformers.models.llama.modeling_llama", "transformers.models.opt.modeling_opt",
            "transformers.models.qwen2.modeling_qwen2"]
 _server_lock = threading.Lock()

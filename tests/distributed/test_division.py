@@ -1,7 +1,7 @@
 """Work division over real gloo processes, with the ranks deliberately out of step.
 
 Ranks that share a master build their shares of block i+1 before their forward through block i
-(engine/division.py), so a fast rank runs ahead of a slow one into the rotation of node-shared
+(engine/divided.py), so a fast rank runs ahead of a slow one into the rotation of node-shared
 stage buffers. One rank sleeps inside every block forward here, the worst case for that rotation:
 every evaluation and the final weights must still be bitwise those of a single process.
 """
@@ -22,10 +22,10 @@ COEFFICIENTS = [[(0, 0.7)], [(0, -1.1)], [(0, 0.4)]]  # fixed: the test needs no
 LAYERS = 6
 
 
-def _engine(divided_node=None, distribution="gaussian"):
+def _engine(mesh=None, distribution="gaussian"):
+    """A divided engine on a 2x1 mesh's node, or (mesh None) a single process's resident one."""
     from distzo import native
-    from distzo.engine import ResidentEngine
-    from distzo.engine.division import WorkDivision, share_master
+    from distzo.engine import DividedEngine, ResidentEngine
     from distzo.models.adapters import adapter_for
     from distzo.models.loading import random_model
     from distzo.zo.directions import Directions
@@ -33,19 +33,21 @@ def _engine(divided_node=None, distribution="gaussian"):
 
     model = random_model("llama", 400, {"num_hidden_layers": LAYERS}, 0, torch.float32)
     params = TrainableParams.from_model(model)
-    engine = ResidentEngine(model, adapter_for(model), params, Directions(3, distribution, kernels=native.load("auto")))
-    if divided_node is not None:
-        share_master(params, divided_node)
-        engine.division = WorkDivision(divided_node)
-    return model, engine
+    directions = Directions(3, distribution, kernels=native.load("auto"))
+    if mesh is None:
+        return model, ResidentEngine(model, adapter_for(model), params, directions, eps=EPS)
+    return model, DividedEngine(model, adapter_for(model), params, directions, eps=EPS, mesh=mesh, node=mesh.node)
 
 
-def _run(engine, plan, node_plan=None):
+def _run(engine, plan):
+    """Per step, this process's evaluations' logits by plan index."""
     logits = []
     for step, coefficients in enumerate(COEFFICIENTS):
-        logits.append(engine.label_logits(sample_batch(seed=step), LABELS, plan, step, EPS, node_plan=node_plan))
-        engine.update(step, coefficients, 1e-2, 0.05)
-    engine.flush()
+        scores = engine.evaluate(sample_batch(seed=step), plan, step)
+        logits.append({i: s.logits for i, s in scores.items()})
+        engine.apply(step, coefficients, 1e-2, 0.05)
+    with engine.materialized():
+        pass
     return logits
 
 
@@ -55,7 +57,7 @@ def _worker(rank, world, port, slow_rank, distribution, out_dir):
     from distzo.zo.estimators import Evaluation
 
     mesh = Mesh.create("2x1", "cpu", timeout_s=120)
-    model, engine = _engine(mesh.node, distribution)
+    model, engine = _engine(mesh, distribution)
     block = engine.adapter.block
 
     def slow_block(i, *args, **kwargs):  # the slow rank lags a whole forward behind at every block
@@ -65,8 +67,9 @@ def _worker(rank, world, port, slow_rank, distribution, out_dir):
 
     engine.adapter.block = slow_block
     plan = [Evaluation(0, s) for s in PLAN_SIGNS]
-    logits = _run(engine, [plan[rank]], node_plan=plan)
-    torch.save({"logits": [x[0] for x in logits],
+    logits = _run(engine, plan)  # the engine deals the plan: this rank runs evaluation `rank`
+    assert all(set(x) == {rank} for x in logits)
+    torch.save({"logits": [x[rank] for x in logits],
                 "weights": {k: v.clone() for k, v in model.state_dict().items()}}, out_dir / f"rank{rank}.pt")
     mesh.close()
 

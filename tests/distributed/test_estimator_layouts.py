@@ -1,4 +1,4 @@
-"""Each estimator is layout invariant (DESIGN I2): the same run on 1x1, 2x2 and 4x1 ends with the
+"""Each estimator is layout invariant (I2, docs/architecture.md#invariants): the same run on 1x1, 2x2 and 4x1 ends with the
 same weights, within the tolerance tests/distributed/test_mesh.py states for data-parallel layouts.
 
 To stay cheap, one set of four gloo processes (torch.multiprocessing) trains every estimator on
@@ -31,7 +31,8 @@ MESHES = ["2x2", "4x1"]
 
 
 def _config(name: str, mesh: str):
-    from distzo.config import compose_config, validate
+    from distzo.config import compose_config
+    from distzo.validation import validate
 
     cfg = compose_config(COMMON + RUNS[name] + [f"mesh={mesh}"])
     validate(cfg)

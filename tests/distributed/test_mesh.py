@@ -124,7 +124,7 @@ def test_every_rank_holds_the_same_weights(layouts):
         assert summary["mesh"] == mesh and all(m["mesh"] == mesh for m in metrics)
         # Ranks on one machine share the master and divide noise and update work (engine.divide_work
         # auto): the bitwise and tolerance comparisons above cover the divided engine.
-        assert summary["work_divided"] == (world[mesh] > 1)
+        assert summary["engine"] == ("divided" if world[mesh] > 1 else "resident")
         sums = summary["replica_checksums"]  # gathered from every rank after the last step
         assert len(sums) == world[mesh] and len(set(sums)) == 1
         checksums[mesh] = sums[0]

@@ -1,4 +1,4 @@
-"""Nothing lost (DESIGN I6): runs killed at any point resume to the weights of an uninterrupted run.
+"""Nothing lost (I6, docs/architecture.md#invariants): runs killed at any point resume to the weights of an uninterrupted run.
 Every test starts real processes and kills them for real (SIGKILL)."""
 
 from __future__ import annotations

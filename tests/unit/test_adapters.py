@@ -3,13 +3,13 @@
 import pytest
 import torch
 
-from distzo.data.tasks import Batch
 from distzo.engine import ResidentEngine
 from distzo.engine.weights import CleanWeights
 from distzo.models.adapters import UnsupportedModelError, adapter_for
 from distzo.models.loading import random_model
 from distzo.zo.directions import Directions
 from distzo.zo.params import TrainableParams
+from tests.engine_helpers import clean_logits, label_batch
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "opt"]
 
@@ -39,24 +39,20 @@ def test_single_sequence_is_bitwise_the_stock_forward(arch):
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_packed_batch_matches_each_prompt_alone(arch):
     model = random_model(arch, 300, {}, 0, torch.float32)
-    engine = ResidentEngine(model, adapter_for(model), TrainableParams.from_model(model), Directions(0))
     gen = torch.Generator().manual_seed(1)
     seqs = [torch.randint(3, 300, (n,), generator=gen).tolist() for n in (5, 12, 1, 9, 7)]
     labels = torch.tensor([4, 250, 17])
-    batch = Batch(seqs, torch.zeros(len(seqs), dtype=torch.long))
+    batch = label_batch(seqs, torch.zeros(len(seqs), dtype=torch.long), labels)
     for row_tokens in (1024, 13):  # one packed row, and several rows with padded tails
-        engine.row_tokens = row_tokens
+        engine = ResidentEngine(model, adapter_for(model), TrainableParams.from_model(model), Directions(0),
+                                row_tokens=row_tokens)
         assert (batch.pack(row_tokens).input_ids.shape[0] > 1) == (row_tokens == 13)
-        packed = engine.label_logits(batch, labels, [engine_clean()], 0, 0.0)[0]
+        packed = clean_logits(engine, batch)
         with torch.inference_mode():
             alone = torch.stack([model(torch.tensor([s])).logits[0, -1, labels] for s in seqs])
         torch.testing.assert_close(packed, alone, rtol=0, atol=2e-5)
 
 
-def engine_clean():
-    from distzo.zo.estimators import CLEAN, Evaluation
-
-    return Evaluation(CLEAN, 0)
 
 
 def test_unsupported_family_is_a_clear_error():

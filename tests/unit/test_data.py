@@ -3,7 +3,8 @@
 import torch
 
 from distzo.data.datasets import load_splits, movie_reviews
-from distzo.data.tasks import Batch, ClassificationTask, TrainSampler
+from distzo.data.tasks import ClassificationTask, TrainSampler
+from distzo.scoring import Batch, Sequence, label_word_batch
 from tests.conftest import make_config
 
 
@@ -38,7 +39,7 @@ def test_prompt_and_label_words(tokenizer):
 def test_label_words_must_differ_in_their_first_token(tokenizer):
     import pytest
 
-    from distzo.config import ConfigError
+    from distzo.errors import ConfigError
 
     cfg = make_config("task.label_words=[' great',' great']")
     with pytest.raises(ConfigError, match="share a first token"):
@@ -47,22 +48,54 @@ def test_label_words_must_differ_in_their_first_token(tokenizer):
 
 def test_packing_keeps_every_prompt_and_restarts_positions():
     seqs = [[5, 6, 7], [8], [9, 10], [11, 12, 13, 14]]
-    batch = Batch(seqs, torch.tensor([0, 1, 0, 1]), pad_id=0)
+    batch = label_word_batch(seqs, torch.tensor([0, 1, 0, 1]), torch.tensor([3, 4]), pad_id=0)
     one = batch.pack(1024)
     assert one.input_ids.tolist() == [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14]]
     assert one.position_ids.tolist() == [[0, 1, 2, 0, 0, 1, 0, 1, 2, 3]]
-    assert one.last_col.tolist() == [2, 3, 5, 9] and one.last_row.tolist() == [0, 0, 0, 0]
+    assert one.score_col.tolist() == [2, 3, 5, 9] and one.score_row.tolist() == [0, 0, 0, 0]
+    assert one.real.all() and one.segment is None  # no branches: position ids alone separate prompts
     rows = batch.pack(4)
     assert rows.input_ids.tolist() == [[5, 6, 7, 8], [9, 10, 0, 0], [11, 12, 13, 14]]
     assert rows.position_ids[1].tolist() == [0, 1, 0, 1]  # the pad tail is a segment of its own
-    assert rows.input_ids[rows.last_row, rows.last_col].tolist() == [7, 8, 10, 14]
+    assert rows.real[1].tolist() == [True, True, False, False]
+    assert rows.input_ids[rows.score_row, rows.score_col].tolist() == [7, 8, 10, 14]
+
+
+def test_branches_continue_the_prefix_positions_and_see_only_it():
+    """A shared prompt [1, 2, 3] with two candidates [4, 5] and [6]: positions continue from 3 in each
+    branch, and the mask lets a branch see the prefix and itself, never the other branch."""
+    seq = Sequence((1, 2, 3, 4, 5, 6), branches=(3, 5), scored=(2, 3, 2), targets=(4, 5, 6), units=(0, 0, 1))
+    batch = Batch([seq, Sequence((7, 8), scored=(1,), targets=(9,), units=(2,))], [0, 1], [0, 0, 1],
+                  torch.tensor([0, 0]), readout="likelihoods")
+    packed = batch.pack(1024)
+    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 4, 3, 0, 1]]
+    assert packed.branch.tolist() == [[0, 0, 0, 1, 1, 2, 0, 0]] and packed.segment.tolist() == [[0] * 6 + [1] * 2]
+    visible = packed.mask_fn()
+    q, kv = torch.arange(8)[:, None], torch.arange(8)[None, :]
+    allowed = visible(torch.zeros(8, 8, dtype=torch.long), None, q, kv) & (kv <= q)
+    assert allowed[5].tolist() == [True, True, True, False, False, True, False, False]  # candidate 2: prompt, itself
+    assert allowed[4].tolist() == [True] * 5 + [False] * 3  # candidate 1: prompt and its own first token
+    assert allowed[7].tolist() == [False] * 6 + [True, True]  # the next sequence sees only itself
+    assert packed.score_col.tolist() == [2, 3, 2, 7] and packed.score_unit.tolist() == [0, 0, 1, 2]
 
 
 def test_shards_partition_the_batch():
-    batch = Batch([[i] for i in range(10)], torch.arange(10))
+    batch = label_word_batch([[i + 1] for i in range(10)], torch.arange(10), torch.tensor([3, 4]))
     shards = [batch.shard(i, 4) for i in range(4)]
     assert [s.size for s in shards] == [3, 3, 2, 2]
-    assert sum((s.sequences for s in shards), []) == batch.sequences
+    assert [x.tokens for s in shards for x in s.sequences] == [x.tokens for x in batch.sequences]
+    assert all(s.units == s.size and [x.units for x in s.sequences] == [(u,) for u in range(s.size)] for s in shards)
+
+
+def test_shards_keep_every_unit_of_an_example():
+    """An example with several units (candidates) goes to one shard whole; units are renumbered."""
+    seqs = [Sequence((1, 2, 3, 4), branches=(2, 3), scored=(1, 2), targets=(3, 4), units=(0, 1)),
+            Sequence((5, 6, 7), branches=(2,), scored=(1,), targets=(7,), units=(2,)),
+            Sequence((8, 9, 1, 2), branches=(2, 3), scored=(1, 2), targets=(1, 2), units=(3, 4))]
+    batch = Batch(seqs, [0, 1, 2], [0, 0, 1, 2, 2], torch.tensor([1, 0, 0]), readout="likelihoods")
+    second = batch.shard(1, 2)
+    assert second.size == 1 and second.units_per_example() == [2] and second.sequences[0].units == (0, 1)
+    assert batch.shard(0, 2).units_per_example() == [2, 1]
 
 
 def test_sampler_is_a_pure_function_of_seed_and_step():

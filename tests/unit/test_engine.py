@@ -3,13 +3,13 @@
 import pytest
 import torch
 
-from distzo.data.tasks import Batch
 from distzo.engine import ResidentEngine
 from distzo.models.adapters import adapter_for
 from distzo.models.loading import random_model
 from distzo.zo.directions import Directions
 from distzo.zo.estimators import CLEAN, Evaluation
 from distzo.zo.params import TrainableParams
+from tests.engine_helpers import clean_logits, label_batch, materialize, plan_logits
 
 EPS = 1e-3
 
@@ -18,17 +18,19 @@ def build(arch="llama", seed=0, threads=None, dtype=torch.float32, vocab=400, di
     model = random_model(arch, vocab, {}, 0, dtype)
     params = TrainableParams.from_model(model)
     directions = Directions(seed, distribution, threads=threads, kernels=kernels)
-    return model, params, ResidentEngine(model, adapter_for(model), params, directions)
+    return model, params, ResidentEngine(model, adapter_for(model), params, directions, eps=EPS)
+
+
+LABELS = torch.tensor([5, 77])
 
 
 def sample_batch(n=6, seed=0):
     gen = torch.Generator().manual_seed(seed)
     seqs = [torch.randint(3, 400, (int(torch.randint(2, 14, (1,), generator=gen)),), generator=gen).tolist()
             for _ in range(n)]
-    return Batch(seqs, torch.randint(0, 2, (n,), generator=gen))
+    return label_batch(seqs, torch.randint(0, 2, (n,), generator=gen), LABELS)
 
 
-LABELS = torch.tensor([5, 77])
 PLAN = [Evaluation(0, +1), Evaluation(0, -1), Evaluation(1, +1), Evaluation(CLEAN, 0), Evaluation(1, -1)]
 
 
@@ -36,7 +38,7 @@ PLAN = [Evaluation(0, +1), Evaluation(0, -1), Evaluation(1, +1), Evaluation(CLEA
 def test_evaluation_leaves_master_weights_bitwise_unchanged(arch):
     model, _, engine = build(arch)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    engine.label_logits(sample_batch(), LABELS, PLAN, step=3, eps=EPS)
+    plan_logits(engine, sample_batch(), PLAN, step=3)
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
 
@@ -46,7 +48,7 @@ def test_perturbed_evaluation_is_the_model_at_theta_plus_eps_z(arch):
     """Reference: materialise theta +- eps*z in a copy (tied weights once) and run it clean."""
     model, params, engine = build(arch)
     batch, step = sample_batch(), 4
-    got = engine.label_logits(batch, LABELS, PLAN, step=step, eps=EPS)
+    got = plan_logits(engine, batch, PLAN, step)
     for i, ev in enumerate(PLAN):
         ref_model, ref_params, ref_engine = build(arch)
         if ev.perturbed:
@@ -54,7 +56,7 @@ def test_perturbed_evaluation_is_the_model_at_theta_plus_eps_z(arch):
                 for p in ref_params:
                     scaled = engine.directions.generate(p.shape, p.key, step, ev.query).mul_(EPS)
                     p.tensor.copy_(p.tensor + scaled if ev.sign > 0 else p.tensor - scaled)
-        ref = ref_engine.clean_label_logits(batch, LABELS)
+        ref = clean_logits(ref_engine, batch)
         assert torch.equal(got[i], ref), f"evaluation {ev} differs"
 
 
@@ -82,11 +84,11 @@ def test_update_is_the_formula_chunked_and_thread_count_invariant():
     no_decay = {n for n, _ in model1.named_parameters() if "norm" in n}  # Llama has no biases
     coeffs, lr, wd, step = [(0, 0.7), (1, -1.3)], 1e-2, 0.1, 9
     expected = expected_update(engine1, params1, step, coeffs, lr, wd, no_decay)
-    engine1.update(step, coeffs, lr, wd)
-    engine2.update(step, coeffs, lr, wd)
+    engine1.apply(step, coeffs, lr, wd)
+    engine2.apply(step, coeffs, lr, wd)
     assert torch.equal(params1.get("model.norm.weight").tensor, model2.model.norm.weight)  # deferred: unchanged
-    engine1.flush()
-    engine2.flush()
+    materialize(engine1)
+    materialize(engine2)
     for p1, p2 in zip(params1, params2):
         assert torch.equal(p1.tensor, expected[p1.name]), p1.name
         assert torch.equal(p1.tensor, p2.tensor), p1.name
@@ -95,8 +97,8 @@ def test_update_is_the_formula_chunked_and_thread_count_invariant():
 def test_tied_head_is_updated_once():
     model, params, engine = build()
     expected = expected_update(engine, params, 0, [(0, 1.0)], 1e-2, 0.0, set())["model.embed_tokens.weight"]
-    engine.update(0, [(0, 1.0)], 1e-2, 0.0)
-    engine.flush()
+    engine.apply(0, [(0, 1.0)], 1e-2, 0.0)
+    materialize(engine)
     # applying the update under both names would move the shared tensor twice
     assert torch.equal(model.lm_head.weight, expected)
 
@@ -107,22 +109,22 @@ def test_fused_deferred_update_equals_update_then_perturb():
     model_a, params_a, fused = build()
     model_b, params_b, plain = build()
     batch, coeffs = sample_batch(), [(0, 0.9), (1, -0.4)]
-    fused.update(0, coeffs, 1e-2, 0.1)
-    plain.update(0, coeffs, 1e-2, 0.1)
-    plain.flush()  # update first, on its own
+    fused.apply(0, coeffs, 1e-2, 0.1)
+    plain.apply(0, coeffs, 1e-2, 0.1)
+    materialize(plain)  # update first, on its own
     assert fused.pending is not None and plain.pending is None
-    got = fused.label_logits(batch, LABELS, PLAN, step=1, eps=EPS)  # update fused into this perturbation
+    got = plan_logits(fused, batch, PLAN, step=1)  # update fused into this perturbation
     assert fused.pending is None
-    assert torch.equal(got, plain.label_logits(batch, LABELS, PLAN, step=1, eps=EPS))
+    assert torch.equal(got, plan_logits(plain, batch, PLAN, step=1))
     a, b = model_a.state_dict(), model_b.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_workspace_is_reused_across_steps():
     _, _, engine = build()
-    engine.label_logits(sample_batch(), LABELS, PLAN, step=0, eps=EPS)
+    plan_logits(engine, sample_batch(), PLAN, step=0)
     sizes = {k: v.data_ptr() for k, v in engine.workspace._buffers.items()}
-    engine.label_logits(sample_batch(seed=1), LABELS, PLAN, step=1, eps=EPS)
+    plan_logits(engine, sample_batch(seed=1), PLAN, step=1)
     assert sizes == {k: v.data_ptr() for k, v in engine.workspace._buffers.items()}
 
 
@@ -142,9 +144,9 @@ def test_the_fused_kernels_change_nothing(arch, distribution, monkeypatch):
         model, _, engine = build(arch, distribution=distribution, kernels=kernels)
         logits = []
         for step, coeffs in enumerate([[(0, 0.9), (1, -0.4)], [(0, -2.0), (1, 0.3)]]):
-            logits.append(engine.label_logits(sample_batch(seed=step), LABELS, PLAN, step=step, eps=EPS))
-            engine.update(step, coeffs, 1e-2, 0.1)
-        engine.flush()
+            logits.append(plan_logits(engine, sample_batch(seed=step), PLAN, step=step))
+            engine.apply(step, coeffs, 1e-2, 0.1)
+        materialize(engine)
         runs.append((logits, model.state_dict()))
     assert calls  # the second run's perturbations and updates went through the kernels
     (logits_a, state_a), (logits_b, state_b) = runs

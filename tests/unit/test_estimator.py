@@ -6,7 +6,6 @@ import math
 import torch
 from torch.nn import functional as F
 
-from distzo.data.tasks import Batch
 from distzo.engine import ResidentEngine
 from distzo.models.adapters import adapter_for
 from distzo.models.loading import random_model
@@ -14,30 +13,31 @@ from distzo.objectives import cross_entropy_sums
 from distzo.zo.directions import Directions
 from distzo.zo.estimators import SPSA, Evaluation
 from distzo.zo.params import TrainableParams
+from tests.engine_helpers import label_batch, plan_logits
 
 LABELS = torch.tensor([11, 42])
 
 
-def setup_model(trainable=None):
+def setup_model(trainable=None, eps=1e-3):
     model = random_model("llama", 200, {}, 3, torch.float64)
     if trainable is not None:
         model.requires_grad_(False)
         for name in trainable:
             model.get_parameter(name).requires_grad_(True)
     params = TrainableParams.from_model(model)
-    return model, params, ResidentEngine(model, adapter_for(model), params, Directions(5))
+    return model, params, ResidentEngine(model, adapter_for(model), params, Directions(5), eps=eps)
 
 
 def batch():
     gen = torch.Generator().manual_seed(2)
     seqs = [torch.randint(3, 200, (n,), generator=gen).tolist() for n in (4, 9, 6, 3, 8, 5)]
-    return Batch(seqs, torch.tensor([0, 1, 1, 0, 1, 0]))
+    return label_batch(seqs, [0, 1, 1, 0, 1, 0], LABELS)
 
 
 def autograd_gradient(model, params, b):
     """Reference: the same loss through the stock model, differentiated by autograd."""
-    ids = torch.nn.utils.rnn.pad_sequence([torch.tensor(s) for s in b.sequences], batch_first=True)
-    last = torch.tensor([len(s) - 1 for s in b.sequences])
+    ids = torch.nn.utils.rnn.pad_sequence([torch.tensor(s.tokens) for s in b.sequences], batch_first=True)
+    last = torch.tensor([len(s.tokens) - 1 for s in b.sequences])
     logits = model(ids).logits[torch.arange(b.size), last][:, LABELS]
     loss = F.cross_entropy(logits, b.labels)
     grads = torch.autograd.grad(loss, [p.tensor for p in params])
@@ -45,7 +45,8 @@ def autograd_gradient(model, params, b):
 
 
 def spsa_grads(engine, estimator, b, step):
-    logits = engine.label_logits(b, LABELS, estimator.plan(), step, estimator.eps)
+    assert engine.eps == estimator.eps
+    logits = plan_logits(engine, b, estimator.plan(), step)
     sums = cross_entropy_sums(logits, b.labels)
     return estimator.combine(sums[:, 0] / sums[:, 1])
 
@@ -55,7 +56,7 @@ def direction(engine, params, step, k):
 
 
 def test_projected_gradient_is_the_directional_derivative():
-    model, params, engine = setup_model()
+    model, params, engine = setup_model(eps=1e-5)
     b = batch()
     true = autograd_gradient(model, params, b)
     # Central difference: truncation error shrinks as eps^2 (1e-2 at eps=1e-3, 1e-4 at 1e-4, 2e-6 at
@@ -71,7 +72,7 @@ def test_projected_gradient_is_the_directional_derivative():
 
 def test_mean_estimate_converges_to_the_autograd_gradient():
     trainable = ["model.norm.weight", "model.layers.1.post_attention_layernorm.weight"]
-    model, params, engine = setup_model(trainable)
+    model, params, engine = setup_model(trainable, eps=1e-4)
     b = batch()
     true = autograd_gradient(model, params, b)
     d = true.numel()

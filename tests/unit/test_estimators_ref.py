@@ -23,18 +23,18 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from distzo.data.tasks import Batch
-from distzo.engine import ResidentEngine
+from distzo.engine import ResidentEngine, StackedLoRAEngine
 from distzo.models.adapters import adapter_for
 from distzo.models.loading import random_model
 from distzo.objectives import cross_entropy_sums, minus_accuracy_sums, objective_sums
 from distzo.peft import apply_peft, attach_lora, attach_prefix
-from distzo.train import valid_tokens
+from distzo.scoring import Scores
 from distzo.zo.directions import Directions
 from distzo.zo.estimators import AGZO, PRGE, SPSA
 from distzo.zo.params import TrainableParams
 from distzo.zo.subspace import ActivationCapture, SubspaceDirections, top_subspace
 from tests.conftest import make_config
+from tests.engine_helpers import label_batch, materialize, plan_logits
 
 LABELS = torch.tensor([11, 42])
 
@@ -42,7 +42,7 @@ LABELS = torch.tensor([11, 42])
 def sample_batch(n=6, seed=2):
     gen = torch.Generator().manual_seed(seed)
     seqs = [torch.randint(3, 200, (int(k),), generator=gen).tolist() for k in torch.randint(3, 10, (n,), generator=gen)]
-    return Batch(seqs, torch.randint(0, 2, (n,), generator=gen))
+    return label_batch(seqs, torch.randint(0, 2, (n,), generator=gen), LABELS)
 
 
 def tiny(dtype=torch.float64, trainable=None, seed=3):
@@ -56,8 +56,8 @@ def tiny(dtype=torch.float64, trainable=None, seed=3):
 
 def autograd_gradient(model, params, b):
     """Reference: the same loss through the stock model (hooks included), differentiated by autograd."""
-    ids = torch.nn.utils.rnn.pad_sequence([torch.tensor(s) for s in b.sequences], batch_first=True)
-    last = torch.tensor([len(s) - 1 for s in b.sequences])
+    ids = torch.nn.utils.rnn.pad_sequence([torch.tensor(s.tokens) for s in b.sequences], batch_first=True)
+    last = torch.tensor([len(s.tokens) - 1 for s in b.sequences])
     with torch.enable_grad():
         logits = model(ids).logits[torch.arange(b.size), last][:, LABELS]
         loss = F.cross_entropy(logits.double(), b.labels)
@@ -65,8 +65,8 @@ def autograd_gradient(model, params, b):
     return torch.cat([g.reshape(-1) for g in grads]).double()
 
 
-def losses(engine, b, plan, step, eps):
-    sums = cross_entropy_sums(engine.label_logits(b, LABELS, plan, step, eps), b.labels)
+def losses(engine, b, plan, step):
+    sums = cross_entropy_sums(plan_logits(engine, b, plan, step), b.labels)
     return sums[:, 0] / sums[:, 1]
 
 
@@ -84,12 +84,12 @@ def test_nspsa_rademacher_forward_mean_points_along_the_gradient():
     model = tiny(trainable=["model.layers.1.post_attention_layernorm.weight"])
     params = TrainableParams.from_model(model)
     directions = Directions(7, "rademacher")
-    engine, b = ResidentEngine(model, adapter_for(model), params, directions), sample_batch()
-    true = autograd_gradient(model, params, b)
     est = SPSA(eps=1e-5, q=64, difference="forward")
+    engine, b = ResidentEngine(model, adapter_for(model), params, directions, eps=est.eps), sample_batch()
+    true = autograd_gradient(model, params, b)
     total = torch.zeros_like(true)
     for step in range(3):  # 192 directions in 64 dimensions
-        result = est.combine(losses(engine, b, est.plan(), step, est.eps))
+        result = est.combine(losses(engine, b, est.plan(), step))
         for k, c in result.coefficients:
             total += c * direction(directions, params, step, k)
     assert cosine(total, true) > 0.7
@@ -97,19 +97,19 @@ def test_nspsa_rademacher_forward_mean_points_along_the_gradient():
 
 # --- AGZO ----------------------------------------------------------------------------------------------------
 
-def agzo_setup(trainable, seed=5):
+def agzo_setup(trainable, seed=5, eps=1e-4):
     model = tiny(trainable=trainable)
     params = TrainableParams.from_model(model)
     directions = SubspaceDirections(seed)
-    engine = ResidentEngine(model, adapter_for(model), params, directions)
+    engine = ResidentEngine(model, adapter_for(model), params, directions, eps=eps)
     return model, params, directions, engine, ActivationCapture(model, params, directions, 1, 3)
 
 
 def agzo_step(engine, capture, b, est, step):
     plan = est.plan()
-    with capture.capture(step, valid_tokens(b, engine.row_tokens)):
-        clean = losses(engine, b, plan[:1], step, 0.0)
-    return est.combine(torch.cat([clean, losses(engine, b, plan[1:], step, est.eps)]))
+    with capture.capture(step, b.pack(engine.row_tokens).real):
+        clean = losses(engine, b, plan[:1], step)
+    return est.combine(torch.cat([clean, losses(engine, b, plan[1:], step)]))
 
 
 def test_power_iteration_finds_the_top_singular_subspace():
@@ -157,25 +157,27 @@ def test_agzo_beats_mezo_cosine_at_equal_forward_budget():
     model, params, directions, engine, capture = agzo_setup(None)
     model.model.embed_tokens.weight.requires_grad_(False)
     params = TrainableParams.from_model(model)
-    engine = ResidentEngine(model, adapter_for(model), params, directions)
+    engine = ResidentEngine(model, adapter_for(model), params, directions, eps=1e-4)
     capture = ActivationCapture(model, params, directions, 1, 3)
     b = sample_batch()
     true = autograd_gradient(model, params, b)
     agzo, mezo = AGZO(eps=1e-4, q=15), SPSA(eps=1e-4, q=8)
     dense = Directions(5)
-    mezo_engine = ResidentEngine(model, adapter_for(model), params, dense)
+    mezo_engine = ResidentEngine(model, adapter_for(model), params, dense, eps=1e-4)
     cos_a, cos_m = [], []
     for step in range(2):
         r = agzo_step(engine, capture, b, agzo, step)
         cos_a.append(cosine(sum(c * direction(directions, params, step, k) for k, c in r.coefficients), true))
-        r = mezo.combine(losses(mezo_engine, b, mezo.plan(), step, mezo.eps))
+        r = mezo.combine(losses(mezo_engine, b, mezo.plan(), step))
         cos_m.append(cosine(sum(c * direction(dense, params, step, k) for k, c in r.coefficients), true))
     assert min(cos_a) > 1.5 * max(cos_m), (cos_a, cos_m)
 
 
 # --- P-RGE ---------------------------------------------------------------------------------------------------
 
-def lora_fa_model(targets=("q_proj", "v_proj"), r=4, dtype=torch.float32, seed=3):
+def lora_fa_model(targets=("q_proj", "v_proj"), r=4, dtype=torch.float32, seed=3, eps=1e-2, stacked=None):
+    """A tiny model with LoRA-FA (non-zero B); its engine: resident, or P-RGE's stacked engine with
+    stacked="materialize" / "on_the_fly"."""
     model = tiny(dtype=dtype, seed=seed)
     model.requires_grad_(False)
     attach_lora(model, list(targets), r, 8.0, 0, train_a=False)
@@ -184,7 +186,10 @@ def lora_fa_model(targets=("q_proj", "v_proj"), r=4, dtype=torch.float32, seed=3
             if name.endswith("lora_B"):
                 p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.1)
     params = TrainableParams.from_model(model)
-    return model, params, ResidentEngine(model, adapter_for(model), params, Directions(9))
+    if stacked is None:
+        return model, params, ResidentEngine(model, adapter_for(model), params, Directions(9), eps=eps)
+    return model, params, StackedLoRAEngine(model, adapter_for(model), params, Directions(9), eps=eps,
+                                            materialize=stacked == "materialize")
 
 
 @pytest.mark.parametrize("materialize", [True, False])
@@ -192,9 +197,9 @@ def test_prge_batched_forward_equals_separate_evaluations(materialize):
     model, params, engine = lora_fa_model()
     b = sample_batch()
     plan = PRGE(eps=1e-2, q=3).plan()
-    separate = engine.label_logits(b, LABELS, plan, 4, 1e-2)
-    engine.stacked_lora = "materialize" if materialize else "on_the_fly"
-    batched = engine.label_logits(b, LABELS, plan, 4, 1e-2)
+    separate = plan_logits(engine, b, plan, 4)
+    stacked = StackedLoRAEngine(model, adapter_for(model), params, engine.directions, eps=1e-2, materialize=materialize)
+    batched = plan_logits(stacked, b, plan, 4)
     assert batched.shape == separate.shape == (6, b.size, 2)
     assert not torch.allclose(batched[0], batched[1])  # the signs really differ
     assert torch.allclose(batched, separate, rtol=1e-5, atol=1e-6)  # only GEMM shapes differ
@@ -204,23 +209,22 @@ def test_prge_batched_forward_equals_separate_evaluations(materialize):
 
 
 def test_prge_on_the_fly_copies_are_bitwise_the_materialised_ones():
-    _, _, engine = lora_fa_model()
+    model, params, engine = lora_fa_model(stacked="materialize")
     b, plan = sample_batch(), PRGE(eps=1e-2, q=2).plan()
-    engine.stacked_lora = "materialize"
-    a = engine.label_logits(b, LABELS, plan, 1, 1e-2)
-    engine.stacked_lora = "on_the_fly"
-    assert torch.equal(a, engine.label_logits(b, LABELS, plan, 1, 1e-2))
+    a = plan_logits(engine, b, plan, 1)
+    on_the_fly = StackedLoRAEngine(model, adapter_for(model), params, engine.directions, eps=1e-2, materialize=False)
+    assert torch.equal(a, plan_logits(on_the_fly, b, plan, 1))
 
 
 def test_prge_mean_estimate_points_along_the_lora_b_gradient():
-    model, params, engine = lora_fa_model(targets=("v_proj",), r=2, dtype=torch.float64)
-    engine.stacked_lora = "materialize"
+    model, params, engine = lora_fa_model(targets=("v_proj",), r=2, dtype=torch.float64, eps=1e-5,
+                                          stacked="materialize")
     b = sample_batch()
     true = autograd_gradient(model, params, b)  # d = 2 layers x 32 x 2 = 128
     est = PRGE(eps=1e-5, q=64)
     total = torch.zeros_like(true)
     for step in range(3):
-        result = est.combine(losses(engine, b, est.plan(), step, est.eps))
+        result = est.combine(losses(engine, b, est.plan(), step))
         assert result.coefficients[1] == (1, result.grads[1] / 64)  # B -= lr * mean_k(g_k z_k)
         for k, c in result.coefficients:
             total += c * direction(engine.directions, params, step, k)
@@ -270,15 +274,15 @@ def test_peft_training_changes_only_trainable_parameters(method, estimator):
     expected = {"lora": ("lora_A", "lora_B"), "lora_fa": ("lora_B",), "prefix": ("prefix_keys", "prefix_values")}
     assert trainable and all(n.endswith(expected[method]) for n in trainable)
     directions = SubspaceDirections(1) if estimator == "agzo" else Directions(1)
-    engine = ResidentEngine(model, adapter_for(model), params, directions)
-    engine.stacked_lora = "materialize" if estimator == "prge" else None
+    kind = StackedLoRAEngine if estimator == "prge" else ResidentEngine
+    engine = kind(model, adapter_for(model), params, directions, eps=1e-2)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    b = Batch([[5, 6, 7], [8, 9, 10, 11]], torch.tensor([0, 1]))
+    b = label_batch([[5, 6, 7], [8, 9, 10, 11]], [0, 1], LABELS)
     est = {"mezo": SPSA(1e-2, 2), "prge": PRGE(1e-2, 2), "agzo": AGZO(1e-2, 2)}[estimator]
     for step in range(2):
-        l = losses(engine, b, est.plan(), step, est.eps)
-        engine.update(step, est.combine(l).coefficients, 1.0, 0.0)
-    engine.flush()
+        l = losses(engine, b, est.plan(), step)
+        engine.apply(step, est.combine(l).coefficients, 1.0, 0.0)
+    materialize(engine)
     after = model.state_dict()
     changed = {k for k in before if not torch.equal(before[k], after[k])}
     assert changed == trainable
@@ -290,8 +294,11 @@ def test_minus_accuracy_objective():
     logits = torch.tensor([[[2.0, 1.0], [0.0, 3.0], [1.0, 0.5]], [[0.0, 1.0], [0.0, 3.0], [1.0, 0.5]]])
     labels = torch.tensor([0, 1, 1])
     assert minus_accuracy_sums(logits, labels).tolist() == [[-2.0, 3.0], [-1.0, 3.0]]
-    assert torch.equal(objective_sums(logits, labels, "accuracy"), minus_accuracy_sums(logits, labels))
-    assert torch.equal(objective_sums(logits, labels, "loss"), cross_entropy_sums(logits, labels))
+    b = label_batch([[1], [2], [3]], labels, LABELS)
+    for e in range(2):
+        scores = Scores(torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.float64), logits[e])
+        assert torch.equal(objective_sums(scores, b, "accuracy"), minus_accuracy_sums(logits, labels)[e])
+        assert torch.equal(objective_sums(scores, b, "loss"), cross_entropy_sums(logits, labels)[e])
 
 
 # --- incompatible options fail up front ----------------------------------------------------------------------
@@ -304,7 +311,7 @@ def test_minus_accuracy_objective():
     (["objective=f1"], "objective='f1' is not supported; use one of: loss, accuracy"),
 ])
 def test_incompatible_options_are_refused(overrides, message):
-    from distzo.config import ConfigError
+    from distzo.errors import ConfigError
 
     with pytest.raises(ConfigError) as err:
         make_config("model=tiny", *overrides)

@@ -4,14 +4,14 @@ resident one, for tied and untied heads, with any number of device slots."""
 import pytest
 import torch
 
-from distzo.data.tasks import Batch
 from distzo.engine import OffloadEngine, ResidentEngine
 from distzo.models.adapters import adapter_for
 from distzo.models.loading import random_model
-from distzo.objectives import cross_entropy_sums
+from distzo.objectives import objective_sums
 from distzo.zo.directions import Directions
 from distzo.zo.estimators import SPSA
 from distzo.zo.params import TrainableParams
+from tests.engine_helpers import clean_logits, label_batch, materialize
 
 LABELS = torch.tensor([5, 77])
 
@@ -21,7 +21,7 @@ def batches(n=6):
     for _ in range(n):
         seqs = [torch.randint(3, 400, (int(torch.randint(2, 12, (1,), generator=gen)),), generator=gen).tolist()
                 for _ in range(5)]
-        yield Batch(seqs, torch.randint(0, 2, (5,), generator=gen))
+        yield label_batch(seqs, torch.randint(0, 2, (5,), generator=gen), LABELS)
 
 
 def engine(arch, offload, slots=3, transfer_dtype=None):
@@ -30,17 +30,18 @@ def engine(arch, offload, slots=3, transfer_dtype=None):
     directions = Directions(11)
     if offload:
         return model, OffloadEngine(model, adapter_for(model), params, directions, slots=slots,
-                                    transfer_dtype=transfer_dtype)
-    return model, ResidentEngine(model, adapter_for(model), params, directions)
+                                    transfer_dtype=transfer_dtype, eps=1e-3)
+    return model, ResidentEngine(model, adapter_for(model), params, directions, eps=1e-3)
 
 
 def train_steps(eng, steps=6, lr=1e-2):
     est = SPSA(eps=1e-3, q=2)
     losses = []
     for step, b in zip(range(steps), batches(steps)):
-        sums = cross_entropy_sums(eng.label_logits(b, LABELS, est.plan(), step, est.eps), b.labels)
+        scores = eng.evaluate(b, est.plan(), step)
+        sums = torch.stack([objective_sums(scores[i], b) for i in range(len(est.plan()))])
         result = est.combine(sums[:, 0] / sums[:, 1])
-        eng.update(step, result.coefficients, lr, 0.1)
+        eng.apply(step, result.coefficients, lr, 0.1)
         losses.append(result.grads)
     return losses
 
@@ -54,7 +55,7 @@ def test_offloaded_training_is_bitwise_resident(arch, slots):
     assert off.pending is not None  # the last update is still deferred for the blocks
     eval_batch = next(batches(1))
     # evaluation flushes first, so it sees the updated weights
-    assert torch.equal(res.clean_label_logits(eval_batch, LABELS), off.clean_label_logits(eval_batch, LABELS))
+    assert torch.equal(clean_logits(res, eval_batch), clean_logits(off, eval_batch))
     assert off.pending is None
     r, o = res_model.state_dict(), off_model.state_dict()
     assert all(torch.equal(r[k], o[k]) for k in r)
@@ -67,8 +68,8 @@ def test_flush_is_what_evaluation_needs():
     train_steps(off, steps=2)
     block = off.host_blocks[0]
     stale = block.flat.clone()
-    off.flush()
-    res.flush()
+    materialize(off)
+    materialize(res)
     assert not torch.equal(stale, block.flat)  # the flush moved the host master
     assert torch.equal(res.model.model.layers[0].mlp.up_proj.weight, off_model.model.layers[0].mlp.up_proj.weight)
 
@@ -94,8 +95,8 @@ def test_reduced_precision_transfer_keeps_a_full_precision_master():
     off_model, off = engine("llama", offload=True, slots=2, transfer_dtype=torch.bfloat16)
     init = {k: v.clone() for k, v in res_model.state_dict().items()}
     g_res, g_off = train_steps(res, lr=1e-3), train_steps(off, lr=1e-3)
-    off.flush()
-    res.flush()
+    materialize(off)
+    materialize(res)
     g_scale = max(abs(g) for gs in g_res for g in gs)
     g_gap = max(abs(a - b) for ga, gb in zip(g_res, g_off) for a, b in zip(ga, gb))
     r, o = res_model.state_dict(), off_model.state_dict()

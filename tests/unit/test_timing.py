@@ -28,8 +28,7 @@ def test_a_phase_is_split_by_the_clocks_draw_share():
 
 
 def test_directions_clock_sees_draws_inside_work_items():
-    d = Directions(3, "gaussian", threads=2)
-    d.clock = WorkClock()
+    d = Directions(3, "gaussian", threads=2, clock=WorkClock())
     flat = torch.empty(3 * 2**20)
     refs = chunks_of(0, flat.shape)
     d.map(lambda r: (d.fill_chunk(flat[r.start:r.stop], 1, 0, r), flat[r.start:r.stop].mul_(2.0)), refs)

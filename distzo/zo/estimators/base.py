@@ -1,4 +1,4 @@
-"""The estimator contract (DESIGN §2, steps 2 and 5).
+"""The estimator contract (docs/architecture.md#one-step, steps 2 and 5).
 
 An estimator plans the forward evaluations a step needs, then turns their losses into projected
 gradients g_k (scalars) and update coefficients: the update is theta -= lr * sum_k c_k z_k with
@@ -50,6 +50,10 @@ class Estimator(ABC):
     @abstractmethod
     def plan(self) -> list[Evaluation]:
         """The evaluations of one step, in a fixed order every rank agrees on."""
+
+    def dealt_plan(self) -> list[Evaluation]:
+        """The evaluations dealt over the mesh's perturbation ranks: the plan without a shared clean one."""
+        return [ev for ev in self.plan() if not (self.shared_clean and not ev.perturbed)]
 
     @abstractmethod
     def combine(self, losses: torch.Tensor) -> StepResult:

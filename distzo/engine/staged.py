@@ -1,0 +1,272 @@
+"""The stage loop every split engine shares: stem -> blocks -> final + head, all evaluations per stage.
+
+For each stage the engine draws the stage's z once per query and runs every evaluation of the step
+through that stage before moving on, so the + and - passes share one noise generation (ZO2's
+"dual forward", generalised to any plan).
+
+Updates are deferred (docs/architecture.md#invariants, I5): `apply` records the step's update, and
+the next step applies it to each stage as the stage comes up, fused chunk by chunk with that stage's
+perturbation (one pass over the weights instead of two). `materialized` applies whatever is still
+owed before anything reads the weights.
+
+`StagedEngine` is the loop; `ResidentEngine` runs it with every weight on the compute device. The
+other modes are subclasses that override a few hooks: where a block's weights are while it computes
+(`block_sources`), how a block's owed update and working copies are built (`_prepare_block`), what a
+flush does, and whether a rank without evaluations must still walk the blocks with its peers.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from ..dist.mesh import Mesh
+from ..models.adapters import DecoderAdapter
+from ..scoring import NO_TARGET, Batch, Packed, Scores
+from ..timing import DISABLED, Timers
+from ..zo.directions import Directions
+from ..zo.estimators import CLEAN, Evaluation
+from ..zo.params import TrainableParam, TrainableParams
+from .base import Engine, Materialized
+from .chunkpass import PendingUpdate
+from .update import apply_update
+from .weights import CleanWeights, PerturbedWeights, StageNoise, Workspace
+
+OUTER = "outer"  # the stage of every trainable parameter outside the blocks (embeddings, norms, head)
+HEAD_ROWS = 256  # scored positions per full-vocabulary head product (bounds its [rows, vocab] temporary)
+
+
+class StagedEngine(Engine):
+    """Evaluates a step's plan stage by stage (see the module docstring); by default the weights are
+    the parameters themselves, on the compute device.
+
+    eps: the perturbation scale; mesh: which evaluations of a plan this rank runs (a 1x1 mesh when
+    None); fuse_update: apply an owed update inside the next perturbation pass (False: in a pass of
+    its own, for comparison); timers: phase timers (`bench`)."""
+
+    # Streaming a block involves collectives over the node (sliced offloading): a rank dealt no
+    # evaluation must still walk every block with its peers.
+    walks_with_peers = False
+
+    def __init__(self, model: nn.Module, adapter: DecoderAdapter, params: TrainableParams, directions: Directions,
+                 *, eps: float = 1e-3, mesh: Mesh | None = None, row_tokens: int = 1024, fuse_update: bool = True,
+                 timers: Timers = DISABLED):
+        for p in params:
+            if not p.tensor.is_contiguous():
+                raise ValueError(f"parameter {p.name} is not contiguous; the chunked update needs flat views")
+        self.model, self.adapter, self.params, self.directions = model, adapter, params, directions
+        self.device = directions.device
+        self.eps, self.row_tokens, self.fuse_update, self.timers = float(eps), row_tokens, fuse_update, timers
+        self.mesh = mesh if mesh is not None else Mesh.single(self.device)
+        self.workspace = Workspace(self.device)
+        self.block_params = [[p for p in params if p.name.startswith(prefix + ".")] for prefix, _ in adapter.blocks]
+        in_blocks = {p.name for ps in self.block_params for p in ps}
+        self.outer_params = [p for p in params if p.name not in in_blocks]
+        self.pending: PendingUpdate | None = None
+
+    def describe(self) -> str:
+        return "resident"
+
+    # --- the interface ------------------------------------------------------------------------------
+
+    def evaluate(self, batch: Batch, plan: Sequence[Evaluation], step: int) -> dict[int, Scores]:
+        mine = self.mesh.my_evaluations(len(plan))
+        if not mine:
+            if self.walks_with_peers:
+                self._walk_with_peers()
+            return {}
+        packed = batch.pack(self.row_tokens).to(self.device)
+        scores = self._run(packed, [plan[i] for i in mine], step, plan)
+        return dict(zip(mine, scores))
+
+    def apply(self, step: int, coefficients: Sequence[tuple[int, float]], lr: float, weight_decay: float) -> None:
+        self.flush()  # a rank without evaluations never streamed the previous update
+        stages = {OUTER, *range(len(self.block_params))}
+        self.pending = PendingUpdate(step, tuple(coefficients), lr, weight_decay, stages)
+
+    @contextmanager
+    def materialized(self) -> Iterator[Materialized]:
+        self.flush()
+        with self._local_reads():
+            yield Materialized(self)
+
+    def score_clean(self, batch: Batch) -> Scores:
+        if self.pending is not None:
+            raise RuntimeError("internal error: a clean score outside `materialized()` (an update is still owed)")
+        packed = batch.pack(self.row_tokens).to(self.device)
+        return self._run(packed, [Evaluation(CLEAN, 0)], 0, None)[0]
+
+    # --- deferred updates ---------------------------------------------------------------------------
+
+    def take_pending(self, stage) -> PendingUpdate | None:
+        """The update a stage owes, marking it paid."""
+        u = self.pending
+        if u is None or stage not in u.stages:
+            return None
+        u.stages.discard(stage)
+        if not u.stages:
+            self.pending = None
+        return u
+
+    def owes(self, stage) -> bool:
+        return self.pending is not None and stage in self.pending.stages
+
+    @torch.inference_mode()
+    def flush(self) -> None:
+        """Apply the deferred update to every stage that still owes it (I5)."""
+        if self.pending is None:
+            return
+        self._before_write()
+        with self.timers("update"):
+            self._apply_outer()
+            for i in range(len(self.block_params)):
+                if self.owes(i):
+                    self._flush_block(i)
+            self._after_flush()
+
+    def _apply_outer(self) -> None:
+        u = self.take_pending(OUTER)
+        if u is not None:
+            self._update(u, [(p, p.tensor) for p in self.outer_params])
+
+    def _flush_block(self, i: int) -> None:
+        with self.block_sources(i) as sources:
+            u = self.take_pending(i)
+            if u is not None:
+                self._update(u, self._targets(i, sources))
+
+    def _update(self, u: PendingUpdate, targets: Sequence[tuple[TrainableParam, torch.Tensor]]) -> None:
+        apply_update(self.directions, targets, u)
+
+    def _targets(self, i: int, sources) -> list[tuple[TrainableParam, torch.Tensor]]:
+        sources = sources or {}
+        return [(p, sources.get(p.name, p.tensor)) for p in self.block_params[i]]
+
+    # --- hooks of the modes -------------------------------------------------------------------------
+
+    @contextmanager
+    def block_sources(self, i: int) -> Iterator[Mapping[str, torch.Tensor] | None]:
+        """The tensors holding block i's parameters on the compute device while it computes (None:
+        the parameters themselves)."""
+        yield None
+
+    def _before_write(self) -> None:
+        """Called before the master changes outside a block walk (flush, the outer stage)."""
+
+    def _after_flush(self) -> None:
+        """Wait for anything asynchronous a flush started."""
+
+    def _after_walk(self, perturbed: bool) -> None:
+        """Called after a walk's last stage."""
+
+    @contextmanager
+    def _local_reads(self) -> Iterator[None]:
+        """The forwards inside read the (flushed) master without collectives."""
+        yield
+
+    def _walk_with_peers(self) -> None:
+        """A rank dealt no evaluation walks the blocks anyway (paying owed updates) where its peers
+        need it to (`walks_with_peers`)."""
+        for i in range(len(self.adapter.blocks)):
+            with self.block_sources(i):
+                pass
+
+    def _prepare_block(self, i: int, sources, step: int, plan: Sequence[Evaluation], perturbed: bool,
+                       full_plan: Sequence[Evaluation] | None) -> StageNoise:
+        """Pay block i's owed update and build its working copies: fused into the perturbation when
+        the block is perturbed, otherwise in a pass of its own."""
+        noise = self._noise(step, plan)
+        u = self.take_pending(i)
+        if u is not None and not (perturbed and self.fuse_update):
+            with self.timers("update"):
+                self._update(u, self._targets(i, sources))
+            u = None
+        if perturbed:  # an owed update still in hand is fused into this block's perturbation
+            noise.prepare(self.block_params[i], lambda p, s=sources: (s or {}).get(p.name, p.tensor), u)
+        return noise
+
+    def _look_ahead(self, perturbed: bool) -> bool:
+        """Whether block i + 1 is prepared before the forward through block i (work division)."""
+        return False
+
+    # --- the stage loop -----------------------------------------------------------------------------
+
+    def _noise(self, step: int, plan: Sequence[Evaluation]) -> StageNoise:
+        return StageNoise(self.directions, self.workspace, step, self.eps, plan, self.timers)
+
+    @torch.inference_mode()
+    def _run(self, packed: Packed, plan: Sequence[Evaluation], step: int,
+             full_plan: Sequence[Evaluation] | None) -> list[Scores]:
+        """Scores of every evaluation of `plan` on one packed batch. full_plan: the step's whole plan
+        (work division builds the copies of the node's other ranks too)."""
+        mask_fn = packed.mask_fn()
+        ctx = (self.adapter.context(packed.input_ids, packed.position_ids) if mask_fn is None
+               else self.adapter.context(packed.input_ids, packed.position_ids, mask_fn=mask_fn))
+        perturbed = any(ev.perturbed for ev in plan)
+
+        def stage_views(noise: StageNoise, sources=None) -> list:
+            clean = CleanWeights(self.model, sources)
+            return [PerturbedWeights(self.model, self.params, noise, i, sources) if ev.perturbed else clean
+                    for i, ev in enumerate(plan)]
+
+        self._before_write()
+        if self.owes(OUTER):
+            with self.timers("update"):
+                self._apply_outer()
+        hidden = [self.adapter.stem(ctx, w) for w in stage_views(self._noise(step, plan))]
+        blocks = len(self.adapter.blocks)
+        ahead = self._look_ahead(perturbed)
+        next_noise = None
+        for i in range(blocks):
+            with self.block_sources(i) as sources:
+                noise = next_noise or self._prepare_block(i, sources, step, plan, perturbed, full_plan)
+                noise.ready()
+                # Look-ahead implies resident weights, so the block ahead has no `sources`.
+                next_noise = (self._prepare_block(i + 1, None, step, plan, perturbed, full_plan)
+                              if ahead and i + 1 < blocks else None)
+                hidden = [self.adapter.block(i, h, ctx, w) for h, w in zip(hidden, stage_views(noise, sources))]
+        scores = [self._head(h, packed, w) for h, w in zip(hidden, stage_views(self._noise(step, plan)))]
+        self._after_walk(perturbed)
+        return scores
+
+    def _head(self, hidden: torch.Tensor, packed: Packed, w) -> Scores:
+        """The final stage at the scored positions only (the scoring contract, distzo/scoring.py)."""
+        features = self.adapter.final(hidden[packed.score_row, packed.score_col], w)
+        return head_scores(self.adapter, features, packed, w)
+
+
+class ResidentEngine(StagedEngine):
+    """Every weight on the compute device: the stage loop as it is."""
+
+    mode = "resident"
+
+
+def head_scores(adapter: DecoderAdapter, features: torch.Tensor, packed: Packed, w) -> Scores:
+    """Scores from the final features of the scored positions: candidate logits where asked (one
+    scored position per unit), and per unit the summed -log p(target) of its target positions, the
+    log-probability normalised over the whole vocabulary (HEAD_ROWS positions at a time). Logits
+    are taken in at least float32 for the loss."""
+    device = features.device
+    nll = torch.zeros(packed.units, dtype=torch.float64, device=device)
+    count = torch.zeros(packed.units, dtype=torch.float64, device=device)
+    logits = None
+    has_target = packed.score_target != NO_TARGET
+    if packed.candidates is not None:
+        at = (~has_target).nonzero().view(-1)
+        out = adapter.head(features[at] if at.numel() != features.shape[0] else features, packed.candidates, w)
+        out = out.to(torch.promote_types(out.dtype, torch.float32))
+        logits = out.new_zeros((packed.units, out.shape[1]))
+        logits[packed.score_unit[at]] = out
+    targets = has_target.nonzero().view(-1)
+    for lo in range(0, targets.numel(), HEAD_ROWS):
+        sel = targets[lo:lo + HEAD_ROWS]
+        full = adapter.head(features[sel], None, w)
+        logp = torch.log_softmax(full.to(torch.promote_types(full.dtype, torch.float32)), dim=-1)
+        picked = logp.gather(1, packed.score_target[sel, None])[:, 0]
+        nll.index_add_(0, packed.score_unit[sel], -picked.double())
+    if targets.numel():
+        count.index_add_(0, packed.score_unit[targets], torch.ones(targets.numel(), dtype=torch.float64, device=device))
+    return Scores(nll, count, logits)

@@ -1,0 +1,243 @@
+"""Snapshots of a running job and resuming it (docs/checkpoints.md).
+
+`Checkpointer` writes a run's snapshots (rank 0 writes, every rank first enters the engine's
+`materialized` context together) and `run.json`, the run's identity (seed, configuration fingerprint,
+direction scheme) written when it starts. `find_resume_point` finds where an interrupted run
+continues: the newest valid snapshot, then every step after it that `trajectory.jsonl` records
+completely. Those steps are re-applied without data or forward passes (`catch_up`, the seed trick
+that `distzo replay` uses too: a step's update is its seed plus one scalar per query), through the
+engine's own `apply`, so the result is bitwise the uninterrupted run's. A run killed at any moment
+therefore loses at most the step in flight; with no snapshot yet it continues from its initial
+weights, which are a function of the configuration.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import OmegaConf
+
+from .checkpoint import (atomic_write_json, list_snapshots, newest_valid_snapshot, read_snapshot, snapshots_dir,
+                         write_snapshot)
+from .dist.mesh import Mesh
+from .engine import Engine
+from .errors import DistzoError
+from .jsonl import JsonlWriter, atomic_rewrite, read_jsonl
+from .metrics import Progress
+from .zo.directions import DIRECTIONS_VERSION, same_directions
+
+log = logging.getLogger("distzo")
+
+RUN_FILE = "run.json"
+
+
+class ResumeError(DistzoError):
+    """A run directory that this configuration cannot continue."""
+
+
+def config_fingerprint(cfg) -> str:
+    """What a snapshot must agree with to be resumed: everything that shapes the trajectory except
+    the mesh, offloading, threads and evaluation cadence (those change where and how fast, not what)."""
+    keys = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "task", "estimator", "optim", "peft")}
+    keys["batch_size"] = cfg.batch_size
+    keys["objective"] = str(cfg.objective)
+    if cfg.optim.schedule != "constant":
+        keys["steps"] = cfg.steps  # a decaying schedule depends on the run length
+    return hashlib.sha256(json.dumps(keys, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def run_identity(cfg, seed: int, mesh: Mesh) -> dict[str, Any]:
+    """What every snapshot of a run records, and run.json holds from its start."""
+    return {"seed": seed, "directions_version": DIRECTIONS_VERSION, "distribution": str(cfg.estimator.distribution),
+            "device_type": mesh.device.type, "mesh": str(mesh.shape), "config_fingerprint": config_fingerprint(cfg)}
+
+
+def replayable(cfg) -> bool:
+    """Whether logged steps can be re-applied from the trajectory: not AGZO's, whose directions depend
+    on each step's activations, not only on the seed."""
+    return cfg.estimator.name != "agzo"
+
+
+@dataclass
+class ResumePoint:
+    """Where an interrupted run continues: `snapshot` (None: from the initial weights) and the logged
+    steps after it, to be re-applied."""
+
+    identity: dict[str, Any]
+    snapshot: str | None = None
+    snapshot_step: int = 0
+    nonfinite_in_a_row: int = 0
+    records: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def step(self) -> int:
+        """The step the run continues after."""
+        return self.records[-1]["step"] if self.records else self.snapshot_step
+
+    def weights(self) -> dict[str, torch.Tensor] | None:
+        """The snapshot's trainable tensors (verified again on this rank), or None."""
+        return read_snapshot(Path(self.snapshot))[0] if self.snapshot is not None else None
+
+
+def check_identity(cfg, where: str, identity: dict[str, Any]) -> int:
+    """The seed of a run that `cfg` may continue; raises ResumeError naming the difference."""
+    if identity.get("config_fingerprint") != config_fingerprint(cfg):
+        raise ResumeError(f"cannot resume from {where}: it was written with a different model, task, estimator, "
+                          "optimiser, trainable set (peft), objective or batch size (or steps, with a decaying lr "
+                          "schedule); use another hydra.run.dir to start afresh")
+    if not same_directions(identity.get("directions_version"), str(cfg.estimator.distribution)):
+        raise ResumeError(f"cannot resume from {where}: its {cfg.estimator.distribution} directions were drawn with "
+                          f"scheme {identity.get('directions_version')}, and this distzo draws scheme "
+                          f"{DIRECTIONS_VERSION}; finish that run with the distzo version that started it, or use "
+                          "another hydra.run.dir to start afresh")
+    if cfg.seed is not None and cfg.seed != identity["seed"]:
+        raise ResumeError(f"cannot resume from {where}: it used seed {identity['seed']}, not seed={cfg.seed}")
+    return int(identity["seed"])
+
+
+def check_resumable(cfg, run_dir: Path) -> None:
+    """Whether `cfg` may continue the run in `run_dir` (its newest snapshot's, or else run.json's,
+    identity), from JSON files only: the CLI checks this before Hydra writes into the directory."""
+    for path in reversed(list_snapshots(run_dir)):
+        try:
+            state = json.loads((path / "state.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue  # a corrupt snapshot: resume skips it too
+        check_identity(cfg, str(path), state)
+        return
+    if (run_dir / RUN_FILE).is_file():
+        try:
+            identity = json.loads((run_dir / RUN_FILE).read_text())
+        except (OSError, ValueError):
+            return
+        check_identity(cfg, str(run_dir / RUN_FILE), identity)
+
+
+def logged_steps_after(run_dir: Path, step: int) -> list[dict[str, Any]]:
+    """The trajectory's records of steps step+1, step+2, ... as far as they run without a gap (a torn
+    last line, from a kill mid-write, ends the list)."""
+    out, expect = [], step + 1
+    for record in read_jsonl(run_dir / "trajectory.jsonl"):
+        if record.get("step") == expect:
+            out.append(record)
+            expect += 1
+        elif record.get("step", 0) > expect:
+            break
+    return out
+
+
+def find_resume_point(cfg, run_dir: Path, mesh: Mesh) -> ResumePoint | None:
+    """With resume=auto, rank 0 finds where the run in `run_dir` continues (None: a fresh run) and
+    every rank receives it."""
+    found = None
+    if cfg.resume == "auto" and mesh.is_main:
+        found = _resume_point(cfg, run_dir, mesh.device.type)
+    return mesh.broadcast_object(found)
+
+
+def _resume_point(cfg, run_dir: Path, device_type: str) -> ResumePoint | None:
+    for stale in snapshots_dir(run_dir).glob(".step-*.tmp-*"):  # a snapshot whose writer died
+        log.warning("Removing an unfinished snapshot %s", stale)
+        shutil.rmtree(stale, ignore_errors=True)
+    newest = newest_valid_snapshot(run_dir)
+    identity_file = run_dir / RUN_FILE
+    if newest is not None:
+        path, _, state = newest
+        point = ResumePoint({k: state.get(k) for k in ("seed", "directions_version", "distribution", "device_type",
+                                                       "mesh", "config_fingerprint")},
+                            str(path), int(state["step"]), int(state.get("nonfinite_in_a_row", 0)))
+    elif identity_file.is_file():
+        try:
+            identity = json.loads(identity_file.read_text())
+        except (OSError, ValueError) as exc:
+            raise ResumeError(f"cannot resume from {run_dir}: {RUN_FILE} is unreadable ({exc}); use another "
+                              "hydra.run.dir to start afresh") from None
+        point = ResumePoint(identity)
+    else:
+        return _start_over(run_dir, f"it has no valid snapshot and no {RUN_FILE}")
+    where = point.snapshot or str(identity_file)
+    check_identity(cfg, where, point.identity)
+    drawn_elsewhere = (point.identity.get("distribution") == "gaussian"
+                       and point.identity.get("device_type", "cpu") != device_type)
+    if replayable(cfg) and not drawn_elsewhere:
+        point.records = logged_steps_after(run_dir, point.snapshot_step)
+    else:
+        why = ("estimator=agzo's directions depend on each step's activations" if not replayable(cfg) else
+               f"its Gaussian directions were drawn on {point.identity.get('device_type')}, this run draws on "
+               f"{device_type}")
+        log.warning("resume=auto: the steps logged after the snapshot cannot be re-applied (%s); continuing from "
+                    "the snapshot", why)
+        if point.snapshot is None:
+            return _start_over(run_dir, "it has no snapshot to continue from")
+    return point
+
+
+def _start_over(run_dir: Path, why: str) -> None:
+    """A fresh start in a used directory: its earlier logs are set aside, not deleted."""
+    if (run_dir / "metrics.jsonl").exists():
+        log.warning("resume=auto: %s cannot be continued (%s); starting over (earlier logs set aside)", run_dir, why)
+        for name in ("metrics.jsonl", "trajectory.jsonl"):
+            if (run_dir / name).exists():
+                (run_dir / name).rename(run_dir / f"{name}.abandoned-{int(time.time())}")
+    return None
+
+
+def truncate_logs(run_dir: Path, step: int) -> None:
+    """Keep the records of steps <= step in metrics.jsonl and trajectory.jsonl, dropping summaries
+    (a resumed run rewrites what came after), and any torn last line with them."""
+    for name in ("metrics.jsonl", "trajectory.jsonl"):
+        path = run_dir / name
+        if path.exists():
+            atomic_rewrite(path, [r for r in read_jsonl(path) if r.get("type") != "summary" and r.get("step", 0) <= step])
+
+
+def catch_up(engine: Engine, records: list[dict[str, Any]], nonfinite_in_a_row: int, show: bool) -> int:
+    """Re-apply logged steps through the engine (their updates, or nothing for skipped ones), as
+    training applied them; returns the non-finite steps in a row at the last one. Collective."""
+    progress = Progress("catching up step", len(records), enabled=show)
+    for i, r in enumerate(records):
+        if r.get("skipped"):
+            nonfinite_in_a_row += 1
+        else:
+            nonfinite_in_a_row = 0
+            engine.apply(r["update"], [tuple(c) for c in r["coefficients"]], r["lr"], r["weight_decay"])
+        progress.update(i + 1)
+    return nonfinite_in_a_row
+
+
+class Checkpointer:
+    """Writes a run's snapshots (rank 0) and its identity file."""
+
+    def __init__(self, cfg, run_dir: Path, mesh: Mesh, seed: int, trajectory: JsonlWriter):
+        self.cfg, self.run_dir, self.mesh, self.trajectory = cfg, run_dir, mesh, trajectory
+        self.identity = run_identity(cfg, seed, mesh)
+
+    def start(self) -> None:
+        """Record the run's identity (a fresh run), so it can be resumed before its first snapshot."""
+        if self.mesh.is_main:
+            atomic_write_json(self.run_dir / RUN_FILE, self.identity)
+
+    def due(self, step: int) -> bool:
+        every = self.cfg.checkpoint.every
+        return bool(every) and step % every == 0
+
+    def save(self, engine: Engine, step: int, nonfinite_in_a_row: int) -> Path | None:
+        """A snapshot of the weights after `step` (every rank calls it: the engine materialises them
+        together); returns its path on rank 0."""
+        with engine.materialized() as weights:
+            if not self.mesh.is_main:
+                return None
+            self.trajectory.sync()
+            state = dict(self.identity, nonfinite_in_a_row=nonfinite_in_a_row, pending_update=None)
+            path = write_snapshot(self.run_dir, step, {p.name: p.tensor for p in weights.params}, state,
+                                  self.cfg.checkpoint.keep)
+        log.info("Snapshot at step %d: %s", step, path)
+        return path

@@ -1,0 +1,66 @@
+"""`build_engine` picks each mode's class once, from the configuration and the mesh."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distzo.dist.mesh import Mesh
+from distzo.dist.node import Node
+from distzo.dist.shape import MeshShape
+from distzo.engine import (EngineConfigError, OffloadEngine, ResidentEngine, StackedLoRAEngine, build_engine,
+                           work_division)
+from distzo.models.adapters import adapter_for
+from distzo.models.loading import random_model
+from distzo.peft import apply_peft
+from distzo.zo.directions import Directions
+from distzo.zo.estimators import build_estimator
+from distzo.zo.params import TrainableParams
+from tests.conftest import make_config
+
+
+def engine_for(*overrides):
+    cfg = make_config("model=tiny", *overrides)
+    model = random_model("llama", 300, {}, 0, torch.float32)
+    apply_peft(model, cfg.peft)
+    params = TrainableParams.from_model(model)
+    estimator = build_estimator(cfg.estimator)
+    return build_engine(cfg, Mesh.single(), model, adapter_for(model), params, Directions(0), estimator)
+
+
+@pytest.mark.parametrize("overrides,cls,mode", [
+    ((), ResidentEngine, "resident"),
+    (("offload=cpu",), OffloadEngine, "offload"),
+    (("estimator=prge", "peft=lora_fa"), StackedLoRAEngine, "stacked-lora"),
+    (("peft=lora",), ResidentEngine, "resident"),
+])
+def test_the_mode_is_chosen_at_construction(overrides, cls, mode):
+    engine = engine_for(*overrides)
+    assert type(engine) is cls and engine.mode == mode and engine.describe()
+
+
+def fake_mesh(shape, node_size, device="cpu"):
+    return Mesh(MeshShape.parse(shape), torch.device(device), rank=0, node=Node(local_rank=0, size=node_size))
+
+
+@pytest.mark.parametrize("overrides,shape,node,why", [
+    ((), "2x1", 1, None),  # no peers on the machine: not divided, no error under auto
+    (("offload=cpu",), "2x1", 2, "offloaded runs divide the update by slices already"),
+    (("estimator=agzo",), "2x1", 2, "it serves full-parameter estimator=mezo"),
+    (("peft=lora",), "2x1", 2, "it serves full-parameter estimator=mezo"),
+    (("estimator.q=1",), "4x1", 4, "would have no perturbed evaluation"),
+])
+def test_work_division_says_why_it_cannot_apply(overrides, shape, node, why):
+    cfg = make_config("model=tiny", *overrides)
+    mesh = fake_mesh(shape, node)
+    assert work_division(cfg, mesh, build_estimator(cfg.estimator)) is False
+    forced = make_config("model=tiny", *overrides, "engine.divide_work=true")
+    if node > 1:
+        with pytest.raises(EngineConfigError, match=why):
+            work_division(forced, mesh, build_estimator(forced.estimator))
+
+
+def test_work_division_applies_where_every_rank_has_a_perturbed_evaluation():
+    cfg = make_config("model=tiny", "estimator.q=2")
+    assert work_division(cfg, fake_mesh("4x1", 4), build_estimator(cfg.estimator)) is True
+    assert work_division(cfg, fake_mesh("2x2", 4), build_estimator(cfg.estimator)) is True

@@ -172,7 +172,15 @@ def _built_library() -> Path:
             return library  # built before (possibly on another machine of the same kind)
         from torch.utils import cpp_extension
 
+        if len(compiler().split()) > 1:  # the builder quotes $CXX as one program name
+            raise NativeUnavailable(f"CXX={compiler()!r} is a command line, but torch's extension builder runs CXX "
+                                    "as a single program; set CXX to the compiler's path (for ccache, use its "
+                                    "compiler symlinks)")
         log.info("Compiling the fused kernels with %s (once, into %s)", compiler(), directory)
+        # The builder remembers, per process, the name it last built and bumps the library's file name
+        # (NAME_v1.so, ...) when the same name is built again with other inputs (another cache
+        # directory); forget the earlier build so the library keeps the one name this module loads.
+        cpp_extension.JIT_EXTENSION_VERSIONER.entries.pop(NAME, None)
         output = io.StringIO()
         with redirect_stdout(output):  # the builder prints its progress
             cpp_extension.load(name=NAME, sources=[str(SOURCE)], extra_cflags=list(FLAGS), build_directory=str(directory),

@@ -169,7 +169,13 @@ class StagedEngine(Engine):
 
     def _walk_with_peers(self) -> None:
         """A rank dealt no evaluation walks the blocks anyway (paying owed updates) where its peers
-        need it to (`walks_with_peers`)."""
+        need it to (`walks_with_peers`). It pays the outer stage's owed update too, as `_run` does, so
+        that afterwards every rank owes the same stages: `flush` enters its collectives only when
+        something is owed, and ranks that disagreed on that would wait on different collectives."""
+        self._before_write()
+        if self.owes(OUTER):
+            with self.timers("update"):
+                self._apply_outer()
         for i in range(len(self.adapter.blocks)):
             with self.block_sources(i):
                 pass

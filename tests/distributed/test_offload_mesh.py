@@ -1,5 +1,6 @@
 """offload=cpu through the whole driver, 1x1 and 2x2: the same weights and the same evaluations as
-resident training, for a tied Llama, an OPT and an untied Qwen2 random model."""
+resident training, for a tied Llama, an OPT and an untied Qwen2 random model; and 4x1, where two of
+the four ranks are dealt no evaluation yet must walk every sliced block with their peers."""
 
 import pytest
 import torch
@@ -32,3 +33,13 @@ def test_offloaded_run_equals_resident_run(tmp_path, model, mesh, nproc, slots):
     assert weights_r.keys() == weights_o.keys() and all(torch.equal(weights_r[k], weights_o[k]) for k in weights_r)
     # evaluations at steps 3 and 6 see the deferred update flushed: identical to the resident run's
     assert evals_r == evals_o and [e[0] for e in evals_r] == [0, 3, 6, 6]
+
+
+def test_idle_ranks_of_a_sliced_mesh_keep_in_step(tmp_path):
+    """mesh=4x1 with MeZO's two evaluations: ranks 2 and 3 evaluate nothing, but the node's blocks reach
+    every rank through all-gathers, so they walk them (and pay the same owed updates) with their peers;
+    a rank that owed a different stage once waited in another collective until the timeout."""
+    weights_r, evals_r = run(tmp_path, "resident", 1, "model=tiny")
+    weights_o, evals_o = run(tmp_path, "sliced", 4, "model=tiny", "mesh=4x1", "offload=cpu", "dist_timeout_s=60")
+    assert all(torch.equal(weights_r[k], weights_o[k]) for k in weights_r)
+    assert evals_r == evals_o

@@ -50,3 +50,14 @@ def test_bench_writes_every_figure(tmp_path, nproc, mesh):
         assert one["throughput_ratio"] == pytest.approx(median(r["single_rank_s"] / r["pace_s"] for r in rounds),
                                                         abs=1e-3)
         assert "one rank alone" in r.stdout
+
+
+def test_bench_with_idle_ranks_on_a_sliced_offload_mesh(tmp_path):
+    """4x1 with MeZO's two evaluations: two ranks are dealt none, yet offloaded blocks reach every rank
+    through the node's all-gathers, so they must walk the blocks with their peers in every phase (a
+    rank that skipped its forwards once left its peers waiting on a collective until the timeout)."""
+    r = run_forked(4, ["bench", *TINY, "mesh=4x1", "offload=cpu", "dist_timeout_s=60", "bench.single_rank=false",
+                       f"hydra.run.dir={tmp_path / 'b'}"], cwd=tmp_path, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads((tmp_path / "b" / "bench.json").read_text())
+    assert out["mesh"] == "4x1" and out["offload"] == "cpu" and out["step_time_s"] > 0

@@ -6,8 +6,8 @@
 `start_run` builds everything once (resuming where an interrupted run left off, resume=auto);
 `_train` is the loop. On a PxD mesh each rank runs the evaluations dealt to its perturbation index on
 the shard of the global batch given to its data index; only scalars are exchanged, and every rank
-applies the same update. How the engine runs its part (resident, offloaded, divided, batched) is
-not the driver's concern.
+applies the same update. How the engine runs its part is fixed when `build_engine` picks its mode
+(docs/architecture.md#engines) and is not the driver's concern.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ def wait_for_jobs(cluster, job_ids: list[str], timeout_s: float = 300) -> dict[s
             out = subprocess.run(["scontrol", "show", "job", "-o", jid], env=cluster.env, capture_output=True,
                                  text=True).stdout
             fields = dict(f.split("=", 1) for f in out.split() if "=" in f)
-            if fields.get("JobState") not in (None, "PENDING", "RUNNING", "CONFIGURING", "COMPLETING"):
+            if fields.get("JobState") not in (None, "PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED"):
                 done[jid] = (fields["JobState"], int(fields.get("ExitCode", "0:0").split(":")[0]))
         time.sleep(0.5)
     assert len(done) == len(job_ids), f"SLURM jobs still running after {timeout_s} s: {set(job_ids) - set(done)}"

@@ -65,7 +65,8 @@ SlurmctldPort={ctld_port}
 SlurmdPort={slurmd_port}
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={munge_socket}
+# cred_expire: a requeued job may start again only once its credentials expire (default 120 s)
+AuthInfo=socket={munge_socket},cred_expire=10
 StateSaveLocation={root}/state
 SlurmdSpoolDir={root}/spool
 SlurmctldPidFile={root}/slurmctld.pid

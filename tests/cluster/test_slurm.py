@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 from distzo.jsonl import read_jsonl
 from tests.cluster.common import ENV, FAST, ROOT, wait_for_jobs
@@ -27,7 +28,7 @@ def test_sbatch_a_two_node_job_on_one_host(slurm, tmp_path):
     state = wait_for_jobs(slurm, [jid])[jid]
     log = (tmp_path / f"slurm-{jid}.out").read_text()  # SLURM's log, keyed by the job id
     assert state == ("COMPLETED", 0), log[-3000:]
-    assert f"[distzo] job {jid}: 2 agent(s) x 1 rank(s)" in log
+    assert f"[distzo] job {jid} (attempt 1): 2 agent(s) x 1 rank(s)" in log
     run = tmp_path / "runs" / jid  # the run directory, keyed by the job id
     records = read_jsonl(run / "metrics.jsonl")
     summary = records[-1]
@@ -52,3 +53,33 @@ def test_sweep_through_slurm(slurm, tmp_path):
         summary = read_jsonl(out / str(n) / "metrics.jsonl")[-1]
         assert summary["type"] == "summary" and len(summary["replica_checksums"]) == n + 1
     assert (out / "sweep.png").stat().st_size > 0
+
+
+def test_the_early_warning_stops_requeues_and_completes(slurm, tmp_path):
+    """SLURM's early warning (--signal=B:USR1@...: SIGUSR1 to the batch script, sent here at once with
+    scancel --batch) reaches every rank, which finish their step and snapshot; the script requeues the
+    job, and the second attempt continues the same run directory with resume=auto to the end."""
+    script = SCRIPT.read_text()
+    assert "#SBATCH --signal=B:USR1@" in script and "#SBATCH --requeue" in script
+    env = {"DISTZO_RUNS": str(tmp_path / "runs"), "PYTHON": sys.executable, "NPROC_PER_NODE": "2"}
+    steps = 300
+    jid = sbatch(slurm, tmp_path, "--ntasks=1", str(SCRIPT), "mesh=1x2", *FAST, f"steps={steps}",
+                 "checkpoint.every=1000", env=env)
+    run = tmp_path / "runs" / jid
+    deadline = time.time() + 240
+    while time.time() < deadline:  # the run is training
+        records = read_jsonl(run / "metrics.jsonl") if (run / "metrics.jsonl").exists() else []
+        if sum(r["type"] == "train" for r in records) >= 10:
+            break
+        time.sleep(0.2)
+    r = subprocess.run(["scancel", "--signal=USR1", "--batch", jid], env={**ENV, **slurm.env}, capture_output=True,
+                       text=True)
+    assert r.returncode == 0, r.stderr
+    state = wait_for_jobs(slurm, [jid], timeout_s=400)[jid]
+    log = (tmp_path / f"slurm-{jid}.out").read_text()  # both attempts (--open-mode=append)
+    assert state == ("COMPLETED", 0), log[-3000:]
+    assert "SIGUSR1 received" in log and "requeueing it" in log and f"job {jid} (attempt 2)" in log
+    summary = read_jsonl(run / "metrics.jsonl")[-1]
+    assert summary["type"] == "summary" and summary["steps"] == steps and 10 <= summary["resumed_from_step"] < steps
+    train = [r["step"] for r in read_jsonl(run / "metrics.jsonl") if r["type"] == "train"]
+    assert train == list(range(1, steps + 1))  # every step once, across the two attempts

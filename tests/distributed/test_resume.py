@@ -75,23 +75,70 @@ def uninterrupted(tmp_path_factory):
     return root / "run"
 
 
-def test_sigkill_mid_training_then_resume_is_bitwise(tmp_path, uninterrupted):
+def test_sigkill_7_steps_after_a_snapshot_resumes_from_the_last_logged_step(tmp_path, uninterrupted):
+    """Killed 7 or more steps after its snapshot at step 10: the resumed run re-applies every step the
+    trajectory logged after it (no forward passes), continues from the last one, and ends bitwise
+    equal to the uninterrupted run."""
     run_dir = tmp_path / "run"
-    args = [*BASE, "steps=30", "mesh=2x2", "resume=auto", f"hydra.run.dir={run_dir}"]
+    args = [*BASE, "steps=30", "mesh=2x2", "resume=auto", "checkpoint.every=10", f"hydra.run.dir={run_dir}"]
     proc = subprocess.Popen(launch_cmd(4, *args), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env=ENV, cwd=tmp_path)
-    kill_rank_when(proc, run_dir, min_step=12, rank="2")
+    kill_rank_when(proc, run_dir, min_step=17, rank="2")
     proc.communicate(timeout=120)
     assert proc.returncode != 0 and not (run_dir / "final").exists()
     killed_at = trained_steps(run_dir)
-    assert 12 <= killed_at < 30
+    assert 17 <= killed_at < 30 and [p.name for p in list_snapshots(run_dir)] == ["step-00000010"]
+    r = torchrun(4, *args, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"Re-applying the {killed_at - 10} step(s) logged after it" in r.stdout + r.stderr
+    assert_bitwise(weights(uninterrupted), weights(run_dir))
+    train = [r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if r["type"] == "train"]
+    assert train == list(range(1, 31))  # every step once: none was trained twice or lost
+    traj = [json.loads(line)["step"] for line in open(run_dir / "trajectory.jsonl")]
+    assert traj == list(range(1, 31))
+
+
+def test_sigterm_stops_after_the_step_in_flight_with_a_snapshot(tmp_path, uninterrupted):
+    """SIGTERM to torchrun (what kill and SLURM send): every rank finishes its step, a snapshot of
+    exactly the step reached is written, the workers exit with status 75, and resume=auto ends
+    bitwise equal to the uninterrupted run."""
+    run_dir = tmp_path / "run"
+    args = [*BASE, "steps=30", "mesh=2x2", "resume=auto", "checkpoint.every=1000", f"hydra.run.dir={run_dir}"]
+    proc = subprocess.Popen(launch_cmd(4, *args), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env=ENV, cwd=tmp_path)
+    deadline = time.time() + 180
+    while trained_steps(run_dir) < 8 and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.1)
+    os.kill(proc.pid, signal.SIGTERM)  # the torchrun agent, which forwards it to its workers
+    _, err = proc.communicate(timeout=120)
+    stopped = trained_steps(run_dir)
+    assert 8 <= stopped < 30, err[-3000:]
+    assert [p.name for p in list_snapshots(run_dir)] == [f"step-{stopped:08d}"]
+    assert read_snapshot(list_snapshots(run_dir)[0])[1]["step"] == stopped
+    assert f"distzo: stopped on SIGTERM after step {stopped}" in err
     r = torchrun(4, *args, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     assert_bitwise(weights(uninterrupted), weights(run_dir))
-    train = [r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if r["type"] == "train"]
-    assert train == list(range(1, 31))  # the killed run's steps after its snapshot were rewritten once
-    traj = [json.loads(line)["step"] for line in open(run_dir / "trajectory.jsonl")]
-    assert traj == list(range(1, 31))
+
+
+def test_killed_before_its_first_snapshot_resumes_from_the_initial_weights(tmp_path):
+    """No snapshot yet (checkpoint.every=0): run.json holds the run's identity and the initial
+    weights are a function of the configuration, so resume=auto re-applies every logged step."""
+    ref, run_dir = tmp_path / "ref", tmp_path / "run"
+    args = [*BASE, "steps=20", "mesh=1x1", "checkpoint.every=0"]
+    assert torchrun(1, *args, f"hydra.run.dir={ref}", cwd=tmp_path).returncode == 0
+    proc = subprocess.Popen(launch_cmd(1, *args, "resume=auto", f"hydra.run.dir={run_dir}"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV, cwd=tmp_path)
+    kill_rank_when(proc, run_dir, min_step=6, rank="0")
+    proc.communicate(timeout=120)
+    killed_at = trained_steps(run_dir)
+    with open(run_dir / "trajectory.jsonl", "a") as fh:
+        fh.write('{"step": ' + str(killed_at + 1) + ', "upd')  # a line torn by the kill: ignored
+    r = torchrun(1, *args, "resume=auto", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"Re-applying the {killed_at} step(s) logged after the initial weights" in r.stdout + r.stderr
+    assert_bitwise(weights(ref), weights(run_dir))
+    assert [json.loads(line)["step"] for line in open(run_dir / "trajectory.jsonl")] == list(range(1, 21))
 
 
 def test_torchrun_restarts_a_failed_worker_and_the_run_resumes(tmp_path, uninterrupted):

@@ -18,6 +18,7 @@ COMMANDS = {
     "train": "fine-tune a model with zeroth-order SGD (forward passes only)",
     "prepare": "convert and cache the model and data a config needs (run once after install)",
     "replay": "rebuild a run's weights at any logged step from a snapshot and the trajectory log",
+    "eval": "score a model (a preset, a local folder, or a run's final/) on a task's split, no training",
     "bench": "time a ZO step against its forward passes and MeZO's reference loop (bench.json)",
     "sweep": "run every combination of comma-separated values as its own torchrun/SLURM job; table and plot",
 }
@@ -372,13 +373,49 @@ def _bench_task(cfg) -> None:
         fail(str(exc))
 
 
+def _eval_task(cfg) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    from .errors import DistzoError
+    from .evaluation import evaluate
+    from .validation import validate
+
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    try:
+        validate(cfg)
+        evaluate(cfg, run_dir)
+    except DistzoError as exc:
+        remove_failed_run_dir(run_dir)
+        fail(str(exc))
+
+
+def eval_args(args: list[str]) -> list[str]:
+    """`eval`'s overrides: with `eval.run=RUN`, the run's own overrides first (its model, trainable set
+    and task), so that the command line's win (`distzo.evaluation.run_overrides`); under torchrun
+    without a mesh, `mesh=1xN` (evaluation deals its batches over every rank whatever the shape)."""
+    from .errors import DistzoError
+    from .evaluation import run_overrides
+
+    overrides = [a for a in args if not a.startswith("-")]
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not any(_key(a) == "mesh" for a in overrides):
+        args = args + [f"mesh=1x{world}"]
+    runs = [a.split("=", 1)[1] for a in overrides if _key(a) == "eval.run"]
+    if not runs or runs[-1] in ("", "null", "None"):
+        return args
+    try:
+        return run_overrides(Path(runs[-1])) + args
+    except DistzoError as exc:
+        fail(str(exc))
+
+
 def prepare(args: list[str]) -> None:
     """Convert and cache what a configuration needs, so the first training run starts at once."""
     import logging
 
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(message)s", datefmt="%H:%M:%S")
     from . import native
-    from .data.tasks import ClassificationTask
+    from .data.tasks import PromptTask
     from .errors import DistzoError
     from .models import load_model
 
@@ -388,7 +425,7 @@ def prepare(args: list[str]) -> None:
     cfg = compose_and_validate(overrides, with_hydra=False, check_world=False)
     try:
         _, tokenizer = load_model(cfg.model)
-        task = ClassificationTask(cfg.task, tokenizer)
+        task = PromptTask(cfg.task, tokenizer, str(cfg.objective))
         kernels = native.load(cfg.engine.native)  # compiled once into the cache
     except DistzoError as exc:
         fail(str(exc))
@@ -472,7 +509,8 @@ def main(argv: list[str] | None = None) -> None:
     command, rest = args[0], args[1:]
     if command not in COMMANDS:
         fail(f"unknown command '{command}'; commands: {', '.join(COMMANDS)} (see python -m distzo --help)")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # distzo never downloads models
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # distzo never downloads models or data sets
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     # Before torch (and its OpenMP runtime) loads. After each parallel region libgomp's threads spin
     # for ~300,000 iterations (milliseconds) by default, and after every block's forward that spin
     # takes a core from the threads that build the next block's working copies (measured on the
@@ -485,6 +523,8 @@ def main(argv: list[str] | None = None) -> None:
         run_hydra(_train_task, command, rest)
     elif command == "bench":
         run_hydra(_bench_task, command, rest)
+    elif command == "eval":
+        run_hydra(_eval_task, command, eval_args(rest))
     elif command == "prepare":
         prepare(rest)
     elif command == "replay":

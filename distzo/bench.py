@@ -62,7 +62,7 @@ def forward_baseline(c: Components, steps: range) -> list[float]:
     mesh, times = c.mesh, []
     clean = [Evaluation(CLEAN, 0)] * len(c.estimator.dealt_plan())
     for step in steps:
-        shard = c.task.batch("train", c.sampler.indices(step)).shard(mesh.data_rank, mesh.shape.data)
+        shard = c.task.train_batch(c.sampler.indices(step)).shard(mesh.data_rank, mesh.shape.data)
         started = time.perf_counter()
         c.engine.evaluate(shard, clean, step)
         if mesh.device.type == "cuda":
@@ -105,7 +105,7 @@ def mezo_reference_steps(c: Components, steps: range, lr: float, eps: float) -> 
         return float(F.cross_entropy(logits[torch.arange(ids.shape[0]), last][:, label_ids].float(), labels))
 
     for step in steps:
-        batch = c.task.batch("train", c.sampler.indices(step))
+        batch = c.task.train_batch(c.sampler.indices(step))
         prompts = [torch.tensor(s.tokens) for s in batch.sequences]
         ids = torch.nn.utils.rnn.pad_sequence(prompts, batch_first=True, padding_value=c.task.pad_id).to(device)
         mask = (torch.arange(ids.shape[1])[None] < torch.tensor([len(p) for p in prompts])[:, None]).to(device)
@@ -128,6 +128,35 @@ def mezo_reference_steps(c: Components, steps: range, lr: float, eps: float) -> 
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - started)
     return times
+
+
+def candidate_scoring_rounds(c: Components, rounds: int) -> dict[str, Any] | None:
+    """Shared-prompt candidate scoring against one full sequence per candidate: the clean scores of
+    the same validation batches both ways, in interleaved rounds (None when the task's batches have
+    no candidates after a shared prompt)."""
+    batches = list(c.task.batches("validation", c.cfg.eval_batch_size))[:4]
+    if not batches or not any(s.branches for s in batches[0].sequences):
+        return None
+    shared_s, full_s = [], []
+    with c.engine.materialized() as weights:
+        for b in batches:  # warm-up
+            weights.score(b)
+            weights.score(b.unbranched())
+        for _ in range(rounds):
+            for times, make in ((shared_s, lambda b: b), (full_s, lambda b: b.unbranched())):
+                started = time.perf_counter()
+                for b in batches:
+                    weights.score(make(b))
+                if c.mesh.device.type == "cuda":
+                    torch.cuda.synchronize(c.mesh.device)
+                times.append(time.perf_counter() - started)
+    examples = sum(b.size for b in batches)
+    candidates = sum(b.units for b in batches) / examples
+    tokens = sum(b.tokens for b in batches), sum(b.unbranched().tokens for b in batches)
+    return {"examples": examples, "candidates_per_example": round(candidates, 2),
+            "tokens_shared": tokens[0], "tokens_one_sequence_each": tokens[1],
+            "shared_prompt_s": round(_median(shared_s), 4), "one_sequence_each_s": round(_median(full_s), 4),
+            "speedup": round(_median([f / s for f, s in zip(full_s, shared_s)]), 3)}
 
 
 def materialize(c: Components) -> None:
@@ -193,7 +222,7 @@ def _bench(cfg, c: Components, run_dir: Path) -> dict[str, Any]:
     # step of a run does (the forwards alone must not pay it: the engine is flushed before them).
     rounds = [(b.warmup + 2 * i, b.warmup + 2 * i + 1) for i in range(b.steps)]
     timed = [t for _, t in rounds]
-    tokens = [c.task.batch("train", c.sampler.indices(s)).tokens for s in timed]
+    tokens = [c.task.train_batch(c.sampler.indices(s)).tokens for s in timed]
     log.info("bench: %d warm-up steps, then %d rounds of (forward passes alone, ZO step)", b.warmup, b.steps)
 
     reset_peak_memory(device)
@@ -214,7 +243,9 @@ def _bench(cfg, c: Components, run_dir: Path) -> dict[str, Any]:
         if solo is not None:
             training_steps(solo, warm)  # its own warm-up
         mesh.barrier()
-    reference = b.reference and mesh.world_size == 1 and cfg.offload.mode == "none"
+    # The reference's loss is the label-word head of MeZO's classification tasks.
+    reference = (b.reference and mesh.world_size == 1 and cfg.offload.mode == "none"
+                 and c.task.label_ids is not None)
     lr, eps = cfg.optim.lr, cfg.estimator.eps
     if reference:
         log.info("bench: each round also times a step of MeZO's Algorithm 1 (bench.reference)")
@@ -286,6 +317,11 @@ def _bench(cfg, c: Components, run_dir: Path) -> dict[str, Any]:
                                     "distzo_over_reference": round(ratio, 3),
                                     "speedup": round(1 / ratio, 3)}  # the same figure inverted, even for even rounds
         log.info("bench: MeZO reference %.3f s/step", result["mezo_reference"]["step_time_s"])
+    scoring = candidate_scoring_rounds(c, b.steps)
+    if scoring is not None:
+        result["candidate_scoring"] = scoring
+        log.info("bench: candidates after a shared prompt %.3f s, one sequence per candidate %.3f s",
+                 scoring["shared_prompt_s"], scoring["one_sequence_each_s"])
     if mesh.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "bench.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -309,6 +345,11 @@ def report(r: dict[str, Any]) -> str:
         one = r["single_rank"]
         lines.append(f"  one rank alone     {one['step_time_s']:.3f} s   ({one['tokens_per_s']:.0f} tokens/s); mesh "
                      f"{r['mesh']} throughput {one['throughput_ratio']}x one rank's")
+    if "candidate_scoring" in r:
+        s = r["candidate_scoring"]
+        lines.append(f"  candidate scoring  shared prompts {s['shared_prompt_s']:.3f} s, one sequence per candidate "
+                     f"{s['one_sequence_each_s']:.3f} s ({s['speedup']}x; {s['examples']} examples, "
+                     f"{s['candidates_per_example']} candidates each)")
     if "mezo_reference" in r:
         m = r["mezo_reference"]
         lines.append(f"  MeZO reference     {m['step_time_s']:.3f} s   distzo/reference {m['distzo_over_reference']} "

@@ -10,7 +10,7 @@ from typing import Any, Mapping
 import torch
 
 from . import native
-from .data.tasks import ClassificationTask, TrainSampler
+from .data.tasks import PromptTask, TrainSampler
 from .dist.mesh import Mesh
 from .engine import Engine, build_engine
 from .errors import DistzoError
@@ -36,7 +36,7 @@ class Components:
     seed: int
     model: torch.nn.Module
     tokenizer: Any
-    task: ClassificationTask
+    task: PromptTask
     params: TrainableParams
     engine: Engine
     estimator: Estimator
@@ -54,7 +54,7 @@ def build_components(cfg, mesh: Mesh, seed: int, weights: Mapping[str, torch.Ten
     phase timers and the noise threads' work clock (`bench`)."""
     kernels = native.load(cfg.engine.native, mesh.device)  # None: torch ops (same values); first, it may fail
     model, tokenizer = load_model(cfg.model)
-    task = ClassificationTask(cfg.task, tokenizer)
+    task = PromptTask(cfg.task, tokenizer, str(cfg.objective))
     est = cfg.estimator
     apply_peft(model, cfg.peft)  # freezes the model and adds the adapter's parameters (peft != none)
     if est.name == "agzo" and est.agzo.tied_embeddings == "freeze":

@@ -124,9 +124,37 @@ class ResumeMode(Choice):
     auto = "auto"
 
 
+class TaskKind(Choice):
+    classification = "classification"
+    multiple_choice = "multiple_choice"
+    generation = "generation"
+
+
+class TaskLoss(Choice):
+    classification = "classification"
+    teacher_forcing = "teacher_forcing"
+
+
+class DataFormat(Choice):
+    auto = "auto"
+    json = "json"
+    csv = "csv"
+    tsv = "tsv"
+    parquet = "parquet"
+    arrow = "arrow"
+
+
+class EvalSplit(Choice):
+    train = "train"
+    validation = "validation"
+    test = "test"
+
+
 class Objective(Choice):
     loss = "loss"
     accuracy = "accuracy"
+    f1 = "f1"
+    exact_match = "exact_match"
 
 
 @dataclass
@@ -152,13 +180,52 @@ class ModelConfig:
 
 @dataclass
 class TaskConfig:
-    """A prompted classification task: `template` turns an example into a prompt whose next token
-    is scored against `label_words` (one per class, in label order)."""
+    """A prompted task (docs/tasks.md): records from `dataset` become a prompt (`template` over the
+    record's fields) and candidate continuations scored after it.
+
+    dataset: a bundled set (mr-polarity, mr-endings, synthetic-cue), `file` (your own data at
+      `path`), or a suite preset (sst2, rte, cb, boolq, wsc, wic, multirc, copa, record) reading the
+      public copy at `path`.
+    path / format: a file (.jsonl/.json, .csv, .tsv, .parquet), a folder of split files, or a
+      `datasets` export (save_to_disk); format auto guesses from the extension.
+    kind: classification (candidates = `label_words`, one per class; the record's `label_field`,
+      mapped through `labels` when the file's labels are not class indices) or multiple_choice (each
+      record's candidates from `candidates_field`, a list, or `candidate_fields`, one field each,
+      rendered with `candidate_template`; `label_field` holds the right one's index or text).
+    loss: the training loss: classification (cross-entropy over the candidates' mean token
+      log-likelihoods; MeZO's classification tasks) or teacher_forcing (the right candidate's token
+      loss only; MeZO's multiple-choice tasks).
+    generation (docs/tasks.md#generation-and-sft): `answers_field` holds the accepted answer(s) (a
+      string or a list); the first, rendered with `completion_template` and followed by `stop`, is the
+      completion trained by teacher forcing; evaluation decodes greedily up to `max_new_tokens`
+      tokens, stopping at `stop`, and scores exact match and F1. `messages_field`: a chat `messages`
+      list instead, rendered with the tokenizer's chat template (the last message, the assistant's,
+      is the completion).
+    demos: solved training examples put before every prompt (in-context learning), joined by
+      `demo_separator`.
+    val_size / test_size / train_size / split_seed: the splits (docs/tasks.md#splits); max_length: a
+      prompt's tokens at most (the end is kept); num_examples: size of the synthetic set."""
 
     name: str = MISSING
     dataset: str = MISSING
+    path: Optional[str] = None
+    format: DataFormat = DataFormat.auto
+    kind: TaskKind = TaskKind.classification
     template: str = "{sentence} It was"
     label_words: List[str] = field(default_factory=lambda: [" terrible", " great"])
+    label_field: str = "label"
+    labels: Optional[List[str]] = None
+    candidates_field: Optional[str] = None
+    candidate_fields: List[str] = field(default_factory=list)
+    candidate_template: str = " {candidate}"
+    loss: TaskLoss = TaskLoss.classification
+    answers_field: str = "answers"
+    completion_template: str = " {answer}"
+    stop: str = "\n"
+    messages_field: Optional[str] = None
+    max_new_tokens: int = 32
+    demos: int = 0
+    demo_separator: str = "\n\n"
     val_size: int = 500
     test_size: int = 1000
     train_size: Optional[int] = None
@@ -296,6 +363,17 @@ class BenchConfig:
 
 
 @dataclass
+class EvalConfig:
+    """`python -m distzo eval`: score a model on a task's split without training.
+
+    split: the split to evaluate. run: a training run directory whose `final/` is evaluated, with the
+      run's own model, trainable set and task settings (overrides on the command line still win)."""
+
+    split: EvalSplit = EvalSplit.test
+    run: Optional[str] = None
+
+
+@dataclass
 class LoggerConfig:
     """Where metrics go besides metrics.jsonl (conf group `logger`: none | wandb).
 
@@ -358,6 +436,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     sweep: SweepConfig = field(default_factory=SweepConfig)
     steps: int = 200
     batch_size: int = 16

@@ -75,11 +75,21 @@ def objective_sums(scores: Scores, batch: Batch, objective: str = "loss") -> tor
         return torch.stack([scores.nll.double().sum().cpu(), scores.count.double().sum().cpu()])
     logits = class_scores(scores, batch)[None]
     if objective == "accuracy":
-        return minus_accuracy_sums(logits, batch.labels)[0]
+        correct = float(correct_predictions(scores, batch).double().sum())
+        return torch.tensor([-correct, float(batch.size)], dtype=torch.float64)
     return cross_entropy_sums(logits, batch.labels)[0]
+
+
+def correct_predictions(scores: Scores, batch: Batch) -> torch.Tensor:
+    """[examples] bool: whether each example's best-scoring candidate is a right one (`extra["gold"]`
+    when an example has several, as ReCoRD's may; else its label)."""
+    predicted = class_scores(scores, batch).argmax(dim=-1)
+    gold = batch.extra.get("gold")
+    if gold is None:
+        return predicted == batch.labels
+    return torch.tensor([int(p) in g for p, g in zip(predicted.tolist(), gold)], dtype=torch.bool)
 
 
 def accuracy_counts(scores: Scores, batch: Batch) -> tuple[int, int]:
     """(correct, total) of the argmax predictions of a classification or multiple-choice batch."""
-    predicted = class_scores(scores, batch).argmax(dim=-1)
-    return int((predicted == batch.labels).sum()), int(batch.labels.numel())
+    return int(correct_predictions(scores, batch).sum()), int(batch.labels.numel())

@@ -60,6 +60,21 @@ class Sequence:
             out += range(prefix, prefix + hi - lo)
         return out
 
+    def unbranched(self) -> list["Sequence"]:
+        """The same scores as plain sequences: the prefix followed by each branch in turn. A scored
+        position inside the prefix sees the same tokens in every copy, so it goes to the first."""
+        if not self.branches:
+            return [self]
+        prefix = self.branches[0]
+        bounds = list(self.branches) + [len(self.tokens)]
+        out = []
+        for b, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+            picked = [(o if o < prefix else o - lo + prefix, t, u) for o, t, u in zip(self.scored, self.targets, self.units)
+                      if (o < prefix and b == 0) or lo <= o < hi]
+            out.append(Sequence(self.tokens[:prefix] + self.tokens[lo:hi], (), tuple(o for o, _, _ in picked),
+                                tuple(t for _, t, _ in picked), tuple(u for _, _, u in picked)))
+        return out
+
     def branch_ids(self) -> list[int]:
         """0 for the prefix, b + 1 for the tokens of branch b."""
         out = [0] * len(self.tokens)
@@ -123,8 +138,24 @@ class Batch:
                      [e - lo for _, e in seqs], units, self.labels[lo:hi], self.candidates, self.pad_id,
                      self.readout, {k: v[lo:hi] for k, v in self.extra.items()})
 
-    def pack(self, row_tokens: int = 1024) -> "Packed":
-        return pack(self.sequences, self.units, self.candidates, self.pad_id, row_tokens)
+    def pack(self, row_tokens: int = 1024, window: int | None = None) -> "Packed":
+        """The sequences packed into rows (`Packed`). window: the model's smallest sliding attention
+        window, if any; a sequence with branches longer than it is packed as its unbranched copies
+        (`Sequence.unbranched`), since the mask helpers measure a window in row offsets."""
+        sequences = self.sequences
+        if window is not None and any(s.branches and len(s.tokens) > window for s in sequences):
+            sequences = [u for s in sequences for u in (s.unbranched() if len(s.tokens) > window else [s])]
+        return pack(sequences, self.units, self.candidates, self.pad_id, row_tokens)
+
+    def unbranched(self) -> "Batch":
+        """The same batch with every candidate in a full sequence of its own (prompt repeated): what
+        scoring costs without shared prompts (`bench`)."""
+        seqs, owners = [], []
+        for s, e in zip(self.sequences, self.sequence_example):
+            parts = s.unbranched()
+            seqs += parts
+            owners += [e] * len(parts)
+        return replace(self, sequences=seqs, sequence_example=owners)
 
 
 def label_word_batch(prompts: Seq[Seq[int]], labels: torch.Tensor, label_ids: torch.Tensor,

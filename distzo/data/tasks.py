@@ -1,76 +1,230 @@
-"""Prompted classification: prompts, label words, padded batches, and the layout-free batch sampler.
+"""Prompted tasks: examples encoded into the batches of the scoring contract (`distzo.scoring`).
 
-A prompt is `template.format(sentence=...)`; the model's next-token logits at the prompt's last
-token, restricted to the label words' tokens, are the class scores (MeZO's SST-2 setup: loss =
-cross-entropy over the label words' logits, prediction = the highest one).
+A task reads its records (bundled, or local files through `datasets`), turns them into `Example`s
+(a prompt, candidate continuations, the right ones: `distzo.data.examples`), splits them
+(`distzo.data.splits`) and encodes them once. It then hands the engine two kinds of batch:
+
+- **scoring batches** (`batch`, `batches`): every candidate of every example, scored by its mean
+  token log-likelihood after the prompt, as MeZO scores options; prediction is the best candidate.
+  When every candidate is a single token shared by all examples (label words such as " terrible" /
+  " great"), the head reads just their logits at the prompt's last token (MeZO's classification
+  head; the same ranking and the same cross-entropy, the log-softmax normaliser cancelling). Otherwise
+  the candidates follow the prompt as branches of one sequence, so the prompt is computed once per
+  example, not once per candidate.
+- **training batches** (`train_batch`): the step's loss. `task.loss=classification` is the
+  cross-entropy over the candidates' scores (MeZO's classification tasks); `teacher_forcing` is the
+  token loss of the right candidate alone, prompt excluded (MeZO's multiple-choice tasks). The
+  accuracy objective needs every candidate, so it always trains on scoring batches.
+
+`task.demos=K` puts K solved training examples before every prompt (in-context learning, MeZO's
+ICL baseline): a fixed draw (`split_seed`) shared by every example and every rank.
 """
 
 from __future__ import annotations
 
 import logging
+import random
+from typing import Iterator, Sequence
+
 import torch
 
-from ..errors import ConfigError
-from ..scoring import Batch, label_word_batch
-from .datasets import Splits, load_splits
+from ..scoring import Batch, Sequence as Seq, label_word_batch
+from .bundled import BUNDLED, bundled_records
+from .examples import Example, RecordFormatter
+from .presets import READERS
+from .sources import DataError, read_records
+from .splits import Splits, make_splits
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("distzo")
+
+SPLITS = ("train", "validation", "test")
 
 
-class ClassificationTask:
-    def __init__(self, cfg, tokenizer):
-        self.name = cfg.name
-        self.template = cfg.template
-        self.max_length = cfg.max_length
+def load_examples(cfg, chat=None) -> tuple[Splits, str]:
+    """The task's splits of examples, and where they come from (for messages). chat: renders a chat's
+    messages as a prompt (generation from `task.messages_field`)."""
+    name = cfg.dataset
+    if name in BUNDLED:
+        parts = {"all": bundled_records(name, cfg.num_examples, cfg.split_seed)}
+        origin = f"the bundled {name} set"
+    else:
+        if not cfg.path:
+            raise DataError(f"task={cfg.name} reads local files: add task.path=/path/to/the/data (a file, a folder of "
+                            "split files, or a datasets export; docs/tasks.md)")
+        parts = read_records(cfg.path, str(cfg.format))
+        origin = cfg.path
+    formatter = RecordFormatter(cfg, READERS.get(name), chat)
+    examples = {split: formatter.examples(records, split, origin) for split, records in parts.items()}
+    splits = make_splits(examples, cfg.val_size, cfg.test_size, cfg.train_size, cfg.split_seed, origin)
+    for split in SPLITS:
+        if not getattr(splits, split):
+            raise DataError(f"the {split} split of {origin} is empty; give it examples (or lower task.val_size / "
+                            "task.test_size when splitting one file)")
+    return splits, origin
+
+
+class PromptTask:
+    """A classification or multiple-choice task over prompts (see the module docstring)."""
+
+    def __init__(self, cfg, tokenizer, objective: str = "loss"):
+        self.name, self.kind, self.max_length = cfg.name, str(cfg.kind), cfg.max_length
+        self.messages_field = cfg.messages_field
         self.tokenizer = tokenizer
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.label_words = list(cfg.label_words)
-        self.label_ids = torch.tensor(self._label_token_ids(self.label_words), dtype=torch.long)
-        self.splits: Splits = load_splits(cfg.dataset, cfg.val_size, cfg.test_size, cfg.train_size,
-                                          cfg.split_seed, cfg.num_examples)
-        self._encoded = {name: [self.encode(ex.text) for ex in getattr(self.splits, name)]
-                         for name in ("train", "validation", "test")}
-        self._labels = {name: torch.tensor([ex.label for ex in getattr(self.splits, name)], dtype=torch.long)
-                        for name in ("train", "validation", "test")}
-        n_classes = len(self.label_words)
-        for name, labels in self._labels.items():
-            if labels.numel() and int(labels.max()) >= n_classes:
-                raise ConfigError(f"task {self.name}: {name} has label {int(labels.max())} but only "
-                                 f"{n_classes} label words")
+        self.stop, self.max_new_tokens = cfg.stop, cfg.max_new_tokens
+        self.splits, self.origin = load_examples(cfg, self._render_chat)
+        self.num_demos = cfg.demos
+        self.demos = self._demonstrations(cfg.demos, cfg.demo_separator, cfg.split_seed)
+        self.decoding_objective = str(objective) in ("f1", "exact_match")
+        self.teacher_forcing = self.kind == "generation" or (str(cfg.loss) == "teacher_forcing"
+                                                              and str(objective) != "accuracy")
+        self.label_ids = self._single_token_words()  # None unless every candidate is one shared token
+        self._prompts = {s: [self.encode(ex.prompt) for ex in getattr(self.splits, s)] for s in SPLITS}
+        self._candidates: dict[str, list[list[list[int]]]] = {}
+        if self.label_ids is None:
+            cache: dict[str, list[int]] = {}
+            self._candidates = {s: [[self._continuation(c, cache) for c in ex.candidates]
+                                    for ex in getattr(self.splits, s)] for s in SPLITS}
+        self._labels = {s: torch.tensor([ex.label for ex in getattr(self.splits, s)], dtype=torch.long) for s in SPLITS}
+        self._gold = {s: [ex.gold for ex in getattr(self.splits, s)] for s in SPLITS}
+        self._answers = {s: [ex.answers for ex in getattr(self.splits, s)] for s in SPLITS}
 
-    def _label_token_ids(self, words: list[str]) -> list[int]:
-        ids = []
-        for w in words:
-            toks = self.tokenizer(w, add_special_tokens=False).input_ids
-            if not toks:
-                raise ConfigError(f"task.label_words: {w!r} encodes to no token; use a non-empty word")
-            if len(toks) > 1:
-                log.warning("label word %r is %d tokens; scoring its first token only", w, len(toks))
-            ids.append(toks[0])
-        if len(set(ids)) != len(ids):
-            raise ConfigError(f"task.label_words={words} share a first token; choose words whose first tokens differ")
-        return ids
+    # --- encoding --------------------------------------------------------------------------------
 
-    def encode(self, sentence: str) -> list[int]:
-        ids = self.tokenizer(self.template.format(sentence=sentence)).input_ids
+    def _render_chat(self, messages: list[dict]) -> str:
+        """A chat's messages up to the assistant's answer, as the tokenizer's chat template renders
+        them with the assistant's turn opened."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise DataError(f"task.messages_field={self.messages_field!r}: this tokenizer has no chat template; use a "
+                            "chat model's tokenizer, or prompt and answer fields with task.template")
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def _demonstrations(self, k: int, separator: str, seed: int) -> str:
+        if not k:
+            return ""
+        train = self.splits.train
+        if k >= len(train):
+            raise DataError(f"task.demos={k} needs more than {k} training examples ({self.origin} has {len(train)})")
+        picked = random.Random(seed + 3).sample(range(len(train)), k)
+        # Demonstrations are drawn from, and removed from, the training split: no example is its own demo.
+        self.splits.train = [ex for i, ex in enumerate(train) if i not in set(picked)]
+        return "".join(train[i].prompt + train[i].candidates[train[i].label] + separator for i in picked)
+
+    def encode(self, prompt: str) -> list[int]:
+        """Token ids of a prompt (after the demonstrations, if any), at most `max_length`, keeping the
+        end: the template's cue is there."""
+        ids = self.tokenizer(self.demos + prompt).input_ids
         eos = self.tokenizer.eos_token_id
         # Some tokenizers append EOS; the prompt must end on its own last token.
         if eos is not None and len(ids) > 1 and ids[-1] == eos and eos != self.tokenizer.bos_token_id:
             ids = ids[:-1]
-        return ids[-self.max_length:]  # keep the end: the template's cue is there
+        return ids[-self.max_length:]
+
+    def _continuation(self, text: str, cache: dict[str, list[int]]) -> list[int]:
+        """A candidate's tokens, encoded on their own (so every candidate follows the same prompt tokens)."""
+        if text not in cache:
+            ids = self.tokenizer(text, add_special_tokens=False).input_ids
+            if not ids:
+                raise DataError(f"task {self.name}: the candidate {text!r} encodes to no token; give every candidate "
+                                "some text")
+            cache[text] = ids
+        return cache[text]
+
+    def _single_token_words(self) -> torch.Tensor | None:
+        """The label words' token ids when the task is classification and each word is one token
+        (the label-word head); None otherwise."""
+        if self.kind != "classification":
+            return None
+        ids = [self.tokenizer(w, add_special_tokens=False).input_ids for w in self.label_words]
+        empty = [w for w, t in zip(self.label_words, ids) if not t]
+        if empty:
+            raise DataError(f"task.label_words: {empty[0]!r} encodes to no token; use a non-empty word")
+        if any(len(t) != 1 for t in ids):
+            log.info("task %s: label words of several tokens %s; each is scored by its mean token log-likelihood",
+                     self.name, [w for w, t in zip(self.label_words, ids) if len(t) > 1])
+            return None
+        if len({t[0] for t in ids}) != len(ids):
+            raise DataError(f"task.label_words={self.label_words} encode to the same token; choose words that differ")
+        return torch.tensor([t[0] for t in ids], dtype=torch.long)
+
+    # --- batches ---------------------------------------------------------------------------------
 
     def size(self, split: str) -> int:
-        return len(self._encoded[split])
+        return len(self._prompts[split])
 
-    def batch(self, split: str, indices) -> Batch:
+    def batch(self, split: str, indices: Sequence[int]) -> Batch:
+        """A scoring batch: every candidate of every example (see the module docstring); for
+        generation, the completion's tokens (its loss; what is generated is scored by `answers`)."""
         indices = list(indices)
-        return label_word_batch([self._encoded[split][i] for i in indices], self._labels[split][indices],
-                                self.label_ids, self.pad_id)
+        if self.kind == "generation":
+            return self._completion_batch(split, indices)
+        prompts = [self._prompts[split][i] for i in indices]
+        labels = self._labels[split][indices]
+        extra = {"gold": [self._gold[split][i] for i in indices]}
+        if self.label_ids is not None:
+            batch = label_word_batch(prompts, labels, self.label_ids, self.pad_id)
+            batch.extra = extra
+            return batch
+        sequences, units = [], []
+        for e, (i, prompt) in enumerate(zip(indices, prompts)):
+            candidates = self._candidates[split][i]
+            sequences.append(candidate_sequence(prompt, candidates, len(units)))
+            units += [e] * len(candidates)
+        return Batch(sequences, list(range(len(indices))), units, labels, None, self.pad_id, "likelihoods", extra)
 
-    def batches(self, split: str, batch_size: int):
+    def train_batch(self, indices: Sequence[int]) -> Batch:
+        """The training step's batch: the scoring batch, or with teacher forcing the right candidate's
+        tokens after each prompt (one unit per example)."""
+        if not self.teacher_forcing:
+            return self.batch("train", indices)
+        return self._completion_batch("train", list(indices))
+
+    def _completion_batch(self, split: str, indices: list[int]) -> Batch:
+        """The right candidate's (the completion's) tokens after each prompt, one unit per example;
+        readout `tokens`. Prompts and answers ride along for decoding objectives (`extra`)."""
+        sequences = []
+        for e, i in enumerate(indices):
+            prompt = self._prompts[split][i]
+            gold = self._candidates[split][i][self._labels[split][i]]
+            sequences.append(candidate_sequence(prompt, [gold], e))
+        n = len(indices)
+        extra = {"prompts": [self._prompts[split][i] for i in indices],
+                 "answers": [self._answers[split][i] for i in indices]}
+        return Batch(sequences, list(range(n)), list(range(n)), self._labels[split][indices], None, self.pad_id,
+                     "tokens", extra)
+
+    def batches(self, split: str, batch_size: int) -> Iterator[Batch]:
         n = self.size(split)
         for lo in range(0, n, batch_size):
             yield self.batch(split, range(lo, min(lo + batch_size, n)))
+
+    def describe(self) -> str:
+        words = {"classification": f"label words {self.label_words}", "multiple_choice": "per-example candidates",
+                 "generation": f"greedy decoding of up to {self.max_new_tokens} tokens, stop {self.stop!r}"}[self.kind]
+        loss = "teacher forcing on the right candidate" if self.teacher_forcing else "cross-entropy over the candidates"
+        if self.kind == "generation":
+            loss = "teacher forcing on the completion"
+        return (f"Task {self.name} ({self.kind}, {words}; training loss: {loss}): {self.size('train')} train / "
+                f"{self.size('validation')} validation / {self.size('test')} test examples from {self.origin}"
+                + (f"; {self.num_demos} solved examples before each prompt" if self.num_demos else ""))
+
+
+def candidate_sequence(prompt: Sequence[int], candidates: Sequence[Sequence[int]], first_unit: int) -> Seq:
+    """A prompt followed by its candidates as branches: candidate c is unit first_unit + c, scored at
+    the positions that predict its tokens (the prompt's last position for its first token). One
+    candidate makes a plain sequence."""
+    tokens = list(prompt)
+    branches, scored, targets, units = [], [], [], []
+    for c, cand in enumerate(candidates):
+        start = len(tokens)
+        branches.append(start)
+        tokens += cand
+        scored += [len(prompt) - 1] + list(range(start, start + len(cand) - 1))
+        targets += list(cand)
+        units += [first_unit + c] * len(cand)
+    return Seq(tuple(tokens), tuple(branches) if len(candidates) > 1 else (), tuple(scored), tuple(targets),
+               tuple(units))
 
 
 class TrainSampler:
@@ -93,3 +247,4 @@ class TrainSampler:
             epoch, offset = divmod(pos, self.n)
             out.append(int(self._permutation(epoch)[offset]))
         return out
+

@@ -17,7 +17,7 @@ from typing import Iterator, Sequence
 
 from torch import nn
 
-from ..scoring import Batch, Scores
+from ..scoring import Batch, Packed, Scores
 from ..zo.estimators import Evaluation
 from ..zo.params import TrainableParams
 
@@ -34,6 +34,17 @@ class Materialized:
 
     def score(self, batch: Batch) -> Scores:
         return self._engine.score_clean(batch)
+
+    def generate(self, task, prompts: Sequence[Sequence[int]]) -> list[str]:
+        """Greedy answers to `prompts` (token ids) under the task's stop rule, with the stock
+        `generate` and its KV cache on the model's own (master) parameters: on this rank alone."""
+        from ..generation import greedy_decode
+        from ..peft.prefix import has_prefix
+
+        self._engine.check_can_generate()
+        # Prefix tuning hands attention a cache stand-in of its own, in place of generate's KV cache.
+        return greedy_decode(self.model, task.tokenizer, prompts, task.max_new_tokens, task.stop, task.pad_id,
+                             use_cache=not has_prefix(self.model))
 
 
 class Engine(ABC):
@@ -62,8 +73,15 @@ class Engine(ABC):
         export read the weights inside. Collective: every rank enters it together."""
 
     @abstractmethod
+    def pack(self, batch: Batch) -> Packed:
+        """The rows this engine runs a batch as (AGZO's activation capture reads which tokens are real)."""
+
+    @abstractmethod
     def score_clean(self, batch: Batch) -> Scores:
         """Scores at the master weights, on this rank alone (called through Materialized.score)."""
+
+    def check_can_generate(self) -> None:
+        """Whether the stock model can decode on its own parameters here (raises EngineError if not)."""
 
     def transfer_stats(self) -> dict[str, float]:
         """Cumulative bytes this rank moved host-to-device, back, and from node peers (sliced

@@ -88,6 +88,13 @@ class OffloadEngine(StagedEngine):
     def _after_flush(self) -> None:
         self.streamer.synchronize()
 
+    def check_can_generate(self) -> None:
+        if self.device.type != "cpu":
+            from . import EngineConfigError
+
+            raise EngineConfigError("generation tasks decode with the stock model on its own parameters, and "
+                                    "offloaded blocks live in host memory; evaluate them with offload=none")
+
     def host_master_bytes(self) -> dict[str, int]:
         copy = sum(b.numel * b.flat.element_size() for b in self.host_blocks)
         return {"copy": copy, "resident": copy}  # a private copy, every page written

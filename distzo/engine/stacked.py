@@ -74,12 +74,8 @@ class StackedLoRAEngine(ResidentEngine):
         replicated batch belong to evaluation e."""
         self.flush()  # the owed update (a few LoRA B matrices) before the copies are drawn from the masters
         E, R = len(plan), packed.input_ids.shape[0]
-        mask_fn = packed.mask_fn()
-        if mask_fn is None:
-            ctx = self.adapter.context(packed.input_ids.repeat(E, 1), packed.position_ids.repeat(E, 1))
-        else:
-            replicated = packed.replicate(E)
-            ctx = self.adapter.context(replicated.input_ids, replicated.position_ids, mask_fn=replicated.mask_fn())
+        replicated = packed.replicate(E)
+        ctx = self.adapter.context(replicated.input_ids, replicated.position_ids, mask_fn=replicated.mask_fn())
         clean = CleanWeights(self.model)
         hidden = self.adapter.stem(ctx, clean)
         for i, (prefix, _) in enumerate(self.adapter.blocks):

@@ -78,7 +78,7 @@ class StagedEngine(Engine):
             if self.walks_with_peers:
                 self._walk_with_peers()
             return {}
-        packed = batch.pack(self.row_tokens).to(self.device)
+        packed = self.pack(batch).to(self.device)
         scores = self._run(packed, [plan[i] for i in mine], step, plan)
         return dict(zip(mine, scores))
 
@@ -93,10 +93,13 @@ class StagedEngine(Engine):
         with self._local_reads():
             yield Materialized(self)
 
+    def pack(self, batch: Batch) -> Packed:
+        return batch.pack(self.row_tokens, self.adapter.attention_window)
+
     def score_clean(self, batch: Batch) -> Scores:
         if self.pending is not None:
             raise RuntimeError("internal error: a clean score outside `materialized()` (an update is still owed)")
-        packed = batch.pack(self.row_tokens).to(self.device)
+        packed = self.pack(batch).to(self.device)
         return self._run(packed, [Evaluation(CLEAN, 0)], 0, None)[0]
 
     # --- deferred updates ---------------------------------------------------------------------------
@@ -208,9 +211,7 @@ class StagedEngine(Engine):
              full_plan: Sequence[Evaluation] | None) -> list[Scores]:
         """Scores of every evaluation of `plan` on one packed batch. full_plan: the step's whole plan
         (work division builds the copies of the node's other ranks too)."""
-        mask_fn = packed.mask_fn()
-        ctx = (self.adapter.context(packed.input_ids, packed.position_ids) if mask_fn is None
-               else self.adapter.context(packed.input_ids, packed.position_ids, mask_fn=mask_fn))
+        ctx = self.adapter.context(packed.input_ids, packed.position_ids, mask_fn=packed.mask_fn())
         perturbed = any(ev.perturbed for ev in plan)
 
         def stage_views(noise: StageNoise, sources=None) -> list:

@@ -48,13 +48,22 @@ class BatchContext:
     extra: dict[str, torch.Tensor] = field(default_factory=dict)  # family-specific (e.g. OPT's position rows)
 
 
-def build_mask(helper: Callable, config: Any, shaped: torch.Tensor, position_ids: torch.Tensor) -> Any:
+def build_mask(helper: Callable, config: Any, shaped: torch.Tensor, position_ids: torch.Tensor,
+               mask_fn: Callable | None = None) -> Any:
     """Call a transformers mask helper (create_causal_mask and friends) for packed prompts: no padding
-    mask, no cache, position ids restarting per prompt. transformers 5.0 names the embeddings
-    `input_embeds` and requires `cache_position`; later releases take `inputs_embeds`."""
+    mask, no cache. Without `mask_fn`, position ids restarting per prompt make the helper build a
+    block-causal mask. With `mask_fn` (rows whose sequences have branches, `Packed.mask_fn`), position
+    ids no longer say where sequences start, so the helper gets none and intersects its causal mask
+    with `mask_fn`, which separates the sequences and the branches. transformers 5.0 names the
+    embeddings `input_embeds` and the cache `past_key_values` and requires `cache_position`; later
+    releases take `inputs_embeds` and `cache`."""
     params = inspect.signature(helper).parameters
-    kwargs: dict[str, Any] = dict(config=config, attention_mask=None, past_key_values=None, position_ids=position_ids)
+    kwargs: dict[str, Any] = dict(config=config, attention_mask=None,
+                                  position_ids=position_ids if mask_fn is None else None)
+    kwargs["cache" if "cache" in params else "past_key_values"] = None
     kwargs["inputs_embeds" if "inputs_embeds" in params else "input_embeds"] = shaped
+    if mask_fn is not None:
+        kwargs["and_mask_function"] = mask_fn
     if "cache_position" in params:
         kwargs["cache_position"] = torch.arange(shaped.shape[1], device=shaped.device)
     return helper(**kwargs)
@@ -81,8 +90,22 @@ class DecoderAdapter:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def context(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> BatchContext:
+    def context(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                mask_fn: Callable | None = None) -> BatchContext:
+        """Per-batch inputs of every block: masks (block-causal, intersected with `mask_fn` when
+        given: `build_mask`), positions, rotary embeddings."""
         raise NotImplementedError
+
+    @property
+    def attention_window(self) -> int | None:
+        """The smallest sliding window of any layer (None: every layer attends to the whole
+        sequence). A sequence with branches longer than it is scored unbranched (`Batch.pack`): the
+        mask helpers measure the window in row offsets, which for a later branch overstate its
+        distance to the prefix."""
+        window = getattr(self.config, "sliding_window", None)
+        layer_types = getattr(self.config, "layer_types", None) or []
+        uses_window = "sliding_attention" in layer_types or (not layer_types and window)
+        return int(window) if uses_window and window else None
 
     def stem(self, ctx: BatchContext, w: WeightView) -> torch.Tensor:
         raise NotImplementedError
@@ -114,7 +137,8 @@ class RotaryDecoderAdapter(DecoderAdapter):
         self.blocks = [(f"model.layers.{i}", layer) for i, layer in enumerate(base.layers[: self.config.num_hidden_layers])]
         self.embed_weight = "model.embed_tokens.weight"
 
-    def context(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> BatchContext:
+    def context(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                mask_fn: Callable | None = None) -> BatchContext:
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
         batch, seq = input_ids.shape
@@ -124,15 +148,16 @@ class RotaryDecoderAdapter(DecoderAdapter):
         every_layer = "full_attention"
         if not layer_types and self.config.model_type == "mistral" and getattr(self.config, "sliding_window", None):
             every_layer = "sliding_attention"
-        masks = {"full_attention": build_mask(create_causal_mask, self.config, shaped, position_ids)}
+        masks = {"full_attention": build_mask(create_causal_mask, self.config, shaped, position_ids, mask_fn)}
         if (layer_types and "sliding_attention" in layer_types) or every_layer == "sliding_attention":
-            masks["sliding_attention"] = build_mask(create_sliding_window_causal_mask, self.config, shaped, position_ids)
+            masks["sliding_attention"] = build_mask(create_sliding_window_causal_mask, self.config, shaped,
+                                                    position_ids, mask_fn)
         position_embeddings = self.base.rotary_emb(shaped, position_ids)
         kwargs = []
         for i in range(len(self.blocks)):
             kind = layer_types[i] if layer_types else every_layer
             kwargs.append(dict(attention_mask=masks[kind], position_embeddings=position_embeddings,
-                               position_ids=position_ids, past_key_values=None, use_cache=False))
+                               position_ids=position_ids, use_cache=False))
         return BatchContext(input_ids, position_ids, kwargs)
 
     def stem(self, ctx: BatchContext, w: WeightView) -> torch.Tensor:
@@ -155,14 +180,15 @@ class OPTAdapter(DecoderAdapter):
         self.blocks = [(f"model.decoder.layers.{i}", layer) for i, layer in enumerate(dec.layers)]
         self.embed_weight = "model.decoder.embed_tokens.weight"
 
-    def context(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> BatchContext:
+    def context(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                mask_fn: Callable | None = None) -> BatchContext:
         from transformers.masking_utils import create_causal_mask
 
         batch, seq = input_ids.shape
         shaped = torch.empty((batch, seq, self.config.hidden_size), dtype=self.dtype, device=input_ids.device)
         # Stock OPT passes no position ids here; ours make the packed prompts block-causal.
-        mask = build_mask(create_causal_mask, self.config, shaped, position_ids)
-        kwargs = [dict(attention_mask=mask, position_ids=position_ids, past_key_values=None, use_cache=False)
+        mask = build_mask(create_causal_mask, self.config, shaped, position_ids, mask_fn)
+        kwargs = [dict(attention_mask=mask, position_ids=position_ids, use_cache=False)
                   for _ in self.blocks]
         rows = position_ids + self.dec.embed_positions.offset  # OPT's learned positions start at row 2
         return BatchContext(input_ids, position_ids, kwargs, extra={"position_rows": rows})

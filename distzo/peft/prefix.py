@@ -86,3 +86,8 @@ def attach_prefix(model: nn.Module, m: int, init_seed: int) -> None:
         attn.register_parameter("prefix_values", nn.Parameter(layer.values[0].clone().contiguous()))
         attn.prefix_cache_argument = cache_argument(attn)
         attn.register_forward_pre_hook(_prefix_pre_hook, with_kwargs=True)
+
+
+def has_prefix(model: nn.Module) -> bool:
+    """Whether prefix tuning's hooks are attached (generation then decodes without a KV cache)."""
+    return any(hasattr(m, "prefix_keys") for m in model.modules())

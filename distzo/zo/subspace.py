@@ -34,7 +34,8 @@ def top_subspace(x: torch.Tensor, rank: int, iters: int, gen: torch.Generator) -
     left singular subspace. Un-centred, as in the paper; computed in at least float32."""
     x = x.to(torch.promote_types(x.dtype, torch.float32))
     r = max(1, min(rank, x.shape[0], x.shape[1]))
-    omega = torch.randn(x.shape[0], r, generator=gen, dtype=x.dtype)
+    # Omega comes from a CPU generator (the same draw on every device), then joins x on its device.
+    omega = torch.randn(x.shape[0], r, generator=gen, dtype=x.dtype).to(x.device)
     y = x.T @ omega  # H Omega
     for _ in range(iters):
         q, _ = torch.linalg.qr(y)

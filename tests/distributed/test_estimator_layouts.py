@@ -20,12 +20,15 @@ from safetensors.torch import load_file
 
 from tests.distributed.launch import free_port, spawn_env
 
-COMMON = ["model=tiny", "task=synthetic-cue", "eval_every=0", "log_every=1000", "steps=5", "batch_size=12",
-          "seed=3", "task.val_size=12", "task.test_size=12", "threads=1", "checkpoint.every=0"]
+COMMON = ["model=tiny", "eval_every=0", "log_every=1000", "steps=5", "batch_size=12", "seed=3", "task.val_size=12",
+          "task.test_size=12", "threads=1", "checkpoint.every=0"]
+CUE = ["task=synthetic-cue"]
 RUNS = {
-    "mezo": ["estimator=mezo", "estimator.q=2", "optim.lr=1e-3"],
-    "prge": ["estimator=prge", "peft=lora_fa", "estimator.q=2", "optim.lr=0.5"],
-    "agzo": ["estimator=agzo", "estimator.q=3", "estimator.eps=1e-3", "optim.lr=2e-3"],
+    "mezo": [*CUE, "estimator=mezo", "estimator.q=2", "optim.lr=1e-3"],
+    "prge": [*CUE, "estimator=prge", "peft=lora_fa", "estimator.q=2", "optim.lr=0.5"],
+    "agzo": [*CUE, "estimator=agzo", "estimator.q=3", "estimator.eps=1e-3", "optim.lr=2e-3"],
+    # multiple choice: four candidates after each shared prompt (branches), scored by likelihood
+    "choice": ["task=mr-endings", "task.loss=classification", "estimator=mezo", "estimator.q=2", "optim.lr=1e-3"],
 }
 MESHES = ["2x2", "4x1"]
 
@@ -97,7 +100,8 @@ def test_estimator_is_layout_invariant(layouts, name, mesh):
     an update.
 
     Bitwise equality is claimed only where the same operations run on the same shapes: on 4x1 a rank
-    runs its evaluations one by one on the whole batch, exactly as 1x1 does, for MeZO and AGZO. P-RGE
+    runs its evaluations one by one on the whole batch, exactly as 1x1 does, for MeZO (either task)
+    and AGZO. P-RGE
     batches a rank's evaluations into one forward (4 on 1x1, 1 on 4x1), so its matmuls have other
     shapes there and the CPU's kernels may round differently: it is held to the tolerance above."""
     ref, got = layouts[(name, "1x1")], layouts[(name, mesh)]

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from distzo.data.tasks import ClassificationTask
+from distzo.data.tasks import PromptTask
 from distzo.engine import ResidentEngine
 from distzo.models import adapter_for, load_model
 from distzo.objectives import accuracy_counts
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 def default_run():
     cfg = make_config("task.val_size=96")
     model, tokenizer = load_model(cfg.model)
-    task = ClassificationTask(cfg.task, tokenizer)
+    task = PromptTask(cfg.task, tokenizer)
     params = TrainableParams.from_model(model)
     return model, task, params, ResidentEngine(model, adapter_for(model), params, Directions(0), eps=1e-3)
 
@@ -53,3 +53,32 @@ def test_a_zo_step_changes_only_through_the_update(default_run):
     assert torch.equal(before, params.get("model.layers.0.mlp.down_proj.weight").tensor)  # deferred (I5)
     materialize(engine)
     assert not torch.equal(before, params.get("model.layers.0.mlp.down_proj.weight").tensor)
+
+
+def test_multiple_choice_scores_of_the_real_model_are_its_stock_forwards(default_run):
+    """mr-endings through the real tokenizer and model: each ending's mean token log-likelihood with
+    the four endings packed as branches after the shared prompt equals the stock forward of prompt +
+    ending alone (float32: packed rows run other matmul shapes; agreement to 1e-4 in a log-likelihood
+    of order 1-10, where a wrong position or mask would be off by O(1))."""
+    model, _, _, engine = default_run
+    cfg = make_config("task=mr-endings", "task.val_size=4", "task.test_size=4")
+    task = PromptTask(cfg.task, engine_tokenizer())
+    batch = task.batch("validation", range(4))
+    with engine.materialized() as weights:
+        scores = weights.score(batch)
+    unit = 0
+    for i in range(4):
+        prompt = task._prompts["validation"][i]
+        for cand in task._candidates["validation"][i]:
+            with torch.inference_mode():
+                logp = model(torch.tensor([prompt + cand])).logits[0].float().log_softmax(-1)
+            want = -logp[torch.arange(len(prompt) - 1, len(prompt) + len(cand) - 1), torch.tensor(cand)].sum()
+            assert abs(float(scores.nll[unit]) - float(want)) < 1e-4 * max(1.0, float(want)), (i, unit)
+            unit += 1
+    assert unit == batch.units == 16
+
+
+def engine_tokenizer():
+    from distzo.models import load_tokenizer
+
+    return load_tokenizer("smollm2")

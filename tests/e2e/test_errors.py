@@ -57,8 +57,28 @@ def folders(tmp_path_factory):
     bad_config = root / "bad-config"
     bad_config.mkdir()
     (bad_config / "config.json").write_text('{"model_type": "llama", ')  # cut off mid-write
+    no_final = root / "no-final"  # a finished run that saved no weights
+    r = run_forked(1, ["train", "model=tiny", "task=synthetic-cue", "steps=1", "save_final=false", "eval_every=0",
+                       "task.val_size=16", "task.test_size=16", f"hydra.run.dir={no_final}"], cwd=root, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    data = root / "data"
+    data.mkdir()
+    reviews = [{"text": f"review {i}", "label": "positive" if i % 2 else "negative"} for i in range(12)]
+    write = lambda name, rows: (data / name).write_text("".join(json.dumps(r) + "\n" for r in rows))  # noqa: E731
+    write("reviews.jsonl", reviews)
+    write("odd-label.jsonl", reviews + [{"text": "so-so", "label": "mixed"}])
+    write("quiz.jsonl", [{"q": f"q{i}", "options": ["a", "b"], "answer": 0} for i in range(8)] + [{"q": "x", "answer": 1}])
+    (data / "not-json.jsonl").write_text('{"text": "a", "label": "negative"}\nthis is not JSON\n')
+    (data / "nothing").mkdir()  # a folder with no data in it
+    empty_test = data / "empty-test"  # a training file and an empty validation file (the test split)
+    empty_test.mkdir()
+    (empty_test / "train.jsonl").write_text((data / "reviews.jsonl").read_text())
+    (empty_test / "val.jsonl").write_text("")
     return {"$GPT2": str(gpt2), "$USED_RUN": str(used), "$OTHER_RUN": str(other), "$EMPTY_DIR": str(empty),
-            "$NO_WEIGHTS": str(no_weights), "$BAD_CONFIG": str(bad_config)}
+            "$NO_WEIGHTS": str(no_weights), "$BAD_CONFIG": str(bad_config), "$NO_FINAL_RUN": str(no_final),
+            "$REVIEWS": str(data / "reviews.jsonl"), "$ODD_LABEL": str(data / "odd-label.jsonl"),
+            "$QUIZ": str(data / "quiz.jsonl"), "$NOT_JSON": str(data / "not-json.jsonl"), "$EMPTY_TEST": str(empty_test),
+            "$NO_DATA": str(data / "nothing")}
 
 
 def run(text: str, cwd: Path) -> tuple[subprocess.CompletedProcess, int]:

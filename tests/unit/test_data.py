@@ -1,49 +1,49 @@
-"""The bundled data set, deterministic splits, prompt encoding, packing and the batch sampler."""
+"""The bundled data sets, deterministic splits, prompt encoding, packing and the batch sampler."""
 
 import torch
 
-from distzo.data.datasets import load_splits, movie_reviews
-from distzo.data.tasks import ClassificationTask, TrainSampler
+from distzo.data.bundled import movie_review_endings, movie_reviews
+from distzo.data.tasks import PromptTask, TrainSampler
 from distzo.scoring import Batch, Sequence, label_word_batch
 from tests.conftest import make_config
 
 
 def test_movie_reviews_are_the_full_polarity_set():
-    examples = movie_reviews()
-    assert len(examples) == 10603  # 10,605 lines, two sentences duplicated (both negative)
-    assert len({e.text for e in examples}) == 10603
-    assert sum(e.label for e in examples) == 5331
-    assert examples[0].text.startswith("The Rock is destined") and examples[0].label == 1
-    assert examples[-1].label == 0 and all(e.text for e in examples)
+    records = movie_reviews()
+    assert len(records) == 10603  # 10,605 lines, two sentences duplicated (both negative)
+    assert len({r["sentence"] for r in records}) == 10603
+    assert sum(r["label"] for r in records) == 5331
+    assert records[0]["sentence"].startswith("The Rock is destined") and records[0]["label"] == 1
+    assert records[-1]["label"] == 0 and all(r["sentence"] for r in records)
 
 
-def test_splits_are_deterministic_and_disjoint():
-    a = load_splits("mr-polarity", 500, 1000, None, 0)
-    b = load_splits("mr-polarity", 500, 1000, None, 0)
-    c = load_splits("mr-polarity", 500, 1000, None, 1)
+def test_movie_review_endings_are_four_way_multiple_choice():
+    records = movie_review_endings()
+    assert len(records) == 9581 and records == movie_review_endings()  # a fixed draw
+    reviews = {" ".join(r["sentence"].split()) for r in movie_reviews()}  # words joined by single spaces
+    for r in records[:500]:
+        assert len(r["endings"]) == len(set(r["endings"])) == 4
+        assert f"{r['context']} {r['endings'][r['label']]}" in reviews  # the right ending completes the review
+    assert sorted({r["label"] for r in records}) == [0, 1, 2, 3]
+
+
+def test_splits_are_deterministic_and_disjoint(tokenizer):
+    a, b = (PromptTask(make_config().task, tokenizer).splits for _ in range(2))
+    c = PromptTask(make_config("task.split_seed=1").task, tokenizer).splits
     assert (len(a.train), len(a.validation), len(a.test)) == (9103, 500, 1000)
     assert a == b and a.validation != c.validation
-    texts = [set(e.text for e in s) for s in (a.train, a.validation, a.test)]
+    texts = [set(e.prompt for e in s) for s in (a.train, a.validation, a.test)]
     assert not (texts[0] & texts[1]) and not (texts[0] & texts[2]) and not (texts[1] & texts[2])
     assert 0.4 < sum(e.label for e in a.validation) / 500 < 0.6
 
 
 def test_prompt_and_label_words(tokenizer):
-    task = ClassificationTask(make_config().task, tokenizer)
+    task = PromptTask(make_config().task, tokenizer)
     assert task.label_ids.tolist() == [tokenizer(" terrible", add_special_tokens=False).input_ids[0],
                                        tokenizer(" great", add_special_tokens=False).input_ids[0]]
-    ids = task.encode("A fine film.")
+    ids = task.encode("A fine film. It was")
     assert tokenizer.decode(ids) == "A fine film. It was"
-
-
-def test_label_words_must_differ_in_their_first_token(tokenizer):
-    import pytest
-
-    from distzo.errors import ConfigError
-
-    cfg = make_config("task.label_words=[' great',' great']")
-    with pytest.raises(ConfigError, match="share a first token"):
-        ClassificationTask(cfg.task, tokenizer)
+    assert task.splits.train[0].prompt.endswith(" It was") and task.splits.train[0].candidates == (" terrible", " great")
 
 
 def test_packing_keeps_every_prompt_and_restarts_positions():

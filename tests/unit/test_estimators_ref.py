@@ -308,7 +308,7 @@ def test_minus_accuracy_objective():
     (["estimator=agzo", "estimator.difference=central"], "estimator=agzo is one-sided"),
     (["estimator=agzo", "offload=cpu"], "estimator=agzo is not supported with offloading yet"),
     (["peft=lora", "offload=cpu"], "peft=lora is not supported with offloading yet"),
-    (["objective=f1"], "objective='f1' is not supported; use one of: loss, accuracy"),
+    (["objective=f1"], "objective=f1 scores generated answers; task mr-polarity is classification"),
 ])
 def test_incompatible_options_are_refused(overrides, message):
     from distzo.errors import ConfigError

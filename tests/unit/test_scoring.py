@@ -106,3 +106,53 @@ def test_likelihood_readout_scores_candidates_by_their_mean_token_log_likelihood
     f64 = lambda xs: torch.tensor(xs, dtype=torch.float64)  # noqa: E731
     expect = (torch.logsumexp(f64([-3.0, -2.0, -0.5]), 0) + 0.5) + (torch.logsumexp(f64([-0.5, -2.0]), 0) + 0.5)
     assert n == 2.0 and abs(loss - float(expect)) < 1e-12
+
+
+def branched_batch(examples):
+    """(prompt, [candidates]) token lists -> one sequence per example, its candidates as branches."""
+    from distzo.data.tasks import candidate_sequence
+
+    seqs, units = [], []
+    for e, (prompt, cands) in enumerate(examples):
+        seqs.append(candidate_sequence(prompt, cands, len(units)))
+        units += [e] * len(cands)
+    return Batch(seqs, list(range(len(examples))), units, torch.zeros(len(examples), dtype=torch.long),
+                 readout="likelihoods")
+
+
+def mc_examples(seed=2):
+    gen = torch.Generator().manual_seed(seed)
+    draw = lambda n: torch.randint(3, VOCAB, (n,), generator=gen).tolist()  # noqa: E731
+    return [(draw(6), [draw(3), draw(1), draw(4), draw(2)]), (draw(3), [draw(2), draw(5)]), (draw(9), [draw(1), draw(1)]),
+            (draw(2), [draw(1), draw(2)])]  # 5 tokens: within mistral's window of 8, branched there too
+
+
+@pytest.mark.parametrize("arch", ["llama", "opt", "mistral"])
+def test_candidates_after_a_shared_prompt_score_as_the_stock_forward_of_each(arch):
+    """Candidates packed as branches after their example's prompt (several examples per row) get the
+    log-likelihoods the stock model gives prompt + candidate run alone. mistral's random config has a
+    sliding window of 8 tokens: its branched sequences longer than that are scored unbranched
+    (Batch.pack), the others branched. Float64; agreement to rounding (observed ~1e-15)."""
+    model = random_model(arch, VOCAB, {}, 0, torch.float64)
+    engine = ResidentEngine(model, adapter_for(model), TrainableParams.from_model(model), Directions(0))
+    data = mc_examples()
+    batch = branched_batch(data)
+    with engine.materialized() as weights:
+        scores = weights.score(batch)
+        unbranched = weights.score(batch.unbranched())
+    packed = engine.pack(batch)
+    if arch == "mistral":
+        assert packed.segment is not None and packed.input_ids.numel() > batch.tokens  # some unbranched
+    else:
+        assert packed.input_ids[packed.real].numel() == batch.tokens  # the prompts once each
+    unit = 0
+    for prompt, cands in data:
+        for cand in cands:
+            with torch.inference_mode():
+                logp = model(torch.tensor([prompt + cand])).logits[0].log_softmax(-1)
+            positions = torch.arange(len(prompt) - 1, len(prompt) + len(cand) - 1)
+            want = -logp[positions, torch.tensor(cand)].sum().double()
+            torch.testing.assert_close(scores.nll[unit], want, rtol=1e-10, atol=1e-10)
+            torch.testing.assert_close(unbranched.nll[unit], want, rtol=1e-10, atol=1e-10)
+            assert scores.count[unit] == len(cand)
+            unit += 1

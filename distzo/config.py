@@ -184,8 +184,8 @@ class TaskConfig:
     record's fields) and candidate continuations scored after it.
 
     dataset: a bundled set (mr-polarity, mr-endings, synthetic-cue), `file` (your own data at
-      `path`), or a suite preset (sst2, rte, cb, boolq, wsc, wic, multirc, copa, record) reading the
-      public copy at `path`.
+      `path`), a suite preset (sst2, rte, cb, boolq, wsc, wic, multirc, copa, record, squad, drop)
+      reading the public copy at `path`, or trivia (the installed red-discordbot wheel's lists).
     path / format: a file (.jsonl/.json, .csv, .tsv, .parquet), a folder of split files, or a
       `datasets` export (save_to_disk); format auto guesses from the extension.
     kind: classification (candidates = `label_words`, one per class; the record's `label_field`,
@@ -201,6 +201,7 @@ class TaskConfig:
       tokens, stopping at `stop`, and scores exact match and F1. `messages_field`: a chat `messages`
       list instead, rendered with the tokenizer's chat template (the last message, the assistant's,
       is the completion).
+    subsets: the parts of a many-part source to read (task=trivia: the list names).
     demos: solved training examples put before every prompt (in-context learning), joined by
       `demo_separator`.
     val_size / test_size / train_size / split_seed: the splits (docs/tasks.md#splits); max_length: a
@@ -224,6 +225,7 @@ class TaskConfig:
     stop: str = "\n"
     messages_field: Optional[str] = None
     max_new_tokens: int = 32
+    subsets: List[str] = field(default_factory=list)
     demos: int = 0
     demo_separator: str = "\n\n"
     val_size: int = 500

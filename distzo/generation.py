@@ -36,8 +36,9 @@ def answer_text(tokenizer, tokens: Sequence[int], stop: str) -> str:
 
 @torch.inference_mode()
 def greedy_decode(model: nn.Module, tokenizer, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop: str,
-                  pad_id: int, use_cache: bool = True) -> list[str]:
-    """The greedy answers of `model` to `prompts` (token id lists), as text (`answer_text`)."""
+                  pad_id: int, use_cache: bool = True, min_new_tokens: int = 0) -> list[str]:
+    """The greedy answers of `model` to `prompts` (token id lists), as text (`answer_text`).
+    min_new_tokens: no end-of-sequence before that many tokens (benchmarks decode a fixed length)."""
     from transformers import StoppingCriteriaList
 
     device = next(model.parameters()).device
@@ -50,5 +51,6 @@ def greedy_decode(model: nn.Module, tokenizer, prompts: Sequence[Sequence[int]],
     criteria = StoppingCriteriaList([StopAtText(tokenizer, stop, width)]) if stop else None
     out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
                          do_sample=False, num_beams=1, pad_token_id=pad_id, eos_token_id=tokenizer.eos_token_id,
-                         stopping_criteria=criteria, use_cache=use_cache, temperature=None, top_p=None, top_k=None)
+                         stopping_criteria=criteria, use_cache=use_cache, temperature=None, top_p=None, top_k=None,
+                         min_new_tokens=min_new_tokens)
     return [answer_text(tokenizer, row[width:].tolist(), stop) for row in out]

@@ -104,6 +104,7 @@ class Batch:
     pad_id: int = 0
     readout: str = "logits"
     extra: dict[str, Any] = field(default_factory=dict)
+    decode_tokens: int = 0  # readout "decode": tokens to generate greedily after each sequence
 
     @property
     def size(self) -> int:
@@ -136,7 +137,7 @@ class Batch:
         units = [e - lo for e in self.unit_example if lo <= e < hi]
         return Batch([replace(s, units=tuple(u - first_unit for u in s.units)) for s, _ in seqs],
                      [e - lo for _, e in seqs], units, self.labels[lo:hi], self.candidates, self.pad_id,
-                     self.readout, {k: v[lo:hi] for k, v in self.extra.items()})
+                     self.readout, {k: v[lo:hi] for k, v in self.extra.items()}, self.decode_tokens)
 
     def pack(self, row_tokens: int = 1024, window: int | None = None) -> "Packed":
         """The sequences packed into rows (`Packed`). window: the model's smallest sliding attention
@@ -281,11 +282,15 @@ def pack(sequences: Seq[Sequence], units: int, candidates: torch.Tensor | None, 
 class Scores:
     """What an engine returns for one evaluation of a batch, per unit: `nll` the sum over the unit's
     scored positions of -log p(target) and `count` how many targets it has (float64, zero for units
-    without targets), and `logits` [units, candidates] where the batch asked for candidate logits."""
+    without targets), and `logits` [units, candidates] where the batch asked for candidate logits.
+    A batch with readout "decode" gets `generated` instead: the tokens each sequence continues with,
+    greedily, under the evaluation's weights (a decoding objective's input)."""
 
     nll: torch.Tensor
     count: torch.Tensor
     logits: torch.Tensor | None = None
+    generated: list[list[int]] | None = None  # readout "decode": each sequence's greedy continuation
 
     def to(self, device: torch.device | str) -> "Scores":
-        return Scores(self.nll.to(device), self.count.to(device), None if self.logits is None else self.logits.to(device))
+        return Scores(self.nll.to(device), self.count.to(device), None if self.logits is None else self.logits.to(device),
+                      self.generated)

@@ -31,7 +31,6 @@ from .errors import DistzoError
 from .evaluation import Evaluator
 from .jsonl import JsonlWriter
 from .metrics import MetricsWriter, Progress, format_duration, peak_memory_bytes, peak_rss_bytes
-from .objectives import objective_sums
 from .resume import Checkpointer, ResumePoint, catch_up, check_identity, find_resume_point, truncate_logs
 from .signals import StopRequests, Stopped
 from .sinks import open_sinks
@@ -82,9 +81,9 @@ def zo_step(c: Components, step: int) -> StepOutcome:
         with c.capture.capture(step, engine.pack(batch).real), engine.materialized() as weights:
             scores = weights.score(batch)                                    # every rank, the global batch
         if mesh.rank == 0:                                                   # counted once in the exchange
-            local[0] = objective_sums(scores, batch, cfg.objective)
+            local[0] = c.task.objective_sums(scores, batch, cfg.objective)
     for i, scores in engine.evaluate(shard, plan, step).items():             # my evaluations, on my shard
-        local[i + estimator.shared_clean] = objective_sums(scores, shard, cfg.objective)
+        local[i + estimator.shared_clean] = c.task.objective_sums(scores, shard, cfg.objective)
     with engine.timers("comm"):
         sums = mesh.exchange(local)                                          # global, on every rank
     losses = sums[:, 0] / sums[:, 1]

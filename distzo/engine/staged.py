@@ -25,7 +25,7 @@ from torch import nn
 
 from ..dist.mesh import Mesh
 from ..models.adapters import DecoderAdapter
-from ..scoring import NO_TARGET, Batch, Packed, Scores
+from ..scoring import NO_TARGET, Batch, Packed, Scores, label_word_batch
 from ..timing import DISABLED, Timers
 from ..zo.directions import Directions
 from ..zo.estimators import CLEAN, Evaluation
@@ -73,6 +73,8 @@ class StagedEngine(Engine):
     # --- the interface ------------------------------------------------------------------------------
 
     def evaluate(self, batch: Batch, plan: Sequence[Evaluation], step: int) -> dict[int, Scores]:
+        if batch.readout == "decode":
+            return self._decode(batch, plan, step)
         mine = self.mesh.my_evaluations(len(plan))
         if not mine:
             if self.walks_with_peers:
@@ -101,6 +103,30 @@ class StagedEngine(Engine):
             raise RuntimeError("internal error: a clean score outside `materialized()` (an update is still owed)")
         packed = self.pack(batch).to(self.device)
         return self._run(packed, [Evaluation(CLEAN, 0)], 0, None)[0]
+
+    def _decode(self, batch: Batch, plan: Sequence[Evaluation], step: int) -> dict[int, Scores]:
+        """Greedy continuations of the batch's sequences under each of this rank's evaluations,
+        `batch.decode_tokens` tokens long: one walk per token, each evaluation on its own sequences
+        (prompt plus what it generated so far), the next token the argmax of the full vocabulary's
+        logits at the last position. No KV cache, so it runs in every mode, on every mesh, with the
+        step's perturbations; every rank makes the same number of walks (no early stop)."""
+        mine = self.mesh.my_evaluations(len(plan))
+        if not mine:
+            for _ in range(batch.decode_tokens):
+                if self.walks_with_peers:
+                    self._walk_with_peers()
+            return {}
+        vocab = torch.arange(self.adapter.config.vocab_size)
+        prompts = [list(s.tokens) for s in batch.sequences]
+        generated = {i: [[] for _ in prompts] for i in mine}
+        for _ in range(batch.decode_tokens):
+            packed = [self.pack(label_word_batch([p + g for p, g in zip(prompts, generated[i])], batch.labels, vocab,
+                                                 batch.pad_id)).to(self.device) for i in mine]
+            for i, scores in zip(mine, self._run(packed, [plan[i] for i in mine], step, plan)):
+                for out, token in zip(generated[i], scores.logits.argmax(dim=-1).tolist()):
+                    out.append(token)
+        zeros = torch.zeros(batch.units, dtype=torch.float64)
+        return {i: Scores(zeros, zeros, None, generated[i]) for i in mine}
 
     # --- deferred updates ---------------------------------------------------------------------------
 
@@ -207,11 +233,14 @@ class StagedEngine(Engine):
         return StageNoise(self.directions, self.workspace, step, self.eps, plan, self.timers)
 
     @torch.inference_mode()
-    def _run(self, packed: Packed, plan: Sequence[Evaluation], step: int,
+    def _run(self, packed: Packed | Sequence[Packed], plan: Sequence[Evaluation], step: int,
              full_plan: Sequence[Evaluation] | None) -> list[Scores]:
-        """Scores of every evaluation of `plan` on one packed batch. full_plan: the step's whole plan
-        (work division builds the copies of the node's other ranks too)."""
-        ctx = self.adapter.context(packed.input_ids, packed.position_ids, mask_fn=packed.mask_fn())
+        """Scores of every evaluation of `plan` on one packed batch (or on one batch per evaluation:
+        decoding). full_plan: the step's whole plan (work division builds the copies of the node's
+        other ranks too)."""
+        rows = list(packed) if isinstance(packed, (list, tuple)) else [packed] * len(plan)
+        contexts = {id(p): self.adapter.context(p.input_ids, p.position_ids, mask_fn=p.mask_fn()) for p in rows}
+        ctxs = [contexts[id(p)] for p in rows]
         perturbed = any(ev.perturbed for ev in plan)
 
         def stage_views(noise: StageNoise, sources=None) -> list:
@@ -223,7 +252,7 @@ class StagedEngine(Engine):
         if self.owes(OUTER):
             with self.timers("update"):
                 self._apply_outer()
-        hidden = [self.adapter.stem(ctx, w) for w in stage_views(self._noise(step, plan))]
+        hidden = [self.adapter.stem(ctx, w) for ctx, w in zip(ctxs, stage_views(self._noise(step, plan)))]
         blocks = len(self.adapter.blocks)
         ahead = self._look_ahead(perturbed)
         next_noise = None
@@ -234,8 +263,8 @@ class StagedEngine(Engine):
                 # Look-ahead implies resident weights, so the block ahead has no `sources`.
                 next_noise = (self._prepare_block(i + 1, None, step, plan, perturbed, full_plan)
                               if ahead and i + 1 < blocks else None)
-                hidden = [self.adapter.block(i, h, ctx, w) for h, w in zip(hidden, stage_views(noise, sources))]
-        scores = [self._head(h, packed, w) for h, w in zip(hidden, stage_views(self._noise(step, plan)))]
+                hidden = [self.adapter.block(i, h, ctx, w) for h, ctx, w in zip(hidden, ctxs, stage_views(noise, sources))]
+        scores = [self._head(h, p, w) for h, p, w in zip(hidden, rows, stage_views(self._noise(step, plan)))]
         self._after_walk(perturbed)
         return scores
 

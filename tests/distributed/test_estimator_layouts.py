@@ -29,15 +29,22 @@ RUNS = {
     "agzo": [*CUE, "estimator=agzo", "estimator.q=3", "estimator.eps=1e-3", "optim.lr=2e-3"],
     # multiple choice: four candidates after each shared prompt (branches), scored by likelihood
     "choice": ["task=mr-endings", "task.loss=classification", "estimator=mezo", "estimator.q=2", "optim.lr=1e-3"],
+    # generation: teacher forcing on completions, and F1 of answers decoded under each perturbation
+    # (float64, so that no argmax between nearly equal logits depends on the layout's matmul shapes)
+    "sft": ["{qa}", "estimator=mezo", "estimator.q=2", "optim.lr=3e-4"],
+    "f1": ["{qa}", "objective=f1", "model.dtype=float64", "estimator=mezo", "estimator.q=2", "estimator.eps=3e-2",
+           "optim.lr=3e-2"],
 }
+QA = ["task=custom", "task.kind=generation", "task.template='Q: {question} A:'", "task.max_new_tokens=3"]
 MESHES = ["2x2", "4x1"]
 
 
-def _config(name: str, mesh: str):
+def _config(name: str, mesh: str, root: Path):
     from distzo.config import compose_config
     from distzo.validation import validate
 
-    cfg = compose_config(COMMON + RUNS[name] + [f"mesh={mesh}"])
+    run = [o for r in RUNS[name] for o in ([*QA, f"task.path={root / 'qa.jsonl'}"] if r == "{qa}" else [r])]
+    cfg = compose_config(COMMON + run + [f"mesh={mesh}"])
     validate(cfg)
     return cfg
 
@@ -47,7 +54,7 @@ def _train(name: str, mesh: str, root: Path) -> None:
 
     run_dir = root / f"{name}-{mesh}"
     run_dir.mkdir(parents=True, exist_ok=True)
-    train(_config(name, mesh), run_dir)
+    train(_config(name, mesh, root), run_dir)
 
 
 def _worker(rank: int, world: int, ports: list[int], root: Path) -> None:
@@ -64,9 +71,36 @@ def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(path)
 
 
+def write_qa(root: Path) -> None:
+    """Questions whose accepted answers are what the initial tiny model itself answers (its greedy
+    three tokens), for half of them, and unrelated words for the rest: F1 is then far from 0 and
+    moves with the perturbations, so an F1 step has a signal to follow."""
+    import json
+
+    from distzo.generation import greedy_decode
+    from distzo.models.loading import load_model
+
+    cfg = compose_config_for_model()
+    model, tokenizer = load_model(cfg.model)
+    words = ["red", "cat", "sun", "tree", "blue", "dog", "rain", "stone", "milk", "fire", "moon", "salt"]
+    questions = [f"what is {a} {b}" for a in words for b in words[:6]]
+    prompts = [tokenizer(f"Q: {q} A:").input_ids for q in questions]
+    answers = greedy_decode(model, tokenizer, prompts, 3, "\n", tokenizer.pad_token_id)
+    rows = [{"question": q, "answers": [a if i % 2 == 0 and a else words[i % len(words)]]}
+            for i, (q, a) in enumerate(zip(questions, answers))]
+    (root / "qa.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def compose_config_for_model():
+    from distzo.config import compose_config
+
+    return compose_config(["model=tiny", "model.dtype=float64"])
+
+
 @pytest.fixture(scope="module")
 def layouts(tmp_path_factory):
     root = tmp_path_factory.mktemp("estimator-layouts")
+    write_qa(root)
     ports = [free_port() for _ in range(len(RUNS) * len(MESHES))]
     mp.start_processes(_worker, args=(4, ports, root), nprocs=4, join=True, start_method="spawn")
     threads = torch.get_num_threads()
@@ -75,14 +109,15 @@ def layouts(tmp_path_factory):
             _train(name, "1x1", root)
     finally:
         torch.set_num_threads(threads)
-    return {(name, mesh): final_weights(root / f"{name}-{mesh}") for name in RUNS for mesh in ["1x1", *MESHES]}
+    weights = {(name, mesh): final_weights(root / f"{name}-{mesh}") for name in RUNS for mesh in ["1x1", *MESHES]}
+    return weights, root
 
 
-def initial(name: str) -> dict[str, torch.Tensor]:
+def initial(name: str, root: Path) -> dict[str, torch.Tensor]:
     from distzo.models.loading import load_model
     from distzo.peft import apply_peft
 
-    cfg = _config(name, "1x1")
+    cfg = _config(name, "1x1", root)
     model, _ = load_model(cfg.model)
     apply_peft(model, cfg.peft)
     return {k: v.detach() for k, v in model.state_dict().items()}
@@ -100,13 +135,16 @@ def test_estimator_is_layout_invariant(layouts, name, mesh):
     an update.
 
     Bitwise equality is claimed only where the same operations run on the same shapes: on 4x1 a rank
-    runs its evaluations one by one on the whole batch, exactly as 1x1 does, for MeZO (either task)
-    and AGZO. P-RGE
-    batches a rank's evaluations into one forward (4 on 1x1, 1 on 4x1), so its matmuls have other
-    shapes there and the CPU's kernels may round differently: it is held to the tolerance above."""
-    ref, got = layouts[(name, "1x1")], layouts[(name, mesh)]
+    runs its evaluations one by one on the whole batch, exactly as 1x1 does, for MeZO (every task,
+    objective=f1 included: the same decoded answers) and AGZO. P-RGE batches a rank's evaluations
+    into one forward (4 on 1x1, 1 on 4x1), so its matmuls have other shapes there and the CPU's
+    kernels may round differently: it is held to the tolerance above. The F1 run decodes in float64
+    so that its 2x2 shards (other matmul shapes) decode the same tokens; its F1 values, and so its
+    steps, are then those of 1x1 to float64 rounding."""
+    weights, root = layouts
+    ref, got = weights[(name, "1x1")], weights[(name, mesh)]
     assert ref.keys() == got.keys()
-    start = initial(name)
+    start = initial(name, root)
     moved = max(float((ref[k] - start[k]).abs().max()) for k in ref)
     diff = max(float((ref[k] - got[k]).abs().max()) for k in ref)
     assert moved > 1e-3, moved

@@ -91,3 +91,32 @@ def test_eval_with_demonstrations_is_a_zero_training_baseline(tmp_path):
     got = json.loads((out / "eval.json").read_text())
     assert got["demos"] == 3 and got["split"] == "validation" and got["examples"] == 40
     assert "3 solved examples before each prompt" in r.stderr + r.stdout
+
+
+def test_sft_on_prompt_completion_pairs_lowers_the_completion_loss(tmp_path):
+    """Generation by teacher forcing on a small file of prompt / completion pairs (the completion's
+    tokens only; the prompt is context): the validation completion loss falls, and the evaluation
+    reports exact match and F1 of greedy answers."""
+    pairs = [{"prompt": f"The word is {w}. Repeat it:", "completion": w} for w in
+             ["apple", "river", "stone", "cloud", "green", "tiger", "piano", "lemon", "north", "glass"] * 12]
+    path = write_jsonl(tmp_path / "sft.jsonl", pairs)
+    out = tmp_path / "sft"
+    train(make_config(*FAST, "task=custom", "task.kind=generation", f"task.path={path}", "task.template='{prompt}'",
+                      "task.answers_field=completion", "task.val_size=20", "task.test_size=20", "task.max_new_tokens=4",
+                      "steps=120", "batch_size=8", "optim.lr=3e-4", "save_final=false"), out)
+    evals = [r for r in read_metrics(out / "metrics.jsonl") if r["type"] == "eval" and r["split"] == "validation"]
+    assert evals[-1]["loss"] < evals[0]["loss"] - 0.1, evals
+    assert {"exact_match", "f1", "accuracy"} <= evals[-1].keys() and evals[-1]["accuracy"] == evals[-1]["exact_match"]
+
+
+def test_objective_f1_trains_on_decoded_answers(tmp_path):
+    """objective=f1 on model=tiny: each step decodes answers under both perturbations and differences
+    minus their mean F1; the train lines carry it as the loss."""
+    rows = [{"question": f"say {w}", "answers": [w]} for w in ["yes", "no", "up", "down", "left", "right"] * 8]
+    path = write_jsonl(tmp_path / "qa.jsonl", rows)
+    out = tmp_path / "f1"
+    train(make_config(*FAST, "task=custom", "task.kind=generation", f"task.path={path}",
+                      "task.template='Q: {question} A:'", "task.val_size=6", "task.test_size=6", "task.max_new_tokens=3",
+                      "objective=f1", "steps=3", "save_final=false"), out)
+    steps = [r for r in read_metrics(out / "metrics.jsonl") if r["type"] == "train"]
+    assert [r["step"] for r in steps] == [1, 2, 3] and all(-1.0 <= r["loss"] <= 0.0 for r in steps)

@@ -425,7 +425,9 @@ class OptimConfig:
 
 @dataclass
 class Config:
-    """Top-level run configuration. `batch_size` is the global batch over all ranks."""
+    """Top-level run configuration. `batch_size` is the global batch over all ranks;
+    `micro_batch_size` the examples of a rank's shard that go through a block at once (null: all of
+    them): the same step, with the memory inside a block of that many examples."""
 
     model: ModelConfig = MISSING
     task: TaskConfig = MISSING
@@ -442,6 +444,7 @@ class Config:
     sweep: SweepConfig = field(default_factory=SweepConfig)
     steps: int = 200
     batch_size: int = 16
+    micro_batch_size: Optional[int] = None
     seed: Optional[int] = 0
     eval_every: int = 100
     eval_batch_size: int = 32

@@ -29,11 +29,13 @@ def peak_rss_bytes() -> int:
 
 
 def peak_memory_bytes(device) -> int:
-    """Peak memory of the compute device: allocated CUDA memory, or the process's peak RSS on CPU."""
+    """Peak memory of the compute device: on CUDA what the caching allocator reserved at most (what
+    the device really had to hold: allocated tensors plus the allocator's cached blocks, which is what
+    runs out), or the process's peak RSS on CPU."""
     import torch
 
     if getattr(device, "type", str(device)) == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
+        return int(max(torch.cuda.max_memory_reserved(device), torch.cuda.max_memory_allocated(device)))
     return peak_rss_bytes()
 
 

@@ -24,7 +24,7 @@ from .errors import DistzoError
 from .jsonl import read_jsonl
 from .models import adapter_for, load_model
 from .resume import catch_up
-from .zo.directions import DIRECTIONS_VERSION, Directions, same_directions
+from .zo.directions import DIRECTIONS_VERSION, Directions, gaussian_generator_id, same_directions
 from .zo.params import TrainableParams
 
 log = logging.getLogger("distzo")
@@ -57,6 +57,12 @@ def replay(run_dir: Path, step: int | None = None, out: Path | None = None, devi
     if state["distribution"] == "gaussian" and state.get("device_type", "cpu") != torch.device(device).type:
         raise ReplayError(f"the run drew its Gaussian directions on {state['device_type']}; replay with --device "
                           f"{state['device_type']} (Gaussian generators differ between device types)")
+    drawn_by = state.get("gaussian_generator")
+    if state["distribution"] == "gaussian" and drawn_by and drawn_by != gaussian_generator_id(torch.device(device)):
+        raise ReplayError(f"the run drew its Gaussian directions by {drawn_by}, and this machine draws by "
+                          f"{gaussian_generator_id(torch.device(device))} (torch's CUDA normal_ depends on the GPU model "
+                          "and its SM count); replay on the same GPU model, or train with estimator.distribution="
+                          "rademacher, whose directions are the same everywhere")
     todo = [r for r in records if state["step"] < r["step"] <= target]
     missing = sorted(set(range(state["step"] + 1, target + 1)) - {r["step"] for r in todo})
     if missing:

@@ -32,7 +32,7 @@ from .engine import Engine
 from .errors import DistzoError
 from .jsonl import JsonlWriter, atomic_rewrite, read_jsonl
 from .metrics import Progress
-from .zo.directions import DIRECTIONS_VERSION, same_directions
+from .zo.directions import DIRECTIONS_VERSION, gaussian_generator_id, same_directions
 
 log = logging.getLogger("distzo")
 
@@ -57,7 +57,8 @@ def config_fingerprint(cfg) -> str:
 def run_identity(cfg, seed: int, mesh: Mesh) -> dict[str, Any]:
     """What every snapshot of a run records, and run.json holds from its start."""
     return {"seed": seed, "directions_version": DIRECTIONS_VERSION, "distribution": str(cfg.estimator.distribution),
-            "device_type": mesh.device.type, "mesh": str(mesh.shape), "config_fingerprint": config_fingerprint(cfg)}
+            "device_type": mesh.device.type, "gaussian_generator": gaussian_generator_id(mesh.device),
+            "mesh": str(mesh.shape), "config_fingerprint": config_fingerprint(cfg)}
 
 
 def replayable(cfg) -> bool:
@@ -139,11 +140,11 @@ def find_resume_point(cfg, run_dir: Path, mesh: Mesh) -> ResumePoint | None:
     every rank receives it."""
     found = None
     if cfg.resume == "auto" and mesh.is_main:
-        found = _resume_point(cfg, run_dir, mesh.device.type)
+        found = _resume_point(cfg, run_dir, mesh.device)
     return mesh.broadcast_object(found)
 
 
-def _resume_point(cfg, run_dir: Path, device_type: str) -> ResumePoint | None:
+def _resume_point(cfg, run_dir: Path, device: torch.device) -> ResumePoint | None:
     for stale in snapshots_dir(run_dir).glob(".step-*.tmp-*"):  # a snapshot whose writer died
         log.warning("Removing an unfinished snapshot %s", stale)
         shutil.rmtree(stale, ignore_errors=True)
@@ -152,7 +153,7 @@ def _resume_point(cfg, run_dir: Path, device_type: str) -> ResumePoint | None:
     if newest is not None:
         path, _, state = newest
         point = ResumePoint({k: state.get(k) for k in ("seed", "directions_version", "distribution", "device_type",
-                                                       "mesh", "config_fingerprint")},
+                                                       "gaussian_generator", "mesh", "config_fingerprint")},
                             str(path), int(state["step"]), int(state.get("nonfinite_in_a_row", 0)))
     elif identity_file.is_file():
         try:
@@ -165,14 +166,15 @@ def _resume_point(cfg, run_dir: Path, device_type: str) -> ResumePoint | None:
         return _start_over(run_dir, f"it has no valid snapshot and no {RUN_FILE}")
     where = point.snapshot or str(identity_file)
     check_identity(cfg, where, point.identity)
+    here = gaussian_generator_id(device)
     drawn_elsewhere = (point.identity.get("distribution") == "gaussian"
-                       and point.identity.get("device_type", "cpu") != device_type)
+                       and point.identity.get("gaussian_generator", point.identity.get("device_type", "cpu")) != here)
     if replayable(cfg) and not drawn_elsewhere:
         point.records = logged_steps_after(run_dir, point.snapshot_step)
     else:
         why = ("estimator=agzo's directions depend on each step's activations" if not replayable(cfg) else
-               f"its Gaussian directions were drawn on {point.identity.get('device_type')}, this run draws on "
-               f"{device_type}")
+               f"its Gaussian directions were drawn by {point.identity.get('gaussian_generator') or point.identity.get('device_type')}, "
+               f"this run draws by {here}")
         log.warning("resume=auto: the steps logged after the snapshot cannot be re-applied (%s); continuing from "
                     "the snapshot", why)
         if point.snapshot is None:

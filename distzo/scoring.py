@@ -125,6 +125,12 @@ class Batch:
             counts[e] += 1
         return counts
 
+    def micro_batches(self, size: int | None) -> list["Batch"]:
+        """Consecutive pieces of at most `size` examples (the whole batch when size is None or larger)."""
+        if not size or size >= self.size:
+            return [self]
+        return [self.examples(lo, min(lo + size, self.size)) for lo in range(0, self.size, size)]
+
     def shard(self, index: int, count: int) -> "Batch":
         """The index-th of `count` contiguous shards of the examples (sizes differ by at most one)."""
         bounds = shard_bounds(self.size, count)

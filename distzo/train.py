@@ -229,6 +229,9 @@ def _train(run: Run, stop: StopRequests) -> dict[str, Any]:
         **host_master_summary(run), "engine": run.engine.mode, "engine_description": run.engine.describe(),
         "replica_checksums": replica_checksums,  # every rank's, in rank order: identical (checked)
     }
+    if "f1" in last:  # generation: accuracy is the exact match; F1 too
+        summary.update(validation_f1_before=first["f1"] if first else None, validation_f1_after=last["f1"],
+                       test_f1=test["f1"])
     if cfg.save_final:
         with run.engine.materialized() as weights:
             if mesh.is_main:
@@ -238,10 +241,14 @@ def _train(run: Run, stop: StopRequests) -> dict[str, Any]:
     if mesh.is_main:
         atomic_write_json(run.run_dir / "summary.json", summary)
     run.metrics.write("summary", **summary)
+    metric = "exact match" if "f1" in last else "accuracy"
     before = f"{first['accuracy']:.4f}" if first else f"(resumed at step {run.start_step})"
-    log.info("Validation accuracy %s -> %.4f after %d steps (%s training, median %.2f s/step); test accuracy %.4f",
+    log.info("Validation %s %s -> %.4f after %d steps (%s training, median %.2f s/step); test %s %.4f", metric,
              before, last["accuracy"], cfg.steps, format_duration(summary["train_time_s"]),
-             summary["step_time_s"] if step_times else float("nan"), test["accuracy"])
+             summary["step_time_s"] if step_times else float("nan"), metric, test["accuracy"])
+    if "f1" in last:
+        log.info("Validation F1 %s -> %.4f; test F1 %.4f", f"{first['f1']:.4f}" if first else "(resumed)", last["f1"],
+                 test["f1"])
     return summary
 
 

@@ -33,7 +33,7 @@ RANGES: dict[str, str] = {
     "bench.warmup": "> 0", "bench.steps": "> 0",  # the training peak is taken over the warm-up steps
     "sweep.nodes": "> 0", "sweep.progress_every_s": "> 0",
     "optim.lr": ">= 0", "optim.weight_decay": ">= 0", "optim.warmup_steps": ">= 0",
-    "steps": ">= 0", "batch_size": "> 0", "eval_every": ">= 0", "eval_batch_size": "> 0", "log_every": "> 0",
+    "steps": ">= 0", "batch_size": "> 0", "micro_batch_size": "> 0", "eval_every": ">= 0", "eval_batch_size": "> 0", "log_every": "> 0",
     "threads": "> 0", "replica_check_every": ">= 0", "dist_timeout_s": "> 0", "max_nonfinite_steps": "> 0",
 }
 SWITCHES = ("engine.fuse_update", "engine.divide_work", "engine.native", "bench.single_rank")

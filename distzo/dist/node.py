@@ -24,6 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..errors import DistzoError
+
 log = logging.getLogger(__name__)
 
 PREFIX = "distzo-"
@@ -130,16 +132,20 @@ class Node:
         undefined until written). With one local rank, an ordinary tensor."""
         if not self.shared:
             return torch.empty(numel, dtype=dtype)
-        path = None
+        path, problem = None, None
         if self.local_rank == 0:
             directory = shm_dir()
             for stale in sweep_stale_segments(directory):
                 log.warning("Removed a shared-memory segment left by a dead process: %s", stale)
-            path = directory / f"{PREFIX}{os.getpid()}-{tag}-{secrets.token_hex(4)}"
             nbytes = numel * torch.empty(0, dtype=dtype).element_size()
-            with open(path, "xb") as fh:  # x: never reuse another job's file
-                fh.truncate(nbytes)
-        path = self.broadcast_object(str(path) if path is not None else None)
+            problem = shm_shortfall(directory, nbytes, tag)
+            if problem is None:
+                path = directory / f"{PREFIX}{os.getpid()}-{tag}-{secrets.token_hex(4)}"
+                with open(path, "xb") as fh:  # x: never reuse another job's file
+                    fh.truncate(nbytes)
+        path, problem = self.broadcast_object((str(path) if path is not None else None, problem))
+        if problem is not None:  # every local rank says so, none waits on the others
+            raise SharedMemoryError(problem)
         try:
             tensor = torch.from_file(path, shared=True, size=numel, dtype=dtype)
         finally:
@@ -147,6 +153,28 @@ class Node:
             if self.local_rank == 0:
                 Path(path).unlink(missing_ok=True)  # ... so the name can go: nothing can leak
         return tensor
+
+
+class SharedMemoryError(DistzoError):
+    """The node's shared memory cannot hold what the ranks would share."""
+
+
+def shm_shortfall(directory: Path, nbytes: int, tag: str) -> str | None:
+    """Why a shared segment of `nbytes` would not fit in `directory` (None: it fits). The file is
+    created sparse, so without this check a full tmpfs (a container's 64 MB /dev/shm) only shows
+    when a page is first touched: SIGBUS, not an error."""
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return None
+    free = st.f_bavail * st.f_frsize
+    if free >= nbytes:
+        return None
+    gib = 2**30
+    return (f"the ranks of this machine share their {tag} in {directory}, which has {free / gib:.2f} GiB free of "
+            f"{st.f_blocks * st.f_frsize / gib:.2f} GiB but needs {nbytes / gib:.2f} GiB; enlarge it (docker: "
+            "--shm-size; or point DISTZO_SHM_DIR at a larger tmpfs), or use engine.divide_work=false / "
+            "comm.sliced=false so each rank keeps its own copy")
 
 
 def mapped_resident_bytes(tensor: torch.Tensor) -> dict[str, int]:

@@ -62,7 +62,8 @@ def build_engine(cfg, mesh: Mesh, model, adapter, params, directions, estimator:
     placed accordingly."""
     off, opts = cfg.offload, cfg.engine
     common = dict(eps=estimator.eps, mesh=mesh, row_tokens=opts.row_tokens,
-                  fuse_update=str(opts.fuse_update).lower() != "false", timers=timers)
+                  fuse_update=str(opts.fuse_update).lower() != "false", micro_batch_size=cfg.micro_batch_size,
+                  timers=timers)
     if off.mode == "cpu":
         dtype = getattr(torch, off.transfer_dtype) if off.transfer_dtype else None
         if cfg.comm.sliced and mesh.node.shared:

@@ -38,7 +38,7 @@ from ..models.adapters import DecoderAdapter
 from ..zo.directions import Directions
 from ..zo.params import TrainableParams
 from .staged import StagedEngine
-from .streamer import BlockStreamer, build_host_blocks, place_resident
+from .streamer import BlockStreamer, build_host_blocks, place_resident, unpin_all
 from .update import apply_update
 
 
@@ -88,6 +88,15 @@ class OffloadEngine(StagedEngine):
     def _after_flush(self) -> None:
         self.streamer.synchronize()
 
+    def _settle(self) -> None:
+        self.streamer.synchronize()
+
+    def close(self) -> None:
+        if self.device.type == "cuda":
+            self.streamer.synchronize()
+            unpin_all()  # page-locked host masters are unregistered before their memory can go
+        super().close()
+
     def check_can_generate(self) -> None:
         if self.device.type != "cpu":
             from . import EngineConfigError
@@ -117,6 +126,7 @@ class SlicedOffloadEngine(OffloadEngine):
         self.node = node
         super().__init__(model, adapter, params, directions, **kwargs)
         self.streamer.slice_update = self._update_slice
+        self.streamer.slice_owed = self.owes
         self._local = False
 
     def _shared_node(self) -> Node | None:

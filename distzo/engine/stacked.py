@@ -22,7 +22,7 @@ from ..scoring import Packed, Scores
 from ..zo.directions import Directions
 from ..zo.estimators import Evaluation
 from ..zo.params import TrainableParam
-from .staged import ResidentEngine
+from .staged import ResidentEngine, join_scores
 from .weights import CleanWeights
 
 
@@ -63,10 +63,12 @@ class StackedLoRAEngine(ResidentEngine):
         how = "materialised" if self.materialize else "drawn inside each layer"
         return f"resident, each rank's evaluations in one batched forward over stacked LoRA B copies ({how})"
 
-    def _run(self, packed: Packed, plan: Sequence[Evaluation], step: int, full_plan) -> list[Scores]:
+    def _run(self, parts: Sequence[Sequence[Packed]], plan: Sequence[Evaluation], step: int, full_plan) -> list[Scores]:
         if not any(ev.perturbed for ev in plan):
-            return super()._run(packed, plan, step, full_plan)
-        return self._stacked(packed, plan, step)
+            return super()._run(parts, plan, step, full_plan)
+        # Every evaluation scores the same micro-batches here; one batched forward per micro-batch.
+        per_part = [self._stacked(packed, plan, step) for packed in parts[0]]
+        return [join_scores([scores[e] for scores in per_part]) for e in range(len(plan))]
 
     @torch.inference_mode()
     def _stacked(self, packed: Packed, plan: Sequence[Evaluation], step: int) -> list[Scores]:

@@ -45,7 +45,8 @@ class StagedEngine(Engine):
 
     eps: the perturbation scale; mesh: which evaluations of a plan this rank runs (a 1x1 mesh when
     None); fuse_update: apply an owed update inside the next perturbation pass (False: in a pass of
-    its own, for comparison); timers: phase timers (`bench`)."""
+    its own, for comparison); micro_batch_size: examples of a rank's shard per forward (None: the
+    whole shard at once; see `_run`); timers: phase timers (`bench`)."""
 
     # Streaming a block involves collectives over the node (sliced offloading): a rank dealt no
     # evaluation must still walk every block with its peers.
@@ -53,13 +54,14 @@ class StagedEngine(Engine):
 
     def __init__(self, model: nn.Module, adapter: DecoderAdapter, params: TrainableParams, directions: Directions,
                  *, eps: float = 1e-3, mesh: Mesh | None = None, row_tokens: int = 1024, fuse_update: bool = True,
-                 timers: Timers = DISABLED):
+                 micro_batch_size: int | None = None, timers: Timers = DISABLED):
         for p in params:
             if not p.tensor.is_contiguous():
                 raise ValueError(f"parameter {p.name} is not contiguous; the chunked update needs flat views")
         self.model, self.adapter, self.params, self.directions = model, adapter, params, directions
         self.device = directions.device
         self.eps, self.row_tokens, self.fuse_update, self.timers = float(eps), row_tokens, fuse_update, timers
+        self.micro_batch_size = micro_batch_size
         self.mesh = mesh if mesh is not None else Mesh.single(self.device)
         self.workspace = Workspace(self.device)
         self.block_params = [[p for p in params if p.name.startswith(prefix + ".")] for prefix, _ in adapter.blocks]
@@ -80,8 +82,8 @@ class StagedEngine(Engine):
             if self.walks_with_peers:
                 self._walk_with_peers()
             return {}
-        packed = self.pack(batch).to(self.device)
-        scores = self._run(packed, [plan[i] for i in mine], step, plan)
+        parts = [self.pack(b).to(self.device) for b in batch.micro_batches(self.micro_batch_size)]
+        scores = self._run([parts] * len(mine), [plan[i] for i in mine], step, plan)
         return dict(zip(mine, scores))
 
     def apply(self, step: int, coefficients: Sequence[tuple[int, float]], lr: float, weight_decay: float) -> None:
@@ -102,7 +104,7 @@ class StagedEngine(Engine):
         if self.pending is not None:
             raise RuntimeError("internal error: a clean score outside `materialized()` (an update is still owed)")
         packed = self.pack(batch).to(self.device)
-        return self._run(packed, [Evaluation(CLEAN, 0)], 0, None)[0]
+        return self._run([[packed]], [Evaluation(CLEAN, 0)], 0, None)[0]
 
     def _decode(self, batch: Batch, plan: Sequence[Evaluation], step: int) -> dict[int, Scores]:
         """Greedy continuations of the batch's sequences under each of this rank's evaluations,
@@ -120,9 +122,9 @@ class StagedEngine(Engine):
         prompts = [list(s.tokens) for s in batch.sequences]
         generated = {i: [[] for _ in prompts] for i in mine}
         for _ in range(batch.decode_tokens):
-            packed = [self.pack(label_word_batch([p + g for p, g in zip(prompts, generated[i])], batch.labels, vocab,
-                                                 batch.pad_id)).to(self.device) for i in mine]
-            for i, scores in zip(mine, self._run(packed, [plan[i] for i in mine], step, plan)):
+            parts = [[self.pack(label_word_batch([p + g for p, g in zip(prompts, generated[i])], batch.labels, vocab,
+                                                 batch.pad_id)).to(self.device)] for i in mine]
+            for i, scores in zip(mine, self._run(parts, [plan[i] for i in mine], step, plan)):
                 for out, token in zip(generated[i], scores.logits.argmax(dim=-1).tolist()):
                     out.append(token)
         zeros = torch.zeros(batch.units, dtype=torch.float64)
@@ -147,6 +149,7 @@ class StagedEngine(Engine):
     def flush(self) -> None:
         """Apply the deferred update to every stage that still owes it (I5)."""
         if self.pending is None:
+            self._settle()  # nothing owed, but copies of the last walk may still be in flight
             return
         self._before_write()
         with self.timers("update"):
@@ -187,6 +190,9 @@ class StagedEngine(Engine):
 
     def _after_flush(self) -> None:
         """Wait for anything asynchronous a flush started."""
+
+    def _settle(self) -> None:
+        """Wait for asynchronous copies to the host masters (no collectives): before their reads."""
 
     def _after_walk(self, perturbed: bool) -> None:
         """Called after a walk's last stage."""
@@ -233,14 +239,16 @@ class StagedEngine(Engine):
         return StageNoise(self.directions, self.workspace, step, self.eps, plan, self.timers)
 
     @torch.inference_mode()
-    def _run(self, packed: Packed | Sequence[Packed], plan: Sequence[Evaluation], step: int,
+    def _run(self, parts: Sequence[Sequence[Packed]], plan: Sequence[Evaluation], step: int,
              full_plan: Sequence[Evaluation] | None) -> list[Scores]:
-        """Scores of every evaluation of `plan` on one packed batch (or on one batch per evaluation:
-        decoding). full_plan: the step's whole plan (work division builds the copies of the node's
-        other ranks too)."""
-        rows = list(packed) if isinstance(packed, (list, tuple)) else [packed] * len(plan)
-        contexts = {id(p): self.adapter.context(p.input_ids, p.position_ids, mask_fn=p.mask_fn()) for p in rows}
-        ctxs = [contexts[id(p)] for p in rows]
+        """Scores of every evaluation of `plan`: evaluation e on the packed micro-batches parts[e]
+        (usually the same batch for every evaluation; decoding gives each its own). One walk: each
+        block's noise is drawn once and every micro-batch of every evaluation passes through the block
+        before the next, so memory inside a block scales with a micro-batch while the hidden states
+        between blocks are the whole shard's (small). full_plan: the step's whole plan (work division
+        builds the copies of the node's other ranks too)."""
+        contexts = {id(p): self.adapter.context(p.input_ids, p.position_ids, mask_fn=p.mask_fn())
+                    for ps in parts for p in ps}
         perturbed = any(ev.perturbed for ev in plan)
 
         def stage_views(noise: StageNoise, sources=None) -> list:
@@ -252,7 +260,8 @@ class StagedEngine(Engine):
         if self.owes(OUTER):
             with self.timers("update"):
                 self._apply_outer()
-        hidden = [self.adapter.stem(ctx, w) for ctx, w in zip(ctxs, stage_views(self._noise(step, plan)))]
+        hidden = [[self.adapter.stem(contexts[id(p)], w) for p in ps]
+                  for ps, w in zip(parts, stage_views(self._noise(step, plan)))]
         blocks = len(self.adapter.blocks)
         ahead = self._look_ahead(perturbed)
         next_noise = None
@@ -263,8 +272,10 @@ class StagedEngine(Engine):
                 # Look-ahead implies resident weights, so the block ahead has no `sources`.
                 next_noise = (self._prepare_block(i + 1, None, step, plan, perturbed, full_plan)
                               if ahead and i + 1 < blocks else None)
-                hidden = [self.adapter.block(i, h, ctx, w) for h, ctx, w in zip(hidden, ctxs, stage_views(noise, sources))]
-        scores = [self._head(h, p, w) for h, p, w in zip(hidden, rows, stage_views(self._noise(step, plan)))]
+                hidden = [[self.adapter.block(i, h, contexts[id(p)], w) for h, p in zip(hs, ps)]
+                          for hs, ps, w in zip(hidden, parts, stage_views(noise, sources))]
+        scores = [join_scores([self._head(h, p, w) for h, p in zip(hs, ps)])
+                  for hs, ps, w in zip(hidden, parts, stage_views(self._noise(step, plan)))]
         self._after_walk(perturbed)
         return scores
 
@@ -278,6 +289,14 @@ class ResidentEngine(StagedEngine):
     """Every weight on the compute device: the stage loop as it is."""
 
     mode = "resident"
+
+
+def join_scores(parts: Sequence[Scores]) -> Scores:
+    """The Scores of consecutive micro-batches as one (their units follow one another)."""
+    if len(parts) == 1:
+        return parts[0]
+    logits = None if parts[0].logits is None else torch.cat([s.logits for s in parts])
+    return Scores(torch.cat([s.nll for s in parts]), torch.cat([s.count for s in parts]), logits)
 
 
 def head_scores(adapter: DecoderAdapter, features: torch.Tensor, packed: Packed, w) -> Scores:

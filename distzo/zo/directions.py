@@ -222,3 +222,16 @@ class Directions:
 
     def close(self) -> None:
         self.workers.close()
+
+
+def gaussian_generator_id(device: torch.device) -> str:
+    """What a device's Gaussian draws depend on besides the seed: the device type, and on CUDA the GPU
+    model and its multiprocessor count (torch's CUDA normal_ sizes its launch grid by the SM count,
+    and each thread's Philox offsets follow the grid), so an H100 SXM, an H100 PCIe, an A100 or a MIG
+    slice each draw other Gaussian z from the same seed. Rademacher z is a counter stream: the same
+    everywhere."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return device.type
+    props = torch.cuda.get_device_properties(device)
+    return f"cuda:{props.name}:{props.multi_processor_count}sm"

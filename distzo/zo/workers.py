@@ -45,15 +45,25 @@ class ChunkWorkers:
     def scratch(self, numel: int, slot: int = 0) -> torch.Tensor:
         """A float32 buffer of `numel` elements private to the calling thread, reused across calls
         (a fresh chunk-sized tensor per call would page-fault on every first touch). Different
-        slots are different buffers, for callers that hold several chunks' z at once."""
+        slots are different buffers, for callers that hold several chunks' z at once. On CUDA a
+        buffer is private to the current stream too: kernels queued on the upload stream (sliced
+        updates) and on the compute stream (perturbations) are not ordered against each other, so
+        one buffer shared between them could be overwritten while still being read."""
         bufs = getattr(self._local, "bufs", None)
         if bufs is None:
             bufs = self._local.bufs = {}
-        buf = bufs.get(slot)
+        key = (slot, self.stream_key())
+        buf = bufs.get(key)
         if buf is None or buf.numel() < numel:
             with torch.inference_mode(False):
-                buf = bufs[slot] = torch.empty(max(numel, CHUNK_NUMEL), dtype=torch.float32, device=self.device)
+                buf = bufs[key] = torch.empty(max(numel, CHUNK_NUMEL), dtype=torch.float32, device=self.device)
         return buf[:numel]
+
+    def stream_key(self) -> int | None:
+        """The stream kernels are queued on now (CUDA), or None (CPU: work runs when called)."""
+        if self.device.type != "cuda":
+            return None
+        return torch.cuda.current_stream(self.device).cuda_stream
 
     def map(self, fn: Callable[[Any], None], items: Iterable[Any], cost: Callable[[Any], float] | None = None) -> None:
         """Run fn over work items, in parallel on CPU. fn must touch only its own item's memory.

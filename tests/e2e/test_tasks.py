@@ -83,6 +83,25 @@ def test_eval_of_a_runs_final_folder_reports_the_runs_own_final_evaluation(tmp_p
         assert f"test: accuracy {got['accuracy']:.4f}" in r.stdout
 
 
+def test_eval_of_an_adapter_run_loads_the_adapter_on_the_runs_base_model(tmp_path):
+    run_dir = tmp_path / "lora"
+    r = run_forked(1, ["train", *FAST, "task=synthetic-cue", "task.val_size=16", "task.test_size=16", "peft=lora",
+                       "optim.lr=1e-2", "estimator.eps=1e-2", "steps=10", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (run_dir / "final" / "adapter.safetensors").is_file()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    tested = [m for m in read_metrics(run_dir / "metrics.jsonl") if m["type"] == "eval" and m["split"] == "test"][-1]
+    out = tmp_path / "eval"
+    r = run_forked(1, ["eval", f"eval.run={run_dir}", f"hydra.run.dir={out}"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads((out / "eval.json").read_text())
+    assert got["accuracy"] == summary["test_accuracy"] and got["loss"] == pytest.approx(tested["loss"], rel=1e-6)
+    # without the adapter (the base model alone) the loss differs: the adapter was really loaded
+    r = run_forked(1, ["eval", *FAST, "task=synthetic-cue", "task.val_size=16", "task.test_size=16",
+                       f"hydra.run.dir={tmp_path / 'base'}"], cwd=tmp_path)
+    assert json.loads((tmp_path / "base" / "eval.json").read_text())["loss"] != pytest.approx(tested["loss"], rel=1e-6)
+
+
 def test_eval_with_demonstrations_is_a_zero_training_baseline(tmp_path):
     out = tmp_path / "icl"
     r = run_forked(1, ["eval", *FAST, *MC, f"task.path={quiz(tmp_path)}", "task.demos=3", "eval.split=validation",

@@ -60,3 +60,21 @@ def test_a_scaled_draw_is_the_draw_times_the_scale(distribution, numel):
         assert torch.equal(d.fill_chunk(torch.empty(numel), 5, 1, ref, scale), whole)
     with pytest.raises(ValueError):
         d.fill_chunk(torch.empty(numel), 5, 1, ref, -1.0)
+
+
+def test_scratch_buffers_are_private_to_a_stream(monkeypatch):
+    """On CUDA the sliced update (upload stream) and the perturbation (compute stream) draw z into
+    scratch buffers concurrently; each stream gets its own. Simulated here by the stream key."""
+    from distzo.zo.workers import ChunkWorkers
+
+    workers = ChunkWorkers(torch.device("cpu"), threads=1)
+    current = {"stream": None}
+    monkeypatch.setattr(workers, "stream_key", lambda: current["stream"])
+    on_cpu = workers.scratch(10)
+    current["stream"] = 7
+    upload = workers.scratch(10)
+    current["stream"] = 8
+    compute = workers.scratch(10)
+    assert len({b.data_ptr() for b in (on_cpu, upload, compute)}) == 3
+    current["stream"] = 7
+    assert workers.scratch(10).data_ptr() == upload.data_ptr()  # reused within its stream

@@ -106,3 +106,30 @@ def test_reduced_precision_transfer_keeps_a_full_precision_master():
     # the master stays fp32 and keeps updates below bf16 resolution (a bf16 master would drop them)
     w = off_model.model.layers[0].mlp.up_proj.weight
     assert w.dtype == torch.float32 and not torch.equal(w, w.to(torch.bfloat16).to(torch.float32))
+
+
+def test_a_shared_segment_that_would_not_fit_is_refused_before_it_is_created(tmp_path):
+    """A sparse file on a full tmpfs gives SIGBUS at the first touch; the check names the folder, the
+    sizes and the fixes instead (issue: a container's 64 MB /dev/shm)."""
+    from distzo.dist.node import shm_shortfall
+
+    assert shm_shortfall(tmp_path, 1024, "master") is None
+    message = shm_shortfall(tmp_path, 2**60, "master")
+    assert message is not None and str(tmp_path) in message and "needs 1073741824.00 GiB" in message
+    assert "--shm-size" in message and "DISTZO_SHM_DIR" in message
+
+
+def test_pinned_host_masters_are_exact_allocations_registered_in_place(monkeypatch):
+    """Pinned host masters are ordinary allocations of exactly the block's size, page-locked in
+    place, not torch's caching pinned allocator (which rounds each block up to a power of two).
+    The registration is recorded instead of performed (no CUDA here)."""
+    from distzo.engine import streamer
+
+    registered = []
+    monkeypatch.setattr(streamer, "_pin", lambda t: registered.append(t))
+    model = random_model("llama", 300, {"intermediate_size": 100}, 0, torch.float32)  # 33,024 elements a block
+    blocks = streamer.build_host_blocks(adapter_for(model), pin_memory=True)
+    assert len(registered) == len(blocks) == model.config.num_hidden_layers
+    for b, t in zip(blocks, registered):
+        assert t.data_ptr() == b.flat.data_ptr() and t.untyped_storage().nbytes() == b.numel * 4  # no rounding up
+        assert b.numel & (b.numel - 1)  # not a power of two: the caching allocator would have added to it

@@ -337,18 +337,12 @@ def worker_overrides() -> list[str]:
 def _train_task(cfg) -> None:
     from hydra.core.hydra_config import HydraConfig
 
-    from .errors import DistzoError
     from .signals import EXIT_STOPPED, Stopped
     from .train import train
-    from .validation import validate
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
-        validate(cfg)
-        train(cfg, run_dir)
-    except DistzoError as exc:
-        remove_failed_run_dir(run_dir)
-        fail(str(exc))
+        _run_in_hydra(cfg, train)
     except Stopped as stop:
         if int(os.environ.get("RANK", "0")) == 0:
             where = f"snapshot {stop.snapshot}" if stop.snapshot else "a snapshot"
@@ -357,36 +351,33 @@ def _train_task(cfg) -> None:
         raise SystemExit(EXIT_STOPPED)
 
 
-def _bench_task(cfg) -> None:
+def _run_in_hydra(cfg, command: Callable) -> None:
+    """A command inside Hydra's run directory: validated, and any input error one line (exit 2)
+    after removing the run directory this invocation created."""
     from hydra.core.hydra_config import HydraConfig
 
-    from .bench import bench
     from .errors import DistzoError
     from .validation import validate
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         validate(cfg)
-        bench(cfg, run_dir)
+        command(cfg, run_dir)
     except DistzoError as exc:
         remove_failed_run_dir(run_dir)
         fail(str(exc))
+
+
+def _bench_task(cfg) -> None:
+    from .bench import bench
+
+    _run_in_hydra(cfg, bench)
 
 
 def _eval_task(cfg) -> None:
-    from hydra.core.hydra_config import HydraConfig
-
-    from .errors import DistzoError
     from .evaluation import evaluate
-    from .validation import validate
 
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
-    try:
-        validate(cfg)
-        evaluate(cfg, run_dir)
-    except DistzoError as exc:
-        remove_failed_run_dir(run_dir)
-        fail(str(exc))
+    _run_in_hydra(cfg, evaluate)
 
 
 def eval_args(args: list[str]) -> list[str]:

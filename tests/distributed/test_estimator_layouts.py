@@ -28,7 +28,8 @@ RUNS = {
     "prge": [*CUE, "estimator=prge", "peft=lora_fa", "estimator.q=2", "optim.lr=0.5"],
     "agzo": [*CUE, "estimator=agzo", "estimator.q=3", "estimator.eps=1e-3", "optim.lr=2e-3"],
     # multiple choice: four candidates after each shared prompt (branches), scored by likelihood
-    "choice": ["task=mr-endings", "task.loss=classification", "estimator=mezo", "estimator.q=2", "optim.lr=1e-3"],
+    "choice": ["task=mr-endings", "task.train_size=64", "task.loss=classification", "estimator=mezo", "estimator.q=2",
+               "optim.lr=1e-3"],
     # generation: teacher forcing on completions, and F1 of answers decoded under each perturbation
     # (float64, so that no argmax between nearly equal logits depends on the layout's matmul shapes)
     "sft": ["{qa}", "estimator=mezo", "estimator.q=2", "optim.lr=3e-4"],

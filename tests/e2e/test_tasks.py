@@ -65,13 +65,18 @@ def test_multiple_choice_training_learns(tmp_path, loss, lr):
         assert evals[-1]["accuracy"] >= max(0.4, evals[0]["accuracy"] + 0.1), evals
 
 
-def test_eval_of_a_runs_final_folder_reports_the_runs_own_final_evaluation(tmp_path):
-    run_dir = tmp_path / "run"
-    r = run_forked(1, ["train", *FAST, *MC, f"task.path={quiz(tmp_path)}", "steps=20", "optim.lr=2e-3",
-                       f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+def trained(tmp_path, name: str, *args: str):
+    """A training run (forked, as the CLI runs it): its directory, summary and final test evaluation."""
+    run_dir = tmp_path / name
+    r = run_forked(1, ["train", *FAST, *args, f"hydra.run.dir={run_dir}"], cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     tested = [m for m in read_metrics(run_dir / "metrics.jsonl") if m["type"] == "eval" and m["split"] == "test"][-1]
+    return run_dir, summary, tested
+
+
+def test_eval_of_a_runs_final_folder_reports_the_runs_own_final_evaluation(tmp_path):
+    run_dir, summary, tested = trained(tmp_path, "run", *MC, f"task.path={quiz(tmp_path)}", "steps=20", "optim.lr=2e-3")
     for nproc in (1, 2):  # on one rank, and its batches dealt over two
         out = tmp_path / f"eval-{nproc}"
         r = run_forked(nproc, ["eval", f"eval.run={run_dir}", f"hydra.run.dir={out}"], cwd=tmp_path)
@@ -84,13 +89,9 @@ def test_eval_of_a_runs_final_folder_reports_the_runs_own_final_evaluation(tmp_p
 
 
 def test_eval_of_an_adapter_run_loads_the_adapter_on_the_runs_base_model(tmp_path):
-    run_dir = tmp_path / "lora"
-    r = run_forked(1, ["train", *FAST, "task=synthetic-cue", "task.val_size=16", "task.test_size=16", "peft=lora",
-                       "optim.lr=1e-2", "estimator.eps=1e-2", "steps=10", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
-    assert r.returncode == 0, r.stderr[-3000:]
+    run_dir, summary, tested = trained(tmp_path, "lora", "task=synthetic-cue", "task.val_size=16", "task.test_size=16",
+                                       "peft=lora", "optim.lr=1e-2", "estimator.eps=1e-2", "steps=10")
     assert (run_dir / "final" / "adapter.safetensors").is_file()
-    summary = json.loads((run_dir / "summary.json").read_text())
-    tested = [m for m in read_metrics(run_dir / "metrics.jsonl") if m["type"] == "eval" and m["split"] == "test"][-1]
     out = tmp_path / "eval"
     r = run_forked(1, ["eval", f"eval.run={run_dir}", f"hydra.run.dir={out}"], cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]

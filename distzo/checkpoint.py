@@ -163,7 +163,8 @@ def save_final(model, tokenizer, folder: Path, params=None, cfg=None) -> Path:
     """The trained model as a loadable Hugging Face folder (`model.safetensors`, config, tokenizer),
     so `model=hf model.path=<run>/final` loads it. With a parameter-efficient method (cfg.peft) only
     the trainable tensors are written, as `adapter.safetensors` under their canonical names, with
-    `peft.json` (the method's settings; the base model is the run's `model`). A folder cannot be
+    `peft.json` (the method's settings; the base model is the run's `model`); LoRA and LoRA-FA also
+    as a PEFT adapter (`adapter_config.json`, `adapter_model.safetensors`: distzo.peft.export). A folder cannot be
     renamed over a non-empty folder, so an existing `final/` is moved aside first: a crash in
     between leaves the complete new folder as `.final.tmp-<pid>`, never a partial one."""
     folder = Path(folder)
@@ -178,6 +179,11 @@ def save_final(model, tokenizer, folder: Path, params=None, cfg=None) -> Path:
         (tmp / "peft.json").write_text(json.dumps({"peft": OmegaConf.to_container(cfg.peft, resolve=True),
                                                    "model": OmegaConf.to_container(cfg.model, resolve=True)},
                                                   indent=2, sort_keys=True) + "\n")
+        if cfg.peft.method in ("lora", "lora_fa"):  # also as a PEFT adapter (peft.PeftModel.from_pretrained)
+            from .peft.export import write_peft_lora
+
+            base = cfg.model.path if cfg.model.source == "local" else cfg.model.name
+            write_peft_lora(model, cfg.peft.r, cfg.peft.alpha, base, tmp)
     else:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)

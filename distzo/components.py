@@ -68,7 +68,7 @@ def build_components(cfg, mesh: Mesh, seed: int, weights: Mapping[str, torch.Ten
     directions = (SubspaceDirections if agzo else Directions)(seed, str(est.distribution), mesh.device,
                                                              kernels=kernels, clock=clock)
     estimator = build_estimator(est)
-    engine = build_engine(cfg, mesh, model, adapter_for(model), params, directions, estimator, timers)
+    engine = build_engine(cfg, mesh, model, adapter_for(model, str(cfg.model.adapter)), params, directions, estimator, timers)
     capture = ActivationCapture(model, params, directions, est.agzo.rank, est.agzo.power_iters) if agzo else None
     return Components(cfg, mesh, seed, model, tokenizer, task, params, engine, estimator,
                       TrainSampler(task.size("train"), cfg.batch_size, seed), capture)

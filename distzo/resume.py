@@ -47,6 +47,8 @@ def config_fingerprint(cfg) -> str:
     """What a snapshot must agree with to be resumed: everything that shapes the trajectory except
     the mesh, offloading, threads and evaluation cadence (those change where and how fast, not what)."""
     keys = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "task", "estimator", "optim", "peft")}
+    if keys["model"].get("adapter", "auto") == "auto":
+        keys["model"].pop("adapter", None)  # the default: fingerprints of runs from before the option stay valid
     keys["batch_size"] = cfg.batch_size
     keys["objective"] = str(cfg.objective)
     if cfg.optim.schedule != "constant":

@@ -154,6 +154,7 @@ def describe_run(run: Run) -> None:
     cfg, mesh, task, params, estimator = run.cfg, run.mesh, run.task, run.params, run.estimator
     n_evals = len(estimator.dealt_plan())
     log.info("%s", task.describe())
+    log.info("Model %s: %s", cfg.model.name, run.engine.adapter.describe())
     log.info("Training %.2fM parameters (peft=%s) with %s (q=%d, eps=%g, %s directions), seed %d, mesh %s "
              "(%d evaluations per step over %d perturbation ranks, batch %d over %d data ranks), engine: %s, "
              "run dir %s", params.numel() / 1e6, cfg.peft.method, cfg.estimator.name, cfg.estimator.q,

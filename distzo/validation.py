@@ -101,11 +101,12 @@ def check_local_model(path: str) -> None:
     if model_type in ENCODER_ONLY:
         raise ConfigError(f"model.path={path!r} holds a {model_type!r} model, which is not a decoder-only causal LM; "
                           "distzo fine-tunes AutoModelForCausalLM models")
-    from .models.adapters import ADAPTERS
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    if model_type not in ADAPTERS:
-        raise ConfigError(f"model.path={path!r} holds a {model_type!r} model, which is not supported yet; "
-                          f"supported: {', '.join(sorted(ADAPTERS))}")
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ConfigError(f"model.path={path!r} holds a {model_type!r} model, which this transformers release has "
+                          "no causal-LM class for (AutoModelForCausalLM); upgrade transformers, or convert the "
+                          "model to a supported architecture")
     if not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin")):
         raise ConfigError(f"model.path={path!r} has no weights (*.safetensors or *.bin); save the model with "
                           "save_pretrained into that folder")
@@ -189,6 +190,10 @@ def validate(cfg: Any, check_world: bool = True) -> None:
     if m.path and m.source != "local":
         raise ConfigError(f"model.path={m.path!r} is only read by model=hf (a local folder); the {m.name} preset "
                           f"ignores it. Use model=hf model.path={m.path}")
+    if str(m.source).endswith("-wheel"):
+        from .models.assets import check_installed
+
+        check_installed(str(m.source))
     if m.source == "local":
         if not m.path:
             raise ConfigError("model=hf needs a folder: add model.path=/path/to/a/transformers/model")

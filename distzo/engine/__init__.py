@@ -64,6 +64,12 @@ def build_engine(cfg, mesh: Mesh, model, adapter, params, directions, estimator:
     common = dict(eps=estimator.eps, mesh=mesh, row_tokens=opts.row_tokens,
                   fuse_update=str(opts.fuse_update).lower() != "false", micro_batch_size=cfg.micro_batch_size,
                   timers=timers)
+    if not adapter.blocks and off.mode == "cpu":
+        raise EngineConfigError(f"{adapter.arch} runs on the whole-model fallback, which has no decoder blocks to "
+                                "stream; use offload=none")
+    if not adapter.blocks and estimator.batched:
+        raise EngineConfigError(f"{adapter.arch} runs on the whole-model fallback, where P-RGE cannot batch its "
+                                "evaluations per block; use estimator=mezo or estimator=agzo")
     if off.mode == "cpu":
         dtype = getattr(torch, off.transfer_dtype) if off.transfer_dtype else None
         if cfg.comm.sliced and mesh.node.shared:

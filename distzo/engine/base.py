@@ -17,6 +17,7 @@ from typing import Iterator, Sequence
 
 from torch import nn
 
+from ..models.adapters import DecoderAdapter
 from ..scoring import Batch, Packed, Scores
 from ..zo.estimators import Evaluation
 from ..zo.params import TrainableParams
@@ -51,6 +52,7 @@ class Engine(ABC):
     """Runs a step's forward evaluations and its update; see the module docstring."""
 
     model: nn.Module
+    adapter: DecoderAdapter  # how the model's layers are driven (dedicated adapter or the general path)
     params: TrainableParams
     mode = "?"  # a short name of the engine's mode, for logs and summaries
 

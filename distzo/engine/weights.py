@@ -151,9 +151,14 @@ class StageNoise:
         return unique, inverse, z, index
 
 
+def _full_name(prefix: str, rel: str) -> str:
+    """A submodule's parameter name in the model (prefix "": the model itself)."""
+    return f"{prefix}.{rel}" if prefix else rel
+
+
 def _module_sources(prefix: str, module: nn.Module, sources: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {rel: sources[f"{prefix}.{rel}"] for rel, _ in module.named_parameters(remove_duplicate=False)
-            if f"{prefix}.{rel}" in sources}
+    return {rel: sources[_full_name(prefix, rel)] for rel, _ in module.named_parameters(remove_duplicate=False)
+            if _full_name(prefix, rel) in sources}
 
 
 class CleanWeights:
@@ -165,7 +170,9 @@ class CleanWeights:
     def rows(self, name: str, index: torch.Tensor | None) -> torch.Tensor:
         """Rows `index` of a table (index None: the whole table)."""
         table = self.sources[name] if name in self.sources else self.model.get_parameter(name)
-        return table if index is None else F.embedding(index, table)
+        if index is None:
+            return table
+        return table[index] if table.dim() == 1 else F.embedding(index, table)  # a vector: a head's bias
 
     def call(self, prefix: str, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         local = _module_sources(prefix, module, self.sources)
@@ -201,7 +208,7 @@ class PerturbedWeights:
     def call(self, prefix: str, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         local: dict[str, TrainableParam] = {}
         for rel, _ in module.named_parameters(remove_duplicate=False):
-            p = self.params.get(f"{prefix}.{rel}")
+            p = self.params.get(_full_name(prefix, rel))
             if p is not None:
                 local[rel] = p
         if not local:

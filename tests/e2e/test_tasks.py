@@ -101,6 +101,39 @@ def test_eval_of_an_adapter_run_loads_the_adapter_on_the_runs_base_model(tmp_pat
     r = run_forked(1, ["eval", *FAST, "task=synthetic-cue", "task.val_size=16", "task.test_size=16",
                        f"hydra.run.dir={tmp_path / 'base'}"], cwd=tmp_path)
     assert json.loads((tmp_path / "base" / "eval.json").read_text())["loss"] != pytest.approx(tested["loss"], rel=1e-6)
+    peft_adapter_gives_distzos_logits(run_dir, "task=synthetic-cue", "peft=lora")
+
+
+def peft_adapter_gives_distzos_logits(run_dir, *settings):
+    """The run's final/ also holds a PEFT adapter: `peft.PeftModel.from_pretrained` on the stock base
+    model gives the label-word logits distzo's own evaluation of the trained adapter gives. distzo
+    packs the prompts into one row, PEFT runs each alone (other matmul shapes): float32 rounding,
+    1e-5 against logits of O(1); an adapter not applied, or applied twice, is off by the update."""
+    import torch
+    from peft import PeftModel
+
+    from distzo.components import build_components
+    from distzo.dist.mesh import Mesh
+    from distzo.evaluation import final_adapter
+    from distzo.models.loading import load_model
+
+    cfg = make_config(*FAST, *settings, "task.val_size=16", "task.test_size=16")
+    c = build_components(cfg, Mesh.single(), 0, weights=final_adapter(str(run_dir)))
+    batch = c.task.batch("validation", list(range(8)))
+    with c.engine.materialized() as weights:
+        ours = weights.score(batch).logits
+    c.close()
+    stock, _ = load_model(cfg.model)
+    peft_model = PeftModel.from_pretrained(stock, str(run_dir / "final")).eval()
+    labels = batch.candidates
+    with torch.inference_mode():
+        theirs = torch.stack([peft_model(input_ids=torch.tensor([s.tokens])).logits[0, -1, labels]
+                              for s in batch.sequences])
+    torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-5)
+    with peft_model.disable_adapter(), torch.inference_mode():
+        bare = torch.stack([peft_model(input_ids=torch.tensor([s.tokens])).logits[0, -1, labels]
+                            for s in batch.sequences])
+    assert float((bare - ours).abs().max()) > 1e-4  # the adapter moved the logits: it was really loaded
 
 
 def test_eval_with_demonstrations_is_a_zero_training_baseline(tmp_path):

@@ -34,7 +34,11 @@ def sample_batch(n=6, seed=0):
 PLAN = [Evaluation(0, +1), Evaluation(0, -1), Evaluation(1, +1), Evaluation(CLEAN, 0), Evaluation(1, -1)]
 
 
-@pytest.mark.parametrize("arch", ["llama", "opt", "qwen2"])
+# gpt2, phi (a head with a bias) and gemma3_text (a scaled embedding) run on the general path.
+GENERAL = ["gpt2", "phi", "gemma3_text"]
+
+
+@pytest.mark.parametrize("arch", ["llama", "opt", "qwen2", *GENERAL])
 def test_evaluation_leaves_master_weights_bitwise_unchanged(arch):
     model, _, engine = build(arch)
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -43,7 +47,7 @@ def test_evaluation_leaves_master_weights_bitwise_unchanged(arch):
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
-@pytest.mark.parametrize("arch", ["llama", "opt", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "opt", "qwen2", *GENERAL])
 def test_perturbed_evaluation_is_the_model_at_theta_plus_eps_z(arch):
     """Reference: materialise theta +- eps*z in a copy (tied weights once) and run it clean."""
     model, params, engine = build(arch)

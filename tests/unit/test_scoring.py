@@ -35,7 +35,7 @@ def pairs(seed=0):
     return [(draw(p), draw(c)) for p, c in [(5, 3), (2, 4), (7, 1), (4, 6)]]
 
 
-@pytest.mark.parametrize("arch", ["llama", "opt", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "opt", "qwen2", "gpt_neox"])  # gpt_neox: the general path
 def test_target_log_likelihoods_are_the_stock_forwards(arch):
     """Float64: a packed row runs other matrix shapes than each sequence alone, so the two agree to
     float64 rounding (observed ~1e-15), far below any wrong position or target (O(1))."""
@@ -127,12 +127,14 @@ def mc_examples(seed=2):
             (draw(2), [draw(1), draw(2)])]  # 5 tokens: within mistral's window of 8, branched there too
 
 
-@pytest.mark.parametrize("arch", ["llama", "opt", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "opt", "mistral", "gpt2", "gemma3_text"])
 def test_candidates_after_a_shared_prompt_score_as_the_stock_forward_of_each(arch):
     """Candidates packed as branches after their example's prompt (several examples per row) get the
-    log-likelihoods the stock model gives prompt + candidate run alone. mistral's random config has a
-    sliding window of 8 tokens: its branched sequences longer than that are scored unbranched
-    (Batch.pack), the others branched. Float64; agreement to rounding (observed ~1e-15)."""
+    log-likelihoods the stock model gives prompt + candidate run alone. mistral's and Gemma 3's random
+    configs have a sliding window of 8 tokens (Gemma 3 on two of its three layers): their branched
+    sequences longer than that are scored unbranched (Batch.pack), the others branched. gpt2 and
+    gemma3_text run on the general path, which hands the branch masks to the stock forward. Float64;
+    agreement to rounding (observed ~1e-15)."""
     model = random_model(arch, VOCAB, {}, 0, torch.float64)
     engine = ResidentEngine(model, adapter_for(model), TrainableParams.from_model(model), Directions(0))
     data = mc_examples()
@@ -141,7 +143,7 @@ def test_candidates_after_a_shared_prompt_score_as_the_stock_forward_of_each(arc
         scores = weights.score(batch)
         unbranched = weights.score(batch.unbranched())
     packed = engine.pack(batch)
-    if arch == "mistral":
+    if arch in ("mistral", "gemma3_text"):
         assert packed.segment is not None and packed.input_ids.numel() > batch.tokens  # some unbranched
     else:
         assert packed.input_ids[packed.real].numel() == batch.tokens  # the prompts once each

@@ -6,8 +6,9 @@ both four-rank meshes in turn, each on a fresh process group; the 1x1 references
 process. The runs: MeZO n-SPSA (q=2: four evaluations, one per rank on 4x1), P-RGE on LoRA-FA (q=2,
 each rank's evaluations in one batched forward) and AGZO (q=3 perturbed evaluations over the 4x1
 mesh, one rank idle; every rank derives the bases from the shared clean forward). Beside them,
-MeZO on models driven other ways (docs/models.md), 1x1 against 2x2: random GPT-2 and Gemma 3 on
-the general path, and the tiny Llama on the whole-model fallback.
+MeZO on models driven other ways (docs/models.md), 1x1 against 2x2: random GPT-2, Gemma 3,
+GPT-NeoX (also with LoRA), Phi-3, Falcon and StableLM on the general path, and the tiny Llama on
+the whole-model fallback.
 """
 
 from __future__ import annotations
@@ -40,12 +41,20 @@ RUNS = {
     # families on the general path (distzo.models.generic), random configs
     "gpt2": [*CUE, "model.arch=gpt2", "estimator=mezo", "estimator.q=2", "optim.lr=1e-3"],
     "gemma3": [*CUE, "model.arch=gemma3_text", "estimator=mezo", "estimator.q=2", "optim.lr=1e-3"],
+    "gpt_neox": [*CUE, "model.arch=gpt_neox", "estimator=mezo", "estimator.q=2", "optim.lr=1e-3"],
+    "phi3": [*CUE, "model.arch=phi3", "estimator=mezo", "estimator.q=2", "optim.lr=1e-3"],
+    "falcon": [*CUE, "model.arch=falcon", "estimator=mezo", "estimator.q=2", "optim.lr=1e-3"],
+    "stablelm": [*CUE, "model.arch=stablelm", "estimator=mezo", "estimator.q=2", "optim.lr=1e-3"],
+    # LoRA through the general path: hooks on GPT-NeoX's fused query_key_value projections
+    "lora-neox": [*CUE, "model.arch=gpt_neox", "peft=lora", "peft.targets=[query_key_value]", "estimator=mezo",
+                  "estimator.q=2", "optim.lr=1e-2", "estimator.eps=1e-2"],
     # the whole-model fallback (the stock forward as one stage), forced on the tiny Llama
     "whole": [*CUE, "model.adapter=whole", "estimator=mezo", "estimator.q=2", "optim.lr=1e-3"],
 }
 QA = ["task=custom", "task.kind=generation", "task.template='Q: {question} A:'", "task.max_new_tokens=3"]
 MESHES = ["2x2", "4x1"]
-ONLY_2X2 = {"gpt2", "gemma3", "whole"}  # the general path's and the fallback's runs: 1x1 against 2x2
+# the general path's and the fallback's runs: 1x1 against 2x2
+ONLY_2X2 = {"gpt2", "gemma3", "gpt_neox", "phi3", "falcon", "stablelm", "lora-neox", "whole"}
 JOBS = [(name, mesh) for name in RUNS for mesh in MESHES if mesh == "2x2" or name not in ONLY_2X2]
 
 
@@ -129,7 +138,11 @@ def initial(name: str, root: Path) -> dict[str, torch.Tensor]:
     cfg = _config(name, "1x1", root)
     model, _ = load_model(cfg.model)
     apply_peft(model, cfg.peft)
-    return {k: v.detach() for k, v in model.state_dict().items()}
+    if cfg.peft.method != "none":  # final/ holds the trainable tensors under their parameter names
+        return {k: v.detach() for k, v in model.state_dict().items()}
+    folder = root / f"{name}-initial"  # final/ holds what save_pretrained writes (its key names)
+    model.save_pretrained(folder)
+    return load_file(folder / "model.safetensors")
 
 
 @pytest.mark.parametrize("name,mesh", JOBS)
@@ -161,3 +174,5 @@ def test_estimator_is_layout_invariant(layouts, name, mesh):
         assert diff == 0.0, diff
     if name == "prge":  # only the trainable tensors were saved: LoRA-FA's B matrices
         assert all(k.endswith("lora_B") for k in ref)
+    if name == "lora-neox":  # LoRA's A and B on every layer's query_key_value, nothing else
+        assert ref and all(k.endswith(("query_key_value.lora_A", "query_key_value.lora_B")) for k in ref)

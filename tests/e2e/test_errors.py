@@ -92,7 +92,9 @@ def run(text: str, cwd: Path) -> tuple[subprocess.CompletedProcess, int]:
     `python -m distzo ...` rows run in a process forked from the test suite's preloaded server
     (`tests/distributed/launch.py`): the same `distzo.__main__.main(argv)`, exit status and
     stderr as the command line, without paying torch's and transformers' imports once per row.
-    torchrun rows run the real torchrun, whose own reporting is part of what they check."""
+    torchrun rows run their ranks the same way, with torchrun's worker environment and store,
+    except the multirun row (`-m`), which runs the real torchrun: there all ranks write into one
+    stderr pipe, where lines of several ranks could run into one another (issue 17)."""
     argv = shlex.split(text)
     env = {}
     while re.fullmatch(r"[A-Z_]+=.*", argv[0]):
@@ -102,6 +104,9 @@ def run(text: str, cwd: Path) -> tuple[subprocess.CompletedProcess, int]:
         assert argv[1:3] == ["-m", "distzo"], text
         return run_forked(1, argv[3:], cwd=cwd, timeout=300, env=env), 1
     assert argv[0] == "torchrun" and argv[1] == "--nproc-per-node"
+    if "-m" not in argv[5:]:  # ranks forked as torchrun's agent starts them; the multirun row runs the real thing
+        assert argv[3:5] == ["-m", "distzo"], text
+        return run_forked(int(argv[2]), argv[5:], cwd=cwd, timeout=300, env=env), int(argv[2])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={argv[2]}"] + argv[3:]
     return subprocess.run(cmd, capture_output=True, text=True, env={**ENV, **env}, cwd=cwd, timeout=300), int(argv[2])
 

@@ -70,6 +70,32 @@ def build_mask(helper: Callable, config: Any, shaped: torch.Tensor, position_ids
     return helper(**kwargs)
 
 
+@dataclass
+class PackedProbe:
+    """What the general path and the whole-model fallback check themselves on when they are built:
+    two short prompts packed into one row (positions restarting at 0), the stock forward's logits at
+    each prompt's last token with the prompt run alone, and the tolerance a faithful path meets (a
+    few ulps of the logits' scale in float32; a missed transform or a leaking mask is orders of
+    magnitude above it)."""
+
+    ids: torch.Tensor  # [1, 7]
+    positions: torch.Tensor  # [1, 7]
+    last: list[int]  # each prompt's last offset in the row
+    stock: torch.Tensor  # [2, vocab]
+    tolerance: float
+
+
+def packed_probe(model: nn.Module, vocab: int, dtype: torch.dtype, device: torch.device) -> PackedProbe:
+    n = min(vocab, 7)
+    first = (torch.arange(4, device=device) * 3 + 1) % n
+    second = (torch.arange(3, device=device) * 5 + 2) % n
+    with torch.inference_mode():
+        stock = torch.cat([model(input_ids=s[None], use_cache=False).logits[0, -1][None] for s in (first, second)])
+    rel = 1e-3 if dtype in (torch.float32, torch.float64) else 5e-2
+    return PackedProbe(torch.cat([first, second])[None], torch.cat([torch.arange(4), torch.arange(3)]).to(device)[None],
+                       [3, 6], stock, rel * (float(stock.abs().max()) + 1.0))
+
+
 class DecoderAdapter:
     """Base class: a decoder-only LM as stem, blocks, final and a (row-indexed) head."""
 

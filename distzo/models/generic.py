@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from .adapters import BatchContext, DecoderAdapter, UnsupportedModelError, WeightView, build_mask
+from .adapters import BatchContext, DecoderAdapter, UnsupportedModelError, WeightView, build_mask, packed_probe
 
 log = logging.getLogger(__name__)
 
@@ -242,27 +242,17 @@ class GenericDecoderAdapter(DecoderAdapter):
     def _check_difference(self) -> tuple[float, float]:
         from ..engine.weights import CleanWeights
 
-        n = min(self.embed.num_embeddings, 7)
-        first = (torch.arange(4, device=self.device) * 3 + 1) % n
-        second = (torch.arange(3, device=self.device) * 5 + 2) % n
+        probe = packed_probe(self.model, self.embed.num_embeddings, self.dtype, self.device)
         vocab = torch.arange(min(self.embed.num_embeddings, 64), device=self.device)
         w = CleanWeights(self.model)
         with torch.inference_mode():
-            stock = torch.cat([self.model(input_ids=s[None], use_cache=False).logits[0, -1, :vocab.numel()][None]
-                               for s in (first, second)])
-            ids = torch.cat([first, second])[None]
-            pos = torch.cat([torch.arange(4), torch.arange(3)]).to(self.device)[None]
-            ctx = self.context(ids, pos)
+            ctx = self.context(probe.ids, probe.positions)
             h = self.stem(ctx, w)
             for i in range(len(self.blocks)):
                 h = self.block(i, h, ctx, w)
-            ours = self.head(self.final(h[0, [3, 6]], w), vocab, w)
-        # Same operations on the same shapes except the head (scored rows against the full matrix)
-        # and attention over a packed row: differences of a few ulps of the logits' scale; a missed
-        # transform or a leaking mask is orders of magnitude above this.
-        scale = float(stock.abs().max()) + 1.0
-        rel = 1e-3 if self.dtype in (torch.float32, torch.float64) else 5e-2
-        return float((ours.float() - stock.float()).abs().max()), rel * scale
+            ours = self.head(self.final(h[0, probe.last], w), vocab, w)
+        stock = probe.stock[:, :vocab.numel()]
+        return float((ours.float() - stock.float()).abs().max()), probe.tolerance
 
     # --- the adapter interface ---------------------------------------------------------------------
 

@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .adapters import BatchContext, DecoderAdapter, UnsupportedModelError, WeightView, build_mask
+from .adapters import BatchContext, DecoderAdapter, UnsupportedModelError, WeightView, build_mask, packed_probe
 
 log = logging.getLogger(__name__)
 
@@ -56,18 +56,13 @@ class WholeModelAdapter(DecoderAdapter):
         diff = tol = float("nan")
         try:
             vocab = int(getattr(self.config, "vocab_size", 0) or self.model.get_output_embeddings().weight.shape[0])
-            first = (torch.arange(4, device=self.device) * 3 + 1) % vocab
-            second = (torch.arange(3, device=self.device) * 5 + 2) % vocab
-            ids = torch.cat([first, second])[None]
-            pos = torch.cat([torch.arange(4), torch.arange(3)]).to(self.device)[None]
+            probe = packed_probe(self.model, vocab, self.dtype, self.device)
+            tol = probe.tolerance
             with torch.inference_mode():
-                stock = torch.cat([self.model(input_ids=s[None], use_cache=False).logits[0, -1][None]
-                                   for s in (first, second)])
-                tol = 1e-3 * (float(stock.abs().max()) + 1.0) * (1 if self.dtype in (torch.float32, torch.float64) else 50)
                 for own in (False, True):
                     self.own_masks = own
-                    ours = self.stem(self.context(ids, pos), w)[0, [3, 6]]
-                    diff = float((ours.float() - stock.float()).abs().max())
+                    ours = self.stem(self.context(probe.ids, probe.positions), w)[0, probe.last]
+                    diff = float((ours.float() - probe.stock.float()).abs().max())
                     if diff <= tol:
                         break
         except Exception as exc:  # noqa: BLE001 - any failure of an unknown model's forward is a refusal

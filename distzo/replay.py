@@ -60,9 +60,9 @@ def replay(run_dir: Path, step: int | None = None, out: Path | None = None, devi
     drawn_by = state.get("gaussian_generator")
     if state["distribution"] == "gaussian" and drawn_by and drawn_by != gaussian_generator_id(torch.device(device)):
         raise ReplayError(f"the run drew its Gaussian directions by {drawn_by}, and this machine draws by "
-                          f"{gaussian_generator_id(torch.device(device))} (torch's CUDA normal_ depends on the GPU model "
-                          "and its SM count); replay on the same GPU model, or train with estimator.distribution="
-                          "rademacher, whose directions are the same everywhere")
+                          f"{gaussian_generator_id(torch.device(device))} (CUDA Gaussian z uses the GPU architecture's own log "
+                          "and cos); replay on a GPU of the recorded architecture, or train with "
+                          "estimator.distribution=rademacher, whose directions are the same everywhere")
     todo = [r for r in records if state["step"] < r["step"] <= target]
     missing = sorted(set(range(state["step"] + 1, target + 1)) - {r["step"] for r in todo})
     if missing:

@@ -10,7 +10,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..zo.directions import Directions, chunks_of
+from ..zo.directions import Directions
 from ..zo.params import TrainableParam
 from .chunkpass import PendingUpdate, chunk_pass
 
@@ -30,11 +30,9 @@ def apply_update(directions: Directions, targets: Sequence[tuple[TrainableParam,
     work = []
     for i, (p, target) in enumerate(targets):
         lo, hi = windows[i] if windows is not None else (0, p.numel())
-        for ref in chunks_of(p.key, p.shape):
-            a, b = max(ref.start, lo), min(ref.stop, hi)
-            if a < b:
-                part = None if (a, b) == (ref.start, ref.stop) else (a - ref.start, b - ref.start)
-                work.append((p, target, None if deltas is None else deltas[i], ref, a, b, part))
+        for ref, part in directions.units(p.key, p.shape, lo, hi):
+            a, b = (ref.start, ref.stop) if part is None else (ref.start + part[0], ref.start + part[1])
+            work.append((p, target, None if deltas is None else deltas[i], ref, a, b, part))
 
     size = lambda item: item[5] - item[4]  # noqa: E731
     if mine is not None:

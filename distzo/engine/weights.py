@@ -15,7 +15,7 @@ from torch.func import functional_call
 from torch.nn import functional as F
 
 from ..timing import DISABLED, Timers
-from ..zo.directions import Directions, chunks_of
+from ..zo.directions import Directions
 from ..zo.estimators import Evaluation
 from ..zo.params import TrainableParam, TrainableParams
 from .chunkpass import PendingUpdate, chunk_pass
@@ -104,7 +104,8 @@ class StageNoise:
         targets = {name: {q: [(sign, flat) for qq, sign, flat in entries if qq == q]
                           for q in sorted({q for q, _, _ in entries})} for name, entries in copies.items()}
         masters = {p.name: source(p).view(-1) for p in todo}
-        work = [(p, ref) for p in todo for ref in chunks_of(p.key, p.shape)]  # all queries of a chunk: one item
+        # All queries of a chunk (on CUDA a span of chunks) are one item.
+        work = [(p, ref) for p in todo for ref, _ in self.directions.units(p.key, p.shape)]
         size = lambda item: item[1].stop - item[1].start  # noqa: E731
         if mine is not None:
             work = mine(work, size)

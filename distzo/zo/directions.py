@@ -9,11 +9,13 @@ parameter sees, and any chunk can be regenerated on its own, on any rank, in any
 Chunks: a parameter is cut into chunks of whole rows (for tensors with two or more dimensions) of
 about `CHUNK_NUMEL` elements.
 
-Gaussian z is drawn with torch's `normal_` from a generator seeded with the chunk's seed, so a
-Gaussian chunk is always generated whole and its values never depend on how the caller slices the
-tensor. Rademacher z is a counter stream (`distzo.zo.rademacher`, the stream's one definition), so
-any element range of a chunk can be drawn on its own (embedding rows, a rank's slice), the same on
-every device.
+On the CPU, Gaussian z is drawn with torch's `normal_` from a generator seeded with the chunk's
+seed, so a Gaussian chunk is always generated whole and its values never depend on how the caller
+slices the tensor. Rademacher z is a counter stream (`distzo.zo.rademacher`, the stream's one
+definition), so any element range of a chunk can be drawn on its own (embedding rows, a rank's
+slice), the same on every device. On CUDA both are counter streams drawn by one Triton kernel
+(`distzo.zo.cuda_draws`) for a whole span of chunks per launch: the step's host work then grows with
+the number of parameters, not of chunks.
 
 This module says which z a chunk has. Where the work runs (threads, scratch buffers, the bench's
 clock) is `distzo.zo.workers`, which `Directions` delegates to.
@@ -29,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import torch
 
+from . import cuda_draws
 from .rademacher import Stream, _int64, mix64, stream_rows, stream_signs
 from .workers import CHUNK_NUMEL, ChunkWorkers
 
@@ -39,11 +42,15 @@ if TYPE_CHECKING:
 # Bump when the seed -> z mapping changes; snapshots and run summaries record it.
 # 2: Rademacher signs unpacked from random bytes (8 per byte) instead of one draw per element.
 # 3: Rademacher signs are the bits of a SplitMix64 counter stream per chunk (Gaussian z unchanged).
-DIRECTIONS_VERSION = 3
+# 4: CUDA Gaussian z is a counter stream (Box-Muller of SplitMix64 words, `cuda_draws`) instead of
+#    torch's CUDA normal_; CPU z unchanged. Which GPU drew it is `gaussian_generator_id`'s business.
+DIRECTIONS_VERSION = 4
 # The first scheme that drew each distribution's z as this distzo does (snapshots and run logs
 # record DIRECTIONS_VERSION; `same_directions` compares a recorded one with this distzo's).
 SCHEME_SINCE = {"gaussian": 1, "rademacher": 3}
 _MASK64 = (1 << 64) - 1
+# The most elements one CUDA draw covers (whole chunks): bounds the scratch buffer at 128 MiB.
+SPAN_NUMEL = 1 << 25
 
 
 def same_directions(recorded_version: int | None, distribution: str) -> bool:
@@ -70,12 +77,15 @@ def chunk_numel(shape: Sequence[int]) -> int:
 
 @dataclass(frozen=True)
 class ChunkRef:
-    """One chunk of one parameter: flat elements [start, stop)."""
+    """One chunk of one parameter: flat elements [start, stop). On CUDA a ref may span several
+    consecutive whole chunks (`Directions.units`): `index` is then the first, and `per_chunk` the
+    parameter's elements per chunk (0: the ref is one chunk)."""
 
     key: int
     index: int
     start: int
     stop: int
+    per_chunk: int = 0
 
 
 def _ref_size(ref: ChunkRef) -> int:
@@ -85,7 +95,10 @@ def _ref_size(ref: ChunkRef) -> int:
 def chunks_of(key: int, shape: Sequence[int]) -> list[ChunkRef]:
     numel = math.prod(int(s) for s in shape)
     c = chunk_numel(shape)
-    return [ChunkRef(key, i, s, min(s + c, numel)) for i, s in enumerate(range(0, numel, c))]
+    return [ChunkRef(key, i, s, min(s + c, numel), c) for i, s in enumerate(range(0, numel, c))]
+
+
+Unit = tuple[ChunkRef, "tuple[int, int] | None"]  # a piece of chunk work, and the part of it wanted
 
 
 class Directions:
@@ -105,6 +118,9 @@ class Directions:
         self.distribution = distribution
         self.device = torch.device(device)
         self.kernels = kernels if self.device.type == "cpu" else None
+        self.counter_draws = self.device.type == "cuda"  # every draw by cuda_draws, a span per launch
+        if self.counter_draws:
+            cuda_draws.require()
         self.workers = ChunkWorkers(self.device, threads, clock)  # where chunk work runs (not what z is)
 
     @property
@@ -118,11 +134,33 @@ class Directions:
     def map(self, fn: Callable[[Any], None], items: Iterable[Any], cost: Callable[[Any], float] | None = None) -> None:
         self.workers.map(fn, items, cost)
 
-    def chunk_seed(self, step: int, query: int, key: int, chunk: int) -> int:
+    def key_hash(self, step: int, query: int, key: int) -> int:
+        """The hash of (seed, step, query, parameter) that every chunk seed of the parameter extends."""
         h = mix64(self.seed)
-        for coordinate in (step, query, key, chunk):
+        for coordinate in (step, query, key):
             h = mix64(h ^ (coordinate & _MASK64))
         return h
+
+    def chunk_seed(self, step: int, query: int, key: int, chunk: int) -> int:
+        return mix64(self.key_hash(step, query, key) ^ (chunk & _MASK64))
+
+    def units(self, key: int, shape: Sequence[int], lo: int = 0, hi: int | None = None) -> list[Unit]:
+        """The pieces in which chunk work on elements [lo, hi) of a parameter runs: (ref, part), part
+        the (start, stop) within ref that is wanted, or None for all of it. On the CPU a piece is a
+        chunk (the threads' work item). On CUDA it is a span of up to SPAN_NUMEL elements of whole
+        chunks, drawn by one launch, so the work queued per step does not grow with the chunks."""
+        hi = math.prod(int(s) for s in shape) if hi is None else hi
+        refs = [r for r in chunks_of(key, shape) if r.start < hi and r.stop > lo]
+        if self.counter_draws and refs:
+            per = refs[0].per_chunk
+            step = max(1, SPAN_NUMEL // per)
+            refs = [ChunkRef(key, group[0].index, group[0].start, group[-1].stop, per)
+                    for group in (refs[i:i + step] for i in range(0, len(refs), step))]
+        out = []
+        for ref in refs:
+            a, b = max(ref.start, lo), min(ref.stop, hi)
+            out.append((ref, None if (a, b) == (ref.start, ref.stop) else (a - ref.start, b - ref.start)))
+        return out
 
     def stream(self, step: int, query: int, ref: ChunkRef, scale: float = 1.0) -> Stream | None:
         """Chunk `ref`'s z times scale as a counter stream (Rademacher), or None where z has to be
@@ -152,6 +190,9 @@ class Directions:
             self.clock.add(draw=time.perf_counter() - started)
 
     def _fill_chunk(self, out: torch.Tensor, step: int, query: int, ref: ChunkRef, scale: float) -> torch.Tensor:
+        if self.counter_draws:
+            return cuda_draws.fill_span(out, self.key_hash(step, query, ref.key), ref.index,
+                                        ref.per_chunk or ref.stop - ref.start, scale, self.distribution == "gaussian")
         stream = self.stream(step, query, ref, scale)
         if stream is not None:
             return self.fill_stream(out, stream)  # +-scale is exact: the value of z.mul_(scale)
@@ -169,7 +210,8 @@ class Directions:
         """The full z of one parameter (float32, contiguous)."""
         z = torch.empty(tuple(shape), dtype=torch.float32, device=self.device)
         flat = z.view(-1)
-        self.map(lambda r: self.fill_chunk(flat[r.start:r.stop], step, query, r), chunks_of(key, shape), _ref_size)
+        self.map(lambda u: self.fill_chunk(flat[u[0].start:u[0].stop], step, query, u[0]), self.units(key, shape),
+                 lambda u: _ref_size(u[0]))
         return z
 
     def generate_many(self, requests: Sequence[tuple[Sequence[int], int]], step: int, query: int,
@@ -181,7 +223,7 @@ class Directions:
         work = []
         for buf, (shape, key) in zip(out, requests):
             flat = buf.view(-1)
-            work += [(flat, r) for r in chunks_of(key, shape)]
+            work += [(flat, r) for r, _ in self.units(key, shape)]
         self.map(lambda fr: self.fill_chunk(fr[0][fr[1].start:fr[1].stop], step, query, fr[1]), work,
                  lambda fr: _ref_size(fr[1]))
         return list(out)
@@ -189,6 +231,10 @@ class Directions:
     def rows(self, shape: Sequence[int], key: int, step: int, query: int, rows: torch.Tensor) -> torch.Tensor:
         """z[rows] of a parameter (rows along dim 0): only those rows of a counter stream, otherwise
         the chunks that hold those rows."""
+        if self.counter_draws:  # one launch, and no wait for the host to see the row indices
+            out = torch.empty((rows.numel(), row_numel(shape)), dtype=torch.float32, device=self.device)
+            return cuda_draws.fill_rows(out, self.key_hash(step, query, key), rows, row_numel(shape),
+                                        chunk_numel(shape) // row_numel(shape), 1.0, self.distribution == "gaussian")
         if self.distribution == "rademacher":
             return self._stream_rows(shape, key, step, query, rows)
         row = row_numel(shape)
@@ -226,12 +272,12 @@ class Directions:
 
 def gaussian_generator_id(device: torch.device) -> str:
     """What a device's Gaussian draws depend on besides the seed: the device type, and on CUDA the GPU
-    model and its multiprocessor count (torch's CUDA normal_ sizes its launch grid by the SM count,
-    and each thread's Philox offsets follow the grid), so an H100 SXM, an H100 PCIe, an A100 or a MIG
-    slice each draw other Gaussian z from the same seed. Rademacher z is a counter stream: the same
-    everywhere."""
+    architecture. CUDA Gaussian z is a counter stream (`cuda_draws`), independent of the launch grid
+    and so of the SM count (H100 SXM, H100 PCIe and MIG slices draw the same z), but its log and cos
+    are the architecture's own instructions, so another compute capability may round differently.
+    Rademacher z is a counter stream of signs: the same everywhere."""
     device = torch.device(device)
     if device.type != "cuda":
         return device.type
-    props = torch.cuda.get_device_properties(device)
-    return f"cuda:{props.name}:{props.multi_processor_count}sm"
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"cuda:counter-gaussian:sm_{major}{minor}"

@@ -78,3 +78,26 @@ def test_scratch_buffers_are_private_to_a_stream(monkeypatch):
     assert len({b.data_ptr() for b in (on_cpu, upload, compute)}) == 3
     current["stream"] = 7
     assert workers.scratch(10).data_ptr() == upload.data_ptr()  # reused within its stream
+
+
+@pytest.mark.parametrize("window", [None, (0, 1), (5000, 9000), (1023, 1025), (0, 19200)])
+def test_spans_of_whole_chunks_cover_exactly_the_wanted_elements(monkeypatch, window):
+    """CUDA work units (`counter_draws`): spans of consecutive whole chunks of at most SPAN_NUMEL
+    elements, whose wanted parts tile [lo, hi) with no gap or overlap; the CPU's are the chunks."""
+    import distzo.zo.directions as directions
+
+    shape, key = (300, 64), 11
+    lo, hi = window or (0, 300 * 64)
+    d = Directions(0)
+    cpu = d.units(key, shape, lo, hi)
+    assert [u[0] for u in cpu] == [r for r in chunks_of(key, shape) if r.start < hi and r.stop > lo]
+    monkeypatch.setattr(directions, "SPAN_NUMEL", 3 * chunk_numel(shape))
+    d.counter_draws = True
+    covered = []
+    for ref, part in d.units(key, shape, lo, hi):
+        per = chunk_numel(shape)
+        assert ref.per_chunk == per and ref.start == ref.index * per and ref.stop - ref.start <= 3 * per
+        assert ref.stop % per == 0 or ref.stop == 300 * 64  # whole chunks (the last may be short)
+        a, b = (ref.start, ref.stop) if part is None else (ref.start + part[0], ref.start + part[1])
+        covered += range(a, b)
+    assert covered == list(range(lo, hi))

@@ -1,0 +1,124 @@
+"""z on CUDA: one Triton kernel draws any element range of a parameter, chunk seeds derived in the kernel.
+
+On the CPU a chunk's z comes from a generator seeded per chunk (`Directions.fill_chunk`), one call
+per ~1M-element chunk. On a GPU that is one Python call, one generator and several kernel launches
+per chunk: a 1B-parameter step made ~1,000 of them, and the host, not the GPU, set its pace
+(docs/performance.md). Here one launch covers a whole span of chunks (a parameter, or the rows an
+embedding lookup reads): each program derives its chunk's seed from the parameter's hash and the
+chunk index with the same SplitMix64 finaliser as `Directions.chunk_seed`, so the values are a pure
+function of (seed, step, query, parameter, element), whatever the launch grid.
+
+Both distributions are counter streams here:
+
+- Rademacher: the stream of `distzo.zo.rademacher` (bit e % 64 of SplitMix64 word e // 64), bitwise
+  the same values as on the CPU.
+- Gaussian: element e of a chunk is the Box-Muller transform of word e of the chunk's SplitMix64
+  stream: u1 = (top 24 bits + 1) / 2^24 in (0, 1], u2 = (next 24 bits) / 2^24 in [0, 1),
+  z = sqrt(-2 ln u1) cos(2 pi u2). It replaces torch's CUDA `normal_`, whose values depend on the
+  GPU's multiprocessor count (its launch grid sets each thread's Philox offsets). The transcendental
+  functions are the GPU's, so the values are the same on every GPU of one architecture running the
+  same kernel; `gaussian_generator_id` records the architecture and resume/replay compare it.
+
+The kernel is compiled on first use (a second or two). torch's CUDA builds ship with Triton.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: nothing here is used there
+    triton = tl = None
+
+_BLOCK = 1024
+
+
+def available() -> bool:
+    return triton is not None
+
+
+def require() -> None:
+    """Raise a clear error where CUDA directions cannot be drawn."""
+    if triton is None:
+        raise RuntimeError("perturbation directions on CUDA are drawn by a Triton kernel, and Triton is not "
+                           "installed; torch's CUDA wheels bring it (pip install triton matching your torch)")
+
+
+_SPANS: dict[tuple[torch.device, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _span_tables(device: torch.device, first: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunk indices and zero bases of a span, kept: a run draws the same spans every step."""
+    key = (device, first, n)
+    tables = _SPANS.get(key)
+    if tables is None:
+        with torch.inference_mode(False):
+            chunks = torch.arange(first, first + n, dtype=torch.int64, device=device)
+            tables = _SPANS[key] = (chunks, torch.zeros_like(chunks))
+    return tables
+
+
+if triton is not None:
+    @triton.jit
+    def _mix64(x):
+        """The splitmix64 finaliser of x + golden gamma (uint64, wrapping): `rademacher.mix64`."""
+        x = x + 0x9E3779B97F4A7C15
+        x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9
+        x = (x ^ (x >> 27)) * 0x94D049BB133111EB
+        return x ^ (x >> 31)
+
+    @triton.jit(do_not_specialize=["key_hash"])
+    def _draw_kernel(out_ptr, chunk_ptr, base_ptr, n_cols, total, key_hash, scale,
+                     GAUSSIAN: tl.constexpr, BLOCK: tl.constexpr):
+        # Row r of the output holds elements [base[r], base[r] + n_cols) of chunk chunk[r]; only the
+        # first `total` elements of the flat output are written (a span's last chunk may be short).
+        row = tl.program_id(0).to(tl.int64)
+        col = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        flat = row * n_cols + col
+        mask = (col < n_cols) & (flat < total)
+        key_hash = key_hash.to(tl.uint64)  # passed as i32, u32, i64 or u64 by its value: all exact
+        chunk = tl.load(chunk_ptr + row).to(tl.uint64, bitcast=True)
+        seed = _mix64(key_hash ^ chunk)  # Directions.chunk_seed's last step
+        offset = (tl.load(base_ptr + row) + col).to(tl.uint64, bitcast=True)
+        if GAUSSIAN:
+            word = _mix64(seed + offset * 0x9E3779B97F4A7C15)  # SplitMix64 output `offset`
+            u1 = ((word >> 40).to(tl.float32) + 1.0) * 5.9604644775390625e-08
+            u2 = ((word >> 16) & 0xFFFFFF).to(tl.float32) * 5.9604644775390625e-08
+            z = tl.sqrt(-2.0 * tl.log(u1)) * tl.cos(6.2831854820251465 * u2)
+        else:
+            word = _mix64(seed + (offset >> 6) * 0x9E3779B97F4A7C15)
+            z = tl.where(((word >> (offset & 63)) & 1) != 0, 1.0, -1.0)
+        tl.store(out_ptr + flat, z * scale, mask=mask)
+
+
+def _launch(out: torch.Tensor, chunks: torch.Tensor, bases: torch.Tensor, n_cols: int, key_hash: int,
+            scale: float, gaussian: bool) -> torch.Tensor:
+    require()
+    total = out.numel()
+    rows = chunks.numel()
+    if total == 0 or rows == 0:
+        return out
+    grid = (rows, triton.cdiv(n_cols, _BLOCK))
+    _draw_kernel[grid](out, chunks, bases, n_cols, total, key_hash, float(scale), GAUSSIAN=gaussian, BLOCK=_BLOCK)
+    return out
+
+
+def fill_span(out: torch.Tensor, key_hash: int, first_chunk: int, per_chunk: int, scale: float,
+              gaussian: bool) -> torch.Tensor:
+    """out (float32, contiguous, on the GPU) = scale * z of elements [first_chunk * per_chunk,
+    ... + out.numel()) of a parameter whose chunks hold `per_chunk` elements (whole chunks from the
+    first; the last may be short). key_hash: `Directions.key_hash(step, query, key)`."""
+    chunks, bases = _span_tables(out.device, first_chunk, -(-out.numel() // per_chunk))
+    return _launch(out, chunks, bases, per_chunk, key_hash, scale, gaussian)
+
+
+def fill_rows(out: torch.Tensor, key_hash: int, rows: torch.Tensor, row_len: int, rows_per_chunk: int,
+              scale: float, gaussian: bool) -> torch.Tensor:
+    """out [len(rows), row_len] (float32, contiguous) = scale * z of those rows of a parameter whose
+    chunks hold `rows_per_chunk` rows: one launch, no synchronisation with the host."""
+    rows = rows.to(torch.int64)
+    chunks = torch.div(rows, rows_per_chunk, rounding_mode="floor")
+    bases = (rows - chunks * rows_per_chunk) * row_len
+    return _launch(out, chunks, bases, row_len, key_hash, scale, gaussian)

@@ -360,12 +360,18 @@ class EngineConfig:
     native: the fused CPU kernels (distzo/native): one pass per chunk for the update and every
       working copy, compiled on first use with the system C compiler. "auto": on CPU where a
       compiler is found (torch ops otherwise, with a warning); "true": required; "false": torch ops.
-      Results are bitwise the same either way."""
+      Results are bitwise the same either way.
+    compute: the arithmetic of the forward passes, the master and the perturbations staying in the
+      model's dtype (docs/performance.md#compute-modes). "fp32": as the weights. "tf32" (CUDA):
+      float32 matrix products on TF32 tensor cores. "bf16": the forward under bfloat16 autocast
+      (products in bfloat16, norms and softmax in float32) while a float32 master receives updates
+      far below bfloat16's resolution."""
 
     fuse_update: str = "auto"
     row_tokens: int = 1024
     divide_work: str = "auto"
     native: str = "auto"
+    compute: str = "fp32"
 
 
 @dataclass

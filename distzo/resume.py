@@ -49,6 +49,8 @@ def config_fingerprint(cfg) -> str:
     keys = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "task", "estimator", "optim", "peft")}
     if keys["model"].get("adapter", "auto") == "auto":
         keys["model"].pop("adapter", None)  # the default: fingerprints of runs from before the option stay valid
+    if str(cfg.engine.compute) != "fp32":
+        keys["compute"] = str(cfg.engine.compute)  # the forward's arithmetic shapes the losses
     keys["batch_size"] = cfg.batch_size
     keys["objective"] = str(cfg.objective)
     if cfg.optim.schedule != "constant":

@@ -38,6 +38,7 @@ RANGES: dict[str, str] = {
 }
 SWITCHES = ("engine.fuse_update", "engine.divide_work", "engine.native", "bench.single_rank")
 SWITCH_VALUES = ("auto", "true", "false")
+COMPUTE_MODES = ("fp32", "tf32", "bf16")
 ENCODER_ONLY = ("bert", "roberta", "deberta", "deberta-v2", "distilbert", "electra", "albert", "xlm-roberta",
                 "t5", "mt5", "bart", "mbart", "pegasus", "marian", "whisper", "vit")
 
@@ -233,6 +234,9 @@ def validate(cfg: Any, check_world: bool = True) -> None:
         raise ConfigError("estimator=agzo draws Gaussian R and dense noise; it needs estimator.distribution=gaussian")
 
     off = cfg.offload
+    if str(cfg.engine.compute) not in COMPUTE_MODES:
+        raise ConfigError(f"engine.compute={cfg.engine.compute} is not a compute mode; use one of "
+                          f"{', '.join(COMPUTE_MODES)}")
     if off.transfer_dtype is not None and off.mode == "none":
         raise ConfigError("offload.transfer_dtype only applies to offloaded blocks; add offload=cpu")
     if off.mode != "none" and (e.name != "mezo" or pe.method != "none"):

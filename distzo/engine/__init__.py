@@ -61,9 +61,16 @@ def build_engine(cfg, mesh: Mesh, model, adapter, params, directions, estimator:
     """The engine a run config asks for (`offload`, `comm`, `engine`, the estimator), with the model
     placed accordingly."""
     off, opts = cfg.offload, cfg.engine
+    compute = str(opts.compute)
+    if compute == "tf32":
+        if directions.device.type != "cuda":
+            raise EngineConfigError("engine.compute=tf32 runs float32 products on CUDA tensor cores; on "
+                                    f"{directions.device.type} use engine.compute=fp32 or bf16")
+        # Process-wide: every float32 product (the forward's, AGZO's bases) takes TF32, everywhere alike.
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     common = dict(eps=estimator.eps, mesh=mesh, row_tokens=opts.row_tokens,
                   fuse_update=str(opts.fuse_update).lower() != "false", micro_batch_size=cfg.micro_batch_size,
-                  timers=timers)
+                  compute=compute, timers=timers)
     if not adapter.blocks and off.mode == "cpu":
         raise EngineConfigError(f"{adapter.arch} runs on the whole-model fallback, which has no decoder blocks to "
                                 "stream; use offload=none")

@@ -63,9 +63,9 @@ class StackedLoRAEngine(ResidentEngine):
         how = "materialised" if self.materialize else "drawn inside each layer"
         return f"resident, each rank's evaluations in one batched forward over stacked LoRA B copies ({how})"
 
-    def _run(self, parts: Sequence[Sequence[Packed]], plan: Sequence[Evaluation], step: int, full_plan) -> list[Scores]:
+    def _walk(self, parts: Sequence[Sequence[Packed]], plan: Sequence[Evaluation], step: int, full_plan) -> list[Scores]:
         if not any(ev.perturbed for ev in plan):
-            return super()._run(parts, plan, step, full_plan)
+            return super()._walk(parts, plan, step, full_plan)
         # Every evaluation scores the same micro-batches here; one batched forward per micro-batch.
         per_part = [self._stacked(packed, plan, step) for packed in parts[0]]
         return [join_scores([scores[e] for scores in per_part]) for e in range(len(plan))]

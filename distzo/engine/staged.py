@@ -17,7 +17,7 @@ flush does, and whether a rank without evaluations must still walk the blocks wi
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Iterator, Mapping, Sequence
 
 import torch
@@ -54,7 +54,7 @@ class StagedEngine(Engine):
 
     def __init__(self, model: nn.Module, adapter: DecoderAdapter, params: TrainableParams, directions: Directions,
                  *, eps: float = 1e-3, mesh: Mesh | None = None, row_tokens: int = 1024, fuse_update: bool = True,
-                 micro_batch_size: int | None = None, timers: Timers = DISABLED):
+                 micro_batch_size: int | None = None, compute: str = "fp32", timers: Timers = DISABLED):
         for p in params:
             if not p.tensor.is_contiguous():
                 raise ValueError(f"parameter {p.name} is not contiguous; the chunked update needs flat views")
@@ -62,6 +62,7 @@ class StagedEngine(Engine):
         self.device = directions.device
         self.eps, self.row_tokens, self.fuse_update, self.timers = float(eps), row_tokens, fuse_update, timers
         self.micro_batch_size = micro_batch_size
+        self.compute = compute
         self.mesh = mesh if mesh is not None else Mesh.single(self.device)
         self.workspace = Workspace(self.device)
         self.block_params = [[p for p in params if p.name.startswith(prefix + ".")] for prefix, _ in adapter.blocks]
@@ -238,9 +239,22 @@ class StagedEngine(Engine):
     def _noise(self, step: int, plan: Sequence[Evaluation]) -> StageNoise:
         return StageNoise(self.directions, self.workspace, step, self.eps, plan, self.timers)
 
+    def _forward_arithmetic(self):
+        """engine.compute=bf16: the forward under bfloat16 autocast. Weights, working copies and
+        the update stay in the master's dtype (the chunk pass has no autocast op), so only the
+        forward's products round to bfloat16."""
+        if self.compute == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return nullcontext()
+
     @torch.inference_mode()
     def _run(self, parts: Sequence[Sequence[Packed]], plan: Sequence[Evaluation], step: int,
              full_plan: Sequence[Evaluation] | None) -> list[Scores]:
+        with self._forward_arithmetic():
+            return self._walk(parts, plan, step, full_plan)
+
+    def _walk(self, parts: Sequence[Sequence[Packed]], plan: Sequence[Evaluation], step: int,
+              full_plan: Sequence[Evaluation] | None) -> list[Scores]:
         """Scores of every evaluation of `plan`: evaluation e on the packed micro-batches parts[e]
         (usually the same batch for every evaluation; decoding gives each its own). One walk: each
         block's noise is drawn once and every micro-batch of every evaluation passes through the block

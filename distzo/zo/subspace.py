@@ -32,7 +32,11 @@ _OMEGA_QUERY = -2  # the power iteration's test matrix: its own coordinate in th
 def top_subspace(x: torch.Tensor, rank: int, iters: int, gen: torch.Generator) -> torch.Tensor:
     """AGZO Algorithm 1 on H = x^T (x: [m tokens, d_in]): an orthonormal [d_in, r] basis of H's top-r
     left singular subspace. Un-centred, as in the paper; computed in at least float32."""
-    x = x.to(torch.promote_types(x.dtype, torch.float32))
+    with torch.autocast(x.device.type, enabled=False):  # float32 even inside a bfloat16 forward
+        return _top_subspace(x.to(torch.promote_types(x.dtype, torch.float32)), rank, iters, gen)
+
+
+def _top_subspace(x: torch.Tensor, rank: int, iters: int, gen: torch.Generator) -> torch.Tensor:
     r = max(1, min(rank, x.shape[0], x.shape[1]))
     # Omega comes from a CPU generator (the same draw on every device), then joins x on its device.
     omega = torch.randn(x.shape[0], r, generator=gen, dtype=x.dtype).to(x.device)
@@ -92,7 +96,8 @@ class SubspaceDirections(Directions):
         d_in, rank = basis.shape
         first, last = ref.start // d_in, ref.stop // d_in  # chunks of 2-d tensors are whole rows
         r = self.coefficients_r(ref.key, self.out_features[ref.key], rank, step, query)
-        torch.matmul(r[first:last], basis.T.to(r.dtype), out=out.view(last - first, d_in))
+        with torch.autocast(out.device.type, enabled=False):  # z is float32 wherever it is drawn
+            torch.matmul(r[first:last], basis.T.to(r.dtype), out=out.view(last - first, d_in))
         return out.mul_(scale) if scale != 1.0 else out
 
 

@@ -92,6 +92,7 @@ class OffloadEngine(StagedEngine):
         self.streamer.synchronize()
 
     def close(self) -> None:
+        self.streamer.close()  # its host worker, after the last delta reached the master
         if self.device.type == "cuda":
             self.streamer.synchronize()
             unpin_all()  # page-locked host masters are unregistered before their memory can go

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator, Mapping, Sequence
@@ -175,9 +176,24 @@ class BlockStreamer:
         self.owner: list[int | None] = [None] * n  # block whose current weights fill the slot
         if self.transfer_dtype is not None:
             pin = self.cuda
-            self.host_stage = [host_buffer(size, self.transfer_dtype, pin) for _ in range(n)]
+            self.host_stage = [host_buffer(size, self.transfer_dtype, pin) for _ in range(n)]  # uploads
+            self.host_delta = [host_buffer(size, self.transfer_dtype, pin) for _ in range(n)]  # deltas back
             self.device_stage = [torch.empty(size, dtype=self.transfer_dtype, device=device) for _ in range(n)]
             self.deltas = [torch.zeros(size, dtype=torch.float32, device=device) for _ in range(n)]
+        # Reduced-precision transfer on CUDA: the host's work runs on two worker threads, so the
+        # Python thread queues the next blocks' kernels meanwhile instead of waiting for each
+        # write-back. One narrows blocks for upload, the other adds returned deltas to the masters;
+        # a block's narrowing waits only for its own last delta, and a delta buffer is reused only
+        # after the add that read it.
+        self._host: tuple[ThreadPoolExecutor, ThreadPoolExecutor] | None = None
+        self._host_jobs: list[Future] = []
+        self._uploading: dict[int, Future] = {}  # slot -> its upload job (records `uploaded[slot]`)
+        self._adding: dict[int, Future] = {}  # block -> the add of its last delta
+        self._delta_read: dict[int, Future] = {}  # slot -> the last add that read host_delta[slot]
+        self._stage_read: list[torch.cuda.Event | None] = [None] * n  # last upload that read host_stage[s]
+        if self.cuda and self.transfer_dtype is not None:
+            self._host = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="distzo-narrow"),
+                          ThreadPoolExecutor(max_workers=1, thread_name_prefix="distzo-delta"))
         if self.cuda:
             self.upload_stream = torch.cuda.Stream(device)
             self.offload_stream = torch.cuda.Stream(device)
@@ -214,6 +230,8 @@ class BlockStreamer:
         self.transfer_s += time.perf_counter() - t0
 
     def transfer_seconds(self) -> float:
+        if self._host is not None:
+            self._drain_host()  # uploads the worker queued have recorded their timing events
         if self.cuda and self._timed:
             for start, end in self._timed:
                 end.synchronize()
@@ -229,8 +247,15 @@ class BlockStreamer:
                 self.slots[s][lo:hi].copy_(block.flat[lo:hi], non_blocking=True)
                 self.bytes_up += (hi - lo) * block.flat.element_size()
             else:
+                if self._stage_read[s] is not None:
+                    # The previous upload from this staging buffer may still be queued: overwriting
+                    # it now would send the wrong block (the host runs ahead of the GPU).
+                    self._stage_read[s].synchronize()
                 self.host_stage[s][lo:hi].copy_(block.flat[lo:hi])  # narrow on the host (CPU work)
                 self.device_stage[s][lo:hi].copy_(self.host_stage[s][lo:hi], non_blocking=True)
+                if self.cuda:
+                    self._stage_read[s] = torch.cuda.Event()
+                    self._stage_read[s].record()
                 self.slots[s][lo:hi].copy_(self.device_stage[s][lo:hi])  # widen on the device
                 self.bytes_up += (hi - lo) * self.host_stage[s].element_size()
 
@@ -240,14 +265,36 @@ class BlockStreamer:
                 block.flat[lo:hi].copy_(self.slots[s][lo:hi], non_blocking=True)
                 self.bytes_down += (hi - lo) * block.flat.element_size()
                 return
+            reading = self._delta_read.pop(s, None)
+            if reading is not None:
+                reading.result()  # the add that reads this delta buffer is done with it
             self.device_stage[s][lo:hi].copy_(self.deltas[s][lo:hi])  # narrow the delta on the device
-            self.host_stage[s][lo:hi].copy_(self.device_stage[s][lo:hi], non_blocking=True)
-            self.bytes_down += (hi - lo) * self.host_stage[s].element_size()
+            self.host_delta[s][lo:hi].copy_(self.device_stage[s][lo:hi], non_blocking=True)
+            self.bytes_down += (hi - lo) * self.host_delta[s].element_size()
         if not self.cuda:
             self._add_delta(block, s, lo, hi)
 
     def _add_delta(self, block: HostBlock, s: int, lo: int, hi: int) -> None:
-        block.flat[lo:hi].add_(self.host_stage[s][lo:hi].to(block.flat.dtype))
+        # Mixed-dtype in place: widened element by element, with no block-sized temporary.
+        block.flat[lo:hi].add_(self.host_delta[s][lo:hi])
+
+    def _add_delta_when(self, done: torch.cuda.Event, i: int, s: int, lo: int, hi: int) -> None:
+        """Add block i's delta once its copy to the host (`done`) has landed, on the delta worker."""
+        block = self.blocks[i]
+
+        def job() -> None:
+            done.synchronize()
+            self._add_delta(block, s, lo, hi)
+        future = self._host[1].submit(job)
+        self._host_jobs.append(future)
+        self._adding[i] = self._delta_read[s] = future
+
+    def _drain_host(self) -> None:
+        """Wait for the host worker's jobs (re-raising their errors): host masters and staging
+        buffers are then the Python thread's to read and write."""
+        jobs, self._host_jobs, self._uploading, self._adding, self._delta_read = self._host_jobs, [], {}, {}, {}
+        for job in jobs:
+            job.result()
 
     def _gather(self, block: HostBlock, s: int) -> None:
         """Every peer's slice of the block into this slot (this rank's slice is already there)."""
@@ -274,8 +321,21 @@ class BlockStreamer:
         if not self.cuda:
             self._upload(block, s, 0, block.numel)
             return
-        with torch.cuda.stream(self.upload_stream):
-            self._wait_for_slot(i, s)
+        if self._host is not None:  # narrowing on the host worker, after this block's last delta
+            slot_free, written, adding = self.slot_free[s], self.written.get(i), self._adding.get(i)
+            job = self._host[0].submit(self._queue_upload, block, s, slot_free, written, adding)
+            self._host_jobs.append(job)
+            self._uploading[s] = job
+            return
+        self._queue_upload(block, s, self.slot_free[s], self.written.get(i))
+
+    def _queue_upload(self, block: HostBlock, s: int, slot_free, written, adding: Future | None = None) -> None:
+        if adding is not None:
+            adding.result()  # the block's master holds its last delta
+        with torch.cuda.device(self.device), torch.cuda.stream(self.upload_stream):
+            for event in (slot_free, written):
+                if event is not None:
+                    self.upload_stream.wait_event(event)
             self._upload(block, s, 0, block.numel)
             self.uploaded[s].record(self.upload_stream)
 
@@ -309,6 +369,8 @@ class BlockStreamer:
         if not self.cuda:
             work()
             return
+        if self._host is not None:
+            self._drain_host()  # this thread narrows now: earlier deltas must be in the master
         with torch.cuda.stream(self.upload_stream):
             self._wait_for_slot(i, s)
             written_before = self.bytes_down
@@ -318,8 +380,7 @@ class BlockStreamer:
                 done.record(self.upload_stream)
                 self.written[i] = done
                 if self.transfer_dtype is not None:
-                    done.synchronize()  # the host adds the delta, so it must have arrived
-                    self._add_delta(block, s, lo, hi)
+                    self._add_delta_when(done, i, s, lo, hi)
             self.uploaded[s].record(self.upload_stream)
 
     def flush_slice(self, i: int) -> None:
@@ -339,6 +400,8 @@ class BlockStreamer:
         if not self.cuda:
             work()
             return
+        if self._host is not None:
+            self._drain_host()
         with torch.cuda.stream(self.upload_stream):
             self._wait_for_slot(i, s)
             if work():
@@ -346,12 +409,14 @@ class BlockStreamer:
                 done.record(self.upload_stream)
                 self.written[i] = self.slot_free[s] = done
                 if self.transfer_dtype is not None:
-                    done.synchronize()
-                    self._add_delta(block, s, lo, hi)
+                    self._add_delta_when(done, i, s, lo, hi)
 
     def acquire(self, i: int, local: bool = False) -> dict[str, torch.Tensor]:
         self.prefetch(i, local)
         s = self.slot_of(i)
+        job = self._uploading.pop(s, None)
+        if job is not None:
+            job.result()  # the worker has queued the upload and recorded its event
         if self.cuda:
             compute = torch.cuda.current_stream(self.device)
             compute.wait_event(self.uploaded[s])
@@ -390,11 +455,19 @@ class BlockStreamer:
             done.record(self.offload_stream)
         self.slot_free[s] = self.written[i] = done
         if self.transfer_dtype is not None:
-            done.synchronize()  # the host adds the delta below, so it must have arrived
-            self._add_delta(block, s, 0, block.numel)
+            self._add_delta_when(done, i, s, 0, block.numel)
 
     def synchronize(self) -> None:
         """Wait for every write-back: the host masters are then safe to read."""
+        if self._host is not None:
+            self._drain_host()
         if self.cuda:
             self.offload_stream.synchronize()
             self.upload_stream.synchronize()
+
+    def close(self) -> None:
+        if self._host is not None:
+            self._drain_host()
+            for pool in self._host:
+                pool.shutdown(wait=True)
+            self._host = None

@@ -6,12 +6,15 @@ decoding objective, and bench on the 1B preset. Skipped with one reason on machi
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from distzo.train import train
+from distzo.zo.directions import Directions, chunks_of, param_key
+from distzo.zo.rademacher import _int64, stream_signs, stream_words
 from tests.conftest import make_config
 from tests.distributed.launch import run_forked
 
@@ -38,9 +41,10 @@ def test_offloaded_equals_resident_on_cuda(tmp_path, model, slots):
     ["estimator=mezo"], ["estimator=mezo", "estimator.distribution=rademacher", "estimator.q=2"],
     ["estimator=prge", "peft=lora_fa", "estimator.q=2", "optim.lr=0.5"], ["estimator=agzo"],
     ["peft=lora", "optim.lr=1e-2"], ["peft=prefix", "estimator.eps=1e-1", "optim.lr=1e-2"],
-    ["offload=cpu", "offload.transfer_dtype=bfloat16"],
+    ["offload=cpu", "offload.transfer_dtype=bfloat16"], ["engine.compute=bf16"], ["engine.compute=tf32"],
+    ["offload=cpu", "engine.compute=bf16"], ["estimator=agzo", "engine.compute=bf16"],
 ])
-def test_every_estimator_and_trainable_set_trains_on_cuda(tmp_path, run):
+def test_every_estimator_trainable_set_and_compute_mode_trains_on_cuda(tmp_path, run):
     summary = train(make_config(*FAST, "model=tiny", "steps=4", *run), tmp_path / "run")
     assert summary["steps"] == 4 and 0 <= summary["test_accuracy"] <= 1
 
@@ -63,3 +67,74 @@ def test_bench_on_the_1b_preset(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads((tmp_path / "b" / "bench.json").read_text())
     assert out["device"] == "cuda" and out["step_time_s"] > 0
+
+
+def _gaussian_reference(seed: int, n: int) -> torch.Tensor:
+    """The CUDA Gaussian stream's definition (distzo/zo/cuda_draws.py) in float64 torch ops on the CPU."""
+    words = stream_words(_int64(seed), torch.arange(n, dtype=torch.int64))
+    u1 = (((words >> 40) & 0xFFFFFF).double() + 1) / 2 ** 24
+    u2 = ((words >> 16) & 0xFFFFFF).double() / 2 ** 24
+    return torch.sqrt(-2 * torch.log(u1)) * torch.cos(2 * math.pi * u2)
+
+
+@pytest.mark.parametrize("distribution", ["rademacher", "gaussian"])
+def test_cuda_directions_are_the_counter_streams(distribution):
+    """One launch per span draws each chunk's stream: Rademacher bitwise the CPU's stream; Gaussian the
+    Box-Muller of the chunk's SplitMix64 words within 5e-5 (the GPU's float32 log and cos against
+    float64: a few ulps of values below 6); rows, single chunks and scaled draws are the same values."""
+    d = Directions(3, distribution, "cuda")
+    shape, key, step, q = (3000, 700), param_key("layers.0.w"), 5, 1
+    z = d.generate(shape, key, step, q)
+    flat = z.view(-1).cpu()
+    refs = chunks_of(key, shape)
+    assert len(refs) == 3 and len(d.units(key, shape)) == 1  # three chunks, one launch
+    for ref in refs:
+        seed, n = d.chunk_seed(step, q, key, ref.index), ref.stop - ref.start
+        got = flat[ref.start:ref.stop]
+        if distribution == "rademacher":
+            assert torch.equal(got, stream_signs(seed, 0, n))
+        else:
+            assert (got.double() - _gaussian_reference(seed, n)).abs().max().item() < 5e-5
+        one = d.fill_chunk(torch.empty(n, device="cuda"), step, q, ref)
+        assert torch.equal(one.cpu(), got)
+        scaled = d.fill_chunk(torch.empty(n, device="cuda"), step, q, ref, 1e-3)
+        assert torch.equal(scaled, one.mul_(1e-3))
+    rows = torch.tensor([2999, 0, 1496, 1497, 1498, 1500], device="cuda")
+    assert torch.equal(d.rows(shape, key, step, q, rows), z[rows])
+    if distribution == "gaussian":
+        assert abs(flat.mean().item()) < 5e-3 and abs(flat.std().item() - 1) < 5e-3
+
+
+def test_reduced_precision_streaming_keeps_blocks_and_deltas_apart():
+    """Eight 8M-element blocks through two slots at bfloat16, the host far ahead of the GPU (no
+    synchronisation but the streamer's own): every slot holds exactly its block when computed on, and
+    every delta written back reaches its own block's host master (the host worker adds it) before
+    that block is uploaded again. Block j holds the value j, and each pass adds 0.5 to every block."""
+    from distzo.engine.streamer import BlockStreamer, HostBlock, host_buffer
+
+    n, numel = 8, 1 << 23
+    blocks = []
+    for j in range(n):
+        flat = host_buffer(numel, torch.float32, pin=True)
+        flat.fill_(float(j))
+        blocks.append(HostBlock(f"b{j}", [f"b{j}.w"], [torch.Size([numel])], [0], flat, flat, numel, 1))
+    streamer = BlockStreamer(blocks, torch.device("cuda"), slots=2, transfer_dtype=torch.bfloat16)
+    seen = []
+    try:
+        for rnd in range(3):
+            for i in range(n):
+                for j in range(i, min(i + 2, n)):
+                    streamer.prefetch(j)
+                w = streamer.acquire(i)[f"b{i}.w"]
+                seen.append((rnd, i, torch.stack([w.min(), w.max()])))  # queued on the compute stream
+                streamer.delta_views(i)[f"b{i}.w"].fill_(0.5)
+                streamer.release(i, write_back=True)
+        streamer.synchronize()
+        for rnd, i, got in seen:
+            assert got.tolist() == [i + 0.5 * rnd] * 2, (rnd, i, got.tolist())
+        for j, b in enumerate(blocks):
+            assert torch.equal(b.flat, torch.full_like(b.flat, j + 1.5))
+    finally:
+        streamer.close()
+        from distzo.engine.streamer import unpin_all
+        unpin_all()

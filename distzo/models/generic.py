@@ -76,7 +76,7 @@ class _Absent(nn.Module):
         raise RuntimeError("internal error: the shell's stock forward looked up token embeddings itself")
 
 
-def _find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
+def find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
     """(path, list) of the largest ModuleList whose entries share one class: the decoder layers."""
     best: tuple[int, str, nn.ModuleList] | None = None
     for path, module in model.named_modules():
@@ -109,7 +109,7 @@ class GenericDecoderAdapter(DecoderAdapter):
     def __init__(self, model: nn.Module, self_check: bool = True):
         super().__init__(model)
         arch = self.arch
-        layers_path, layers = _find_blocks(model)
+        layers_path, layers = find_blocks(model)
         if "." not in layers_path:
             raise UnsupportedModelError(f"{arch}: its decoder layers ({layers_path}) sit on the causal-LM class "
                                         "itself, not in a base model the general path can run up to them")

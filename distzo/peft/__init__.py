@@ -14,10 +14,6 @@ from .lora import attach_lora, lora_layers
 from .prefix import attach_prefix
 
 
-# The families whose attention prefix tuning is tested on (it hands attention a cache stand-in).
-PREFIX_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "opt")
-
-
 def apply_peft(model: nn.Module, cfg) -> None:
     """Freeze the model and attach the trainable parameters `cfg` (a PeftConfig) asks for."""
     if cfg.method == "none":
@@ -26,14 +22,7 @@ def apply_peft(model: nn.Module, cfg) -> None:
     if cfg.method in ("lora", "lora_fa"):
         attach_lora(model, list(cfg.targets), cfg.r, cfg.alpha, cfg.init_seed, train_a=cfg.method == "lora")
     elif cfg.method == "prefix":
-        model_type = getattr(model.config, "model_type", "?")
-        if model_type not in PREFIX_FAMILIES:
-            from ..errors import DistzoError
-
-            raise DistzoError(f"peft=prefix hooks the attention of {', '.join(PREFIX_FAMILIES)} models only, not "
-                              f"{model_type!r}; use peft=lora or peft=lora_fa (docs/models.md lists each family's "
-                              "peft.targets)")
-        attach_prefix(model, cfg.prefix_tokens, cfg.init_seed)
+        attach_prefix(model, cfg.prefix_tokens, cfg.init_seed)  # checked against the stock forward there
     else:
         raise ValueError(f"unknown peft method {cfg.method!r}")
 

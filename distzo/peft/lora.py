@@ -1,6 +1,8 @@
-"""LoRA and LoRA-FA as forward hooks on stock nn.Linear layers: y = W x + b + (alpha / r) B (A x).
+"""LoRA and LoRA-FA as forward hooks on stock linear layers: y = W x + b + (alpha / r) B (A x).
 
-The stock Linear keeps its weight and class; it gains two parameters, `lora_A` [r, in] (Kaiming-
+A linear layer is an nn.Linear, or transformers' Conv1D (GPT-2's projections), which stores its
+weight transposed ([in, out]); the low-rank term does not depend on how W is stored.
+The stock layer keeps its weight and class; it gains two parameters, `lora_A` [r, in] (Kaiming-
 uniform, as in MeZO's and PEFT's LoRA) and `lora_B` [out, r] (zeros, so training starts at the
 pretrained model), and a forward hook adding the low-rank term. Because they are parameters of the
 Linear, the engine's functional calls swap in their perturbed working copies like any other weight.
@@ -27,7 +29,22 @@ from ..zo.directions import param_key
 _STACKS: dict[nn.Module, Union[torch.Tensor, Callable[[], torch.Tensor]]] = {}
 
 
-def _lora_hook(module: nn.Linear, args, output: torch.Tensor) -> torch.Tensor:
+def linear_features(module: nn.Module) -> tuple[int, int] | None:
+    """(in, out) features of a layer LoRA can adapt, or None: nn.Linear, or transformers' Conv1D."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    if is_conv1d(module):
+        return int(module.weight.shape[0]), int(module.weight.shape[1])
+    return None
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    from transformers.pytorch_utils import Conv1D
+
+    return isinstance(module, Conv1D)
+
+
+def _lora_hook(module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
     x = args[0]
     stacked = _STACKS.get(module)
     low = F.linear(x, module.lora_A)  # [..., r]
@@ -41,17 +58,20 @@ def _lora_hook(module: nn.Linear, args, output: torch.Tensor) -> torch.Tensor:
 
 
 def attach_lora(model: nn.Module, targets: list[str], r: int, alpha: float, init_seed: int, train_a: bool) -> int:
-    """Attach LoRA to every nn.Linear whose attribute name is in `targets`; returns how many."""
+    """Attach LoRA to every linear layer (nn.Linear or Conv1D) whose attribute name is in `targets`;
+    returns how many."""
     count = 0
     for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear) or name.rsplit(".", 1)[-1] not in targets:
+        features = linear_features(module)
+        if features is None or name.rsplit(".", 1)[-1] not in targets:
             continue
+        in_features, out_features = features
         w = module.weight
         gen = torch.Generator().manual_seed((init_seed * 1_000_003 + param_key(name)) % (2**63))
-        a = torch.empty(r, module.in_features, dtype=torch.float32)
+        a = torch.empty(r, in_features, dtype=torch.float32)
         nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=gen)
         module.register_parameter("lora_A", nn.Parameter(a.to(w.dtype).to(w.device), requires_grad=train_a))
-        module.register_parameter("lora_B", nn.Parameter(torch.zeros(module.out_features, r, dtype=w.dtype,
+        module.register_parameter("lora_B", nn.Parameter(torch.zeros(out_features, r, dtype=w.dtype,
                                                                      device=w.device)))
         module.lora_scale = alpha / r
         module.register_forward_hook(_lora_hook)
@@ -60,13 +80,14 @@ def attach_lora(model: nn.Module, targets: list[str], r: int, alpha: float, init
         from ..errors import DistzoError
 
         raise DistzoError(f"peft.targets={targets} matched no linear layer of this model; name the projections "
-                          "to adapt (e.g. [q_proj,v_proj] for Llama, Qwen and OPT)")
+                          "to adapt (e.g. [q_proj,v_proj] for Llama, Qwen and OPT, [c_attn] for GPT-2; "
+                          "docs/models.md lists each family's)")
     return count
 
 
-def lora_layers(model: nn.Module) -> list[tuple[str, nn.Linear]]:
-    """(name, module) of every Linear carrying LoRA, in module order."""
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and hasattr(m, "lora_B")]
+def lora_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) of every linear layer carrying LoRA, in module order."""
+    return [(n, m) for n, m in model.named_modules() if linear_features(m) is not None and hasattr(m, "lora_B")]
 
 
 @contextmanager

@@ -104,6 +104,17 @@ def test_eval_of_an_adapter_run_loads_the_adapter_on_the_runs_base_model(tmp_pat
     peft_adapter_gives_distzos_logits(run_dir, "task=synthetic-cue", "peft=lora")
 
 
+def test_lora_on_gpt2s_conv1d_projections_exports_a_peft_adapter(tmp_path):
+    """GPT-2's projections are transformers' Conv1D (weight stored [in, out]): LoRA attaches to them
+    like to nn.Linear, trains on the general path, and its PEFT export (fan_in_fan_out) gives distzo's
+    logits."""
+    gpt2 = ("model.arch=gpt2", "task=synthetic-cue", "peft=lora", "peft.targets=[c_attn,c_proj]")
+    run_dir, summary, _ = trained(tmp_path, "gpt2", *gpt2, "task.val_size=16", "task.test_size=16", "optim.lr=1e-2",
+                                  "estimator.eps=1e-2", "steps=6")
+    assert summary["trainable_parameters"] > 0
+    peft_adapter_gives_distzos_logits(run_dir, *gpt2)
+
+
 def peft_adapter_gives_distzos_logits(run_dir, *settings):
     """The run's final/ also holds a PEFT adapter: `peft.PeftModel.from_pretrained` on the stock base
     model gives the label-word logits distzo's own evaluation of the trained adapter gives. distzo

@@ -34,7 +34,7 @@ from distzo.zo.estimators import AGZO, PRGE, SPSA
 from distzo.zo.params import TrainableParams
 from distzo.zo.subspace import ActivationCapture, SubspaceDirections, top_subspace
 from tests.conftest import make_config
-from tests.engine_helpers import label_batch, materialize, plan_logits
+from tests.engine_helpers import clean_logits, label_batch, materialize, plan_logits
 
 LABELS = torch.tensor([11, 42])
 
@@ -245,23 +245,53 @@ def test_lora_hook_equals_the_merged_stock_model():
     assert torch.allclose(model(ids).logits, ref(ids).logits, atol=1e-5)
 
 
-@pytest.mark.parametrize("arch", ["llama", "opt"])
+PREFIX_ARCHS = ["llama", "opt", "mistral", "gpt2", "gpt_neox", "phi", "phi3", "gemma3_text", "falcon", "stablelm"]
+
+
+@pytest.mark.parametrize("arch", PREFIX_ARCHS)
 def test_prefix_is_the_random_tokens_prepended(arch):
     """At initialisation the prefix holds the real keys and values of m random tokens, so the
-    prefixed model on a prompt equals the stock model on [those tokens, prompt]."""
-    m = 5
+    prefixed model on a prompt equals the stock model on [those tokens, prompt] (inside a sliding
+    window, where the stock model still sees the tokens), on the dedicated families and the general
+    path's alike."""
+    m, n = 5, 3 if arch in ("mistral", "gemma3_text") else 7  # their random configs' window: 8 tokens
     model, ref = random_model(arch, 200, {}, 0, torch.float64), random_model(arch, 200, {}, 0, torch.float64)
     model.requires_grad_(False)
     attach_prefix(model, m, init_seed=4)
     tokens = torch.randint(0, 200, (1, m), generator=torch.Generator().manual_seed(4))
-    prompt = torch.randint(0, 200, (1, 7), generator=torch.Generator().manual_seed(1))
-    got = model(prompt).logits
+    prompt = torch.randint(0, 200, (1, n), generator=torch.Generator().manual_seed(1))
+    got = model(prompt, position_ids=torch.arange(n)[None]).logits
     full = torch.cat([tokens, prompt], dim=1)
-    # rotary: the prefix sits at positions -m..-1; learned positions (OPT): at 0..m-1, and the
-    # prompt keeps its own positions from 0 in both models
-    first = torch.arange(-m, 0) if arch == "llama" else torch.arange(m)
-    want = ref(full, position_ids=torch.cat([first, torch.arange(7)])[None]).logits[:, m:]
+    # rotary: the prefix sits at positions -m..-1; learned positions (OPT, GPT-2): at 0..m-1, and
+    # the prompt keeps its own positions from 0 in both models
+    rotary = any(name.endswith("rotary_emb") for name, _ in ref.named_modules())
+    first = torch.arange(-m, 0) if rotary else torch.arange(m)
+    want = ref(full, position_ids=torch.cat([first, torch.arange(n)])[None]).logits[:, m:]
     assert torch.allclose(got, want, atol=1e-8)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "gemma3_text", "falcon"])
+def test_the_general_path_runs_prefix_tuning_as_the_stock_forward(arch):
+    """Prefix hooks sit on the stock attention modules, so the general path's staged forward (which
+    calls those modules) scores as the hooked stock model does, and training moves only the prefix."""
+    cfg = make_config("model=tiny", "peft=prefix", f"model.arch={arch}")
+    model = random_model(arch, 300, {}, 0, torch.float32)
+    apply_peft(model, cfg.peft)
+    params = TrainableParams.from_model(model)
+    engine = ResidentEngine(model, adapter_for(model), params, Directions(1), eps=1e-2)
+    seqs = [[5, 6, 7], [8, 9, 10, 11]]
+    b = label_batch(seqs, [0, 1], LABELS)
+    with torch.inference_mode():
+        stock = torch.stack([model(torch.tensor([s]), position_ids=torch.arange(len(s))[None]).logits[0, -1, LABELS]
+                             for s in seqs])
+    torch.testing.assert_close(clean_logits(engine, b), stock, rtol=0, atol=1e-5)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    est = SPSA(1e-2, 1)
+    for step in range(2):
+        engine.apply(step, est.combine(losses(engine, b, est.plan(), step)).coefficients, 1.0, 0.0)
+    materialize(engine)
+    changed = {k for k, v in model.state_dict().items() if not torch.equal(before[k], v)}
+    assert changed == {p.name for p in params} and all("prefix_" in n for n in changed)
 
 
 @pytest.mark.parametrize("method,estimator", [("lora", "mezo"), ("lora_fa", "prge"), ("prefix", "agzo")])

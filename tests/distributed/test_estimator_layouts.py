@@ -53,8 +53,10 @@ RUNS = {
 }
 QA = ["task=custom", "task.kind=generation", "task.template='Q: {question} A:'", "task.max_new_tokens=3"]
 MESHES = ["2x2", "4x1"]
-# the general path's and the fallback's runs: 1x1 against 2x2
-ONLY_2X2 = {"gpt2", "gemma3", "gpt_neox", "phi3", "falcon", "stablelm", "lora-neox", "whole"}
+# 1x1 against 2x2 only: the general path's and the fallback's runs, and the task kinds (choice, sft),
+# whose data-parallel and perturbation-parallel halves 2x2 already exercises; 4x1 stays for the
+# estimators, whose evaluations it deals one per rank
+ONLY_2X2 = {"gpt2", "gemma3", "gpt_neox", "phi3", "falcon", "stablelm", "lora-neox", "whole", "choice", "sft"}
 JOBS = [(name, mesh) for name in RUNS for mesh in MESHES if mesh == "2x2" or name not in ONLY_2X2]
 
 

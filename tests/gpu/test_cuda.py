@@ -1,7 +1,8 @@
 """The CUDA paths, run where a GPU is: offloaded = resident bitwise with the slot ring exercised
-(streams, events, pinned host masters), every estimator and trainable set for a few steps, the
-decoding objective, and bench on the 1B preset. Skipped with one reason on machines without CUDA
-(the CPU suite covers the same logic there)."""
+(streams, events, pinned host masters), every estimator, trainable set and compute mode for a few
+steps, the Triton draw kernel against the streams' definitions, reduced-precision streaming with the
+host far ahead of the GPU, and bench on the 1B preset. Skipped with one reason on machines without
+CUDA (the CPU suite covers the same logic there). Last run: an H100, BENCHMARKS.md "On a GPU"."""
 
 from __future__ import annotations
 

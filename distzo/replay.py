@@ -57,8 +57,10 @@ def replay(run_dir: Path, step: int | None = None, out: Path | None = None, devi
     if state["distribution"] == "gaussian" and state.get("device_type", "cpu") != torch.device(device).type:
         raise ReplayError(f"the run drew its Gaussian directions on {state['device_type']}; replay with --device "
                           f"{state['device_type']} (Gaussian generators differ between device types)")
-    drawn_by = state.get("gaussian_generator")
-    if state["distribution"] == "gaussian" and drawn_by and drawn_by != gaussian_generator_id(torch.device(device)):
+    # Snapshots from before the generator was recorded name only the device type: on CUDA that no
+    # longer matches this distzo's generator (its CUDA Gaussian z changed with DIRECTIONS_VERSION 4).
+    drawn_by = state.get("gaussian_generator") or state.get("device_type", "cpu")
+    if state["distribution"] == "gaussian" and drawn_by != gaussian_generator_id(torch.device(device)):
         raise ReplayError(f"the run drew its Gaussian directions by {drawn_by}, and this machine draws by "
                           f"{gaussian_generator_id(torch.device(device))} (CUDA Gaussian z uses the GPU architecture's own log "
                           "and cos); replay on a GPU of the recorded architecture, or train with "

@@ -92,11 +92,14 @@ class OffloadEngine(StagedEngine):
         self.streamer.synchronize()
 
     def close(self) -> None:
-        self.streamer.close()  # its host worker, after the last delta reached the master
-        if self.device.type == "cuda":
-            self.streamer.synchronize()
-            unpin_all()  # page-locked host masters are unregistered before their memory can go
-        super().close()
+        try:
+            self.streamer.close()  # its host workers, after the last delta reached the master
+            if self.device.type == "cuda":
+                self.streamer.synchronize()
+        finally:
+            if self.device.type == "cuda":
+                unpin_all()  # page-locked host masters are unregistered before their memory can go
+            super().close()
 
     def check_can_generate(self) -> None:
         if self.device.type != "cpu":

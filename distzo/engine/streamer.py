@@ -293,8 +293,10 @@ class BlockStreamer:
         """Wait for the host worker's jobs (re-raising their errors): host masters and staging
         buffers are then the Python thread's to read and write."""
         jobs, self._host_jobs, self._uploading, self._adding, self._delta_read = self._host_jobs, [], {}, {}, {}
-        for job in jobs:
-            job.result()
+        errors = [job.exception() for job in jobs]  # waits for every job, failed or not
+        failed = next((e for e in errors if e is not None), None)
+        if failed is not None:
+            raise failed
 
     def _gather(self, block: HostBlock, s: int) -> None:
         """Every peer's slice of the block into this slot (this rank's slice is already there)."""
@@ -466,8 +468,11 @@ class BlockStreamer:
             self.upload_stream.synchronize()
 
     def close(self) -> None:
-        if self._host is not None:
+        if self._host is None:
+            return
+        try:
             self._drain_host()
+        finally:
             for pool in self._host:
                 pool.shutdown(wait=True)
             self._host = None

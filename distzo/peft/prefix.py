@@ -121,9 +121,15 @@ def attach_prefix(model: nn.Module, m: int, init_seed: int) -> None:
         cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         expected = model(input_ids=probe, position_ids=probe_positions, use_cache=True,
                          **{cache_kw: copy.deepcopy(cache)}).logits
+    except torch.OutOfMemoryError:
+        raise
     except Exception as exc:  # noqa: BLE001 - any failure means the reference cannot be formed
         raise DistzoError(f"peft=prefix: {model.config.model_type!r} cannot continue a prompt from a KV cache "
-                          f"({type(exc).__name__}: {exc}); use peft=lora or peft=lora_fa") from None
+                          f"({type(exc).__name__}: {exc}); use peft=lora or peft=lora_fa") from exc
+    if len(getattr(cache, "layers", ())) != len(attentions):
+        raise DistzoError(f"peft=prefix: {model.config.model_type!r}'s cache holds "
+                          f"{len(getattr(cache, 'layers', ()))} layers for {len(attentions)} attention modules; "
+                          "use peft=lora or peft=lora_fa")
     for i, attn in enumerate(attentions):
         layer = cache.layers[i]
         attn.register_parameter("prefix_keys", nn.Parameter(layer.keys[0].clone().contiguous()))
@@ -139,9 +145,11 @@ def _check(model: nn.Module, probe: torch.Tensor, positions: torch.Tensor, expec
     arch = model.config.model_type
     try:
         got = model(input_ids=probe, position_ids=positions, use_cache=False).logits
+    except torch.OutOfMemoryError:
+        raise
     except Exception as exc:  # noqa: BLE001 - the attention relies on something the stand-in lacks
         raise DistzoError(f"peft=prefix: {arch!r} attention does not run with distzo's prefix stand-in "
-                          f"({type(exc).__name__}: {exc}); use peft=lora or peft=lora_fa") from None
+                          f"({type(exc).__name__}: {exc}); use peft=lora or peft=lora_fa") from exc
     worst = float((got - expected).abs().max())
     if not worst <= TOLERANCE * max(1.0, float(expected.abs().max())):
         raise DistzoError(f"peft=prefix: on {arch!r} the hooked attention does not reproduce the stock forward "

@@ -46,20 +46,6 @@ def require() -> None:
                            "installed; torch's CUDA wheels bring it (pip install triton matching your torch)")
 
 
-_SPANS: dict[tuple[torch.device, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _span_tables(device: torch.device, first: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The chunk indices and zero bases of a span, kept: a run draws the same spans every step."""
-    key = (device, first, n)
-    tables = _SPANS.get(key)
-    if tables is None:
-        with torch.inference_mode(False):
-            chunks = torch.arange(first, first + n, dtype=torch.int64, device=device)
-            tables = _SPANS[key] = (chunks, torch.zeros_like(chunks))
-    return tables
-
-
 if triton is not None:
     @triton.jit
     def _mix64(x):
@@ -69,19 +55,26 @@ if triton is not None:
         x = (x ^ (x >> 27)) * 0x94D049BB133111EB
         return x ^ (x >> 31)
 
-    @triton.jit(do_not_specialize=["key_hash"])
-    def _draw_kernel(out_ptr, chunk_ptr, base_ptr, n_cols, total, key_hash, scale,
-                     GAUSSIAN: tl.constexpr, BLOCK: tl.constexpr):
-        # Row r of the output holds elements [base[r], base[r] + n_cols) of chunk chunk[r]; only the
-        # first `total` elements of the flat output are written (a span's last chunk may be short).
-        row = tl.program_id(0).to(tl.int64)
-        col = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    @triton.jit(do_not_specialize=["key_hash", "first_chunk"])
+    def _draw_kernel(out_ptr, chunk_ptr, base_ptr, first_chunk, n_cols, col_blocks, total, key_hash, scale,
+                     TABLES: tl.constexpr, GAUSSIAN: tl.constexpr, BLOCK: tl.constexpr):
+        # Row r of the output holds elements [base_r, base_r + n_cols) of chunk c_r: from the tables
+        # (TABLES: embedding rows), else c_r = first_chunk + r and base_r = 0 (a span of whole chunks).
+        # Only the first `total` elements of the flat output are written (a span's last chunk may be
+        # short). One grid dimension (rows x column blocks): the second is capped at 65,535 blocks.
+        pid = tl.program_id(0).to(tl.int64)
+        row = pid // col_blocks
+        col = (pid - row * col_blocks) * BLOCK + tl.arange(0, BLOCK)
         flat = row * n_cols + col
         mask = (col < n_cols) & (flat < total)
         key_hash = key_hash.to(tl.uint64)  # passed as i32, u32, i64 or u64 by its value: all exact
-        chunk = tl.load(chunk_ptr + row).to(tl.uint64, bitcast=True)
+        if TABLES:
+            chunk = tl.load(chunk_ptr + row).to(tl.uint64, bitcast=True)
+            offset = (tl.load(base_ptr + row) + col).to(tl.uint64, bitcast=True)
+        else:
+            chunk = first_chunk.to(tl.uint64) + row.to(tl.uint64)
+            offset = col.to(tl.uint64)
         seed = _mix64(key_hash ^ chunk)  # Directions.chunk_seed's last step
-        offset = (tl.load(base_ptr + row) + col).to(tl.uint64, bitcast=True)
         if GAUSSIAN:
             word = _mix64(seed + offset * 0x9E3779B97F4A7C15)  # SplitMix64 output `offset`
             u1 = ((word >> 40).to(tl.float32) + 1.0) * 5.9604644775390625e-08
@@ -93,15 +86,17 @@ if triton is not None:
         tl.store(out_ptr + flat, z * scale, mask=mask)
 
 
-def _launch(out: torch.Tensor, chunks: torch.Tensor, bases: torch.Tensor, n_cols: int, key_hash: int,
-            scale: float, gaussian: bool) -> torch.Tensor:
+def _launch(out: torch.Tensor, rows: int, n_cols: int, key_hash: int, scale: float, gaussian: bool,
+            first_chunk: int = 0, chunks: torch.Tensor | None = None, bases: torch.Tensor | None = None) -> torch.Tensor:
     require()
     total = out.numel()
-    rows = chunks.numel()
     if total == 0 or rows == 0:
         return out
-    grid = (rows, triton.cdiv(n_cols, _BLOCK))
-    _draw_kernel[grid](out, chunks, bases, n_cols, total, key_hash, float(scale), GAUSSIAN=gaussian, BLOCK=_BLOCK)
+    col_blocks = triton.cdiv(n_cols, _BLOCK)
+    tables = chunks is not None
+    _draw_kernel[(rows * col_blocks,)](out, chunks if tables else out, bases if tables else out, first_chunk, n_cols,
+                                       col_blocks, total, key_hash, float(scale), TABLES=tables, GAUSSIAN=gaussian,
+                                       BLOCK=_BLOCK)
     return out
 
 
@@ -110,8 +105,7 @@ def fill_span(out: torch.Tensor, key_hash: int, first_chunk: int, per_chunk: int
     """out (float32, contiguous, on the GPU) = scale * z of elements [first_chunk * per_chunk,
     ... + out.numel()) of a parameter whose chunks hold `per_chunk` elements (whole chunks from the
     first; the last may be short). key_hash: `Directions.key_hash(step, query, key)`."""
-    chunks, bases = _span_tables(out.device, first_chunk, -(-out.numel() // per_chunk))
-    return _launch(out, chunks, bases, per_chunk, key_hash, scale, gaussian)
+    return _launch(out, -(-out.numel() // per_chunk), per_chunk, key_hash, scale, gaussian, first_chunk=first_chunk)
 
 
 def fill_rows(out: torch.Tensor, key_hash: int, rows: torch.Tensor, row_len: int, rows_per_chunk: int,
@@ -121,4 +115,4 @@ def fill_rows(out: torch.Tensor, key_hash: int, rows: torch.Tensor, row_len: int
     rows = rows.to(torch.int64)
     chunks = torch.div(rows, rows_per_chunk, rounding_mode="floor")
     bases = (rows - chunks * rows_per_chunk) * row_len
-    return _launch(out, chunks, bases, row_len, key_hash, scale, gaussian)
+    return _launch(out, rows.numel(), row_len, key_hash, scale, gaussian, chunks=chunks, bases=bases)

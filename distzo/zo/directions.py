@@ -49,7 +49,8 @@ DIRECTIONS_VERSION = 4
 # record DIRECTIONS_VERSION; `same_directions` compares a recorded one with this distzo's).
 SCHEME_SINCE = {"gaussian": 1, "rademacher": 3}
 _MASK64 = (1 << 64) - 1
-# The most elements one CUDA draw covers (whole chunks): bounds the scratch buffer at 128 MiB.
+# The most elements one CUDA draw covers (whole chunks; a single chunk may be larger where one row is):
+# bounds the scratch buffer at 128 MiB for every model whose rows are shorter.
 SPAN_NUMEL = 1 << 25
 
 

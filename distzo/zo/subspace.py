@@ -77,9 +77,9 @@ class SubspaceDirections(Directions):
         """R [out, r] of one layer, query and step (Gaussian; cached while the step is live)."""
         cached = self._r.get((key, step, query))
         if cached is None:
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed(self.chunk_seed(step, query, mix64(key ^ _R_SALT), 0))
-            cached = torch.randn(out_features, rank, generator=gen, device=self.device)
+            # A CPU generator, like Omega's: torch's CUDA randn depends on the GPU's SM count.
+            gen = torch.Generator().manual_seed(self.chunk_seed(step, query, mix64(key ^ _R_SALT), 0))
+            cached = torch.randn(out_features, rank, generator=gen).to(self.device)
             with self._lock:
                 self._r[(key, step, query)] = cached
         return cached

@@ -139,3 +139,15 @@ def test_reduced_precision_streaming_keeps_blocks_and_deltas_apart():
         streamer.close()
         from distzo.engine.streamer import unpin_all
         unpin_all()
+
+
+def test_a_row_wider_than_the_grid_limit_is_drawn_whole():
+    """A chunk is at least one row: a row of 2^26 + 5 elements needs more than the 65,535 blocks of a
+    grid's second dimension, so the kernel runs on one dimension. Its tail is the counter stream's."""
+    d = Directions(5, "rademacher", "cuda")
+    shape, key = (2, (1 << 26) + 5), param_key("wide")
+    z = d.generate(shape, key, 1, 0)
+    for ref in chunks_of(key, shape):
+        seed, n = d.chunk_seed(1, 0, key, ref.index), ref.stop - ref.start
+        tail = z.view(-1)[ref.stop - 1000:ref.stop].cpu()
+        assert torch.equal(tail, stream_signs(seed, n - 1000, 1000))

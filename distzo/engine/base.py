@@ -12,7 +12,7 @@ needs) is decided once, when `build_engine` picks the mode class; nothing is swi
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Iterator, Sequence
 
 from torch import nn
@@ -44,8 +44,9 @@ class Materialized:
 
         self._engine.check_can_generate()
         # Prefix tuning hands attention a cache stand-in of its own, in place of generate's KV cache.
-        return greedy_decode(self.model, task.tokenizer, prompts, task.max_new_tokens, task.stop, task.pad_id,
-                             use_cache=not has_prefix(self.model))
+        with self._engine.forward_arithmetic():  # decoding in the engine's compute mode, as it scores
+            return greedy_decode(self.model, task.tokenizer, prompts, task.max_new_tokens, task.stop, task.pad_id,
+                                 use_cache=not has_prefix(self.model))
 
 
 class Engine(ABC):
@@ -81,6 +82,10 @@ class Engine(ABC):
     @abstractmethod
     def score_clean(self, batch: Batch) -> Scores:
         """Scores at the master weights, on this rank alone (called through Materialized.score)."""
+
+    def forward_arithmetic(self) -> AbstractContextManager:
+        """The context the forward passes run in (`engine.compute`): none by default."""
+        return nullcontext()
 
     def check_can_generate(self) -> None:
         """Whether the stock model can decode on its own parameters here (raises EngineError if not)."""

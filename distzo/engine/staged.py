@@ -239,7 +239,7 @@ class StagedEngine(Engine):
     def _noise(self, step: int, plan: Sequence[Evaluation]) -> StageNoise:
         return StageNoise(self.directions, self.workspace, step, self.eps, plan, self.timers)
 
-    def _forward_arithmetic(self):
+    def forward_arithmetic(self):
         """engine.compute=bf16: the forward under bfloat16 autocast. Weights, working copies and
         the update stay in the master's dtype (the chunk pass has no autocast op), so only the
         forward's products round to bfloat16."""
@@ -250,7 +250,7 @@ class StagedEngine(Engine):
     @torch.inference_mode()
     def _run(self, parts: Sequence[Sequence[Packed]], plan: Sequence[Evaluation], step: int,
              full_plan: Sequence[Evaluation] | None) -> list[Scores]:
-        with self._forward_arithmetic():
+        with self.forward_arithmetic():
             return self._walk(parts, plan, step, full_plan)
 
     def _walk(self, parts: Sequence[Sequence[Packed]], plan: Sequence[Evaluation], step: int,

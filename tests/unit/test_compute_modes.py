@@ -28,11 +28,18 @@ def test_bf16_compute_rounds_only_the_forward():
     changes nothing, bitwise (the same operations on the same shapes)."""
     b = next(batches(1))
     _, fp32 = engine("fp32")
-    _, bf16 = engine("bf16")
+    model, bf16 = engine("bf16")
     exact, rounded = clean_logits(fp32, b), clean_logits(bf16, b)
     assert exact.dtype == rounded.dtype == torch.float32
     assert not torch.equal(exact, rounded)
     assert (exact - rounded).abs().max() < 0.05 * (exact.max() - exact.min())
+    # the stock forward (what decoding in evaluation runs) takes the same arithmetic inside the mode
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.inference_mode():
+        plain = model(ids).logits
+        with bf16.forward_arithmetic():
+            mixed = model(ids).logits
+    assert not torch.equal(plain, mixed) and (plain - mixed).abs().max() < 0.05 * (plain.max() - plain.min())
     _, resident = engine("bf16")
     _, offloaded = engine("bf16", offload=True)
     assert train_steps(resident, steps=3) == train_steps(offloaded, steps=3)

@@ -230,8 +230,7 @@ class BlockStreamer:
         self.transfer_s += time.perf_counter() - t0
 
     def transfer_seconds(self) -> float:
-        if self._host is not None:
-            self._drain_host()  # uploads the worker queued have recorded their timing events
+        self._drain_host()  # uploads the host worker queued have recorded their timing events
         if self.cuda and self._timed:
             for start, end in self._timed:
                 end.synchronize()
@@ -290,8 +289,8 @@ class BlockStreamer:
         self._adding[i] = self._delta_read[s] = future
 
     def _drain_host(self) -> None:
-        """Wait for the host worker's jobs (re-raising their errors): host masters and staging
-        buffers are then the Python thread's to read and write."""
+        """Wait for the host workers' jobs (re-raising their errors): host masters and staging
+        buffers are then the Python thread's to read and write. Without workers there are none."""
         jobs, self._host_jobs, self._uploading, self._adding, self._delta_read = self._host_jobs, [], {}, {}, {}
         errors = [job.exception() for job in jobs]  # waits for every job, failed or not
         failed = next((e for e in errors if e is not None), None)
@@ -335,17 +334,17 @@ class BlockStreamer:
         if adding is not None:
             adding.result()  # the block's master holds its last delta
         with torch.cuda.device(self.device), torch.cuda.stream(self.upload_stream):
-            for event in (slot_free, written):
-                if event is not None:
-                    self.upload_stream.wait_event(event)
+            self._wait_for_slot(slot_free, written)
             self._upload(block, s, 0, block.numel)
             self.uploaded[s].record(self.upload_stream)
 
-    def _wait_for_slot(self, i: int, s: int) -> None:
-        if self.slot_free[s] is not None:
-            self.upload_stream.wait_event(self.slot_free[s])  # the slot's previous block is done
-        if i in self.written:
-            self.upload_stream.wait_event(self.written[i])  # the host master is current
+    def _wait_for_slot(self, slot_free: torch.cuda.Event | None, written: torch.cuda.Event | None) -> None:
+        """The upload stream waits for the slot's previous block (`slot_free[s]`) and for the block's
+        last write-back (`written[i]`), taken when the upload was queued."""
+        if slot_free is not None:
+            self.upload_stream.wait_event(slot_free)  # the slot's previous block is done
+        if written is not None:
+            self.upload_stream.wait_event(written)  # the host master is current
 
     def _prefetch_sliced(self, i: int) -> None:
         """My slice up, its deferred update, my slice back, the peers' slices in."""
@@ -371,10 +370,9 @@ class BlockStreamer:
         if not self.cuda:
             work()
             return
-        if self._host is not None:
-            self._drain_host()  # this thread narrows now: earlier deltas must be in the master
+        self._drain_host()  # this thread narrows now: earlier deltas must be in the master
         with torch.cuda.stream(self.upload_stream):
-            self._wait_for_slot(i, s)
+            self._wait_for_slot(self.slot_free[s], self.written.get(i))
             written_before = self.bytes_down
             work()
             if self.bytes_down != written_before:
@@ -402,10 +400,9 @@ class BlockStreamer:
         if not self.cuda:
             work()
             return
-        if self._host is not None:
-            self._drain_host()
+        self._drain_host()
         with torch.cuda.stream(self.upload_stream):
-            self._wait_for_slot(i, s)
+            self._wait_for_slot(self.slot_free[s], self.written.get(i))
             if work():
                 done = torch.cuda.Event()
                 done.record(self.upload_stream)
@@ -461,8 +458,7 @@ class BlockStreamer:
 
     def synchronize(self) -> None:
         """Wait for every write-back: the host masters are then safe to read."""
-        if self._host is not None:
-            self._drain_host()
+        self._drain_host()
         if self.cuda:
             self.offload_stream.synchronize()
             self.upload_stream.synchronize()

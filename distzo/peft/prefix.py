@@ -61,7 +61,8 @@ def _widen_mask(mask, rows: int, length: int, m: int, dtype: torch.dtype, device
 
 
 def cache_argument(attention: nn.Module) -> str | None:
-    """The name under which a stock attention module takes its cache (None: it takes none): `cache`
+    """The name under which a stock module (an attention, or the model itself) takes its cache
+    (None: it takes none): `cache`
     from transformers 5.24 on (which still accepts, but overrides, the older `past_key_values`),
     `past_key_values` before, `layer_past` in GPT-NeoX and Falcon."""
     params = inspect.signature(attention.forward).parameters
@@ -118,9 +119,8 @@ def attach_prefix(model: nn.Module, m: int, init_seed: int) -> None:
     probe = torch.randint(0, vocab, (1, length), generator=gen).to(device)
     probe_positions = torch.arange(probe.shape[1], device=device)[None]
     try:  # the reference: the prompt after the m tokens, through a real cache
-        cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         expected = model(input_ids=probe, position_ids=probe_positions, use_cache=True,
-                         **{cache_kw: copy.deepcopy(cache)}).logits
+                         **{cache_argument(model): copy.deepcopy(cache)}).logits
     except torch.OutOfMemoryError:
         raise
     except Exception as exc:  # noqa: BLE001 - any failure means the reference cannot be formed

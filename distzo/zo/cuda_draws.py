@@ -35,10 +35,6 @@ except ImportError:  # CPU-only installs: nothing here is used there
 _BLOCK = 1024
 
 
-def available() -> bool:
-    return triton is not None
-
-
 def require() -> None:
     """Raise a clear error where CUDA directions cannot be drawn."""
     if triton is None:

@@ -78,15 +78,15 @@ def chunk_numel(shape: Sequence[int]) -> int:
 
 @dataclass(frozen=True)
 class ChunkRef:
-    """One chunk of one parameter: flat elements [start, stop). On CUDA a ref may span several
-    consecutive whole chunks (`Directions.units`): `index` is then the first, and `per_chunk` the
-    parameter's elements per chunk (0: the ref is one chunk)."""
+    """One chunk of one parameter: flat elements [start, stop); `per_chunk` is the parameter's
+    elements per chunk. On CUDA a ref may span several consecutive whole chunks (`Directions.units`):
+    `index` is then the first."""
 
     key: int
     index: int
     start: int
     stop: int
-    per_chunk: int = 0
+    per_chunk: int
 
 
 def _ref_size(ref: ChunkRef) -> int:
@@ -193,7 +193,7 @@ class Directions:
     def _fill_chunk(self, out: torch.Tensor, step: int, query: int, ref: ChunkRef, scale: float) -> torch.Tensor:
         if self.counter_draws:
             return cuda_draws.fill_span(out, self.key_hash(step, query, ref.key), ref.index,
-                                        ref.per_chunk or ref.stop - ref.start, scale, self.distribution == "gaussian")
+                                        ref.per_chunk, scale, self.distribution == "gaussian")
         stream = self.stream(step, query, ref, scale)
         if stream is not None:
             return self.fill_stream(out, stream)  # +-scale is exact: the value of z.mul_(scale)

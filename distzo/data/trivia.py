@@ -2,7 +2,7 @@
 
 `redbot/cogs/trivia/data/lists/<name>.yaml` maps each question to its accepted answers (plus `AUTHOR`,
 `DESCRIPTION` and `CONFIG` keys, skipped). The lists are GPL-3.0 data: distzo reads them at run time
-from the installed wheel (`pip install --no-deps red-discordbot==3.5.24`; `launch/setup.sh` does it)
+from the installed wheel (`pip install --no-deps --ignore-requires-python red-discordbot==3.5.24`; `launch/setup.sh` does it)
 and neither imports the package nor copies a line of them (docs/tasks.md, NOTICE there). `task.path`
 may point at a folder of such lists instead.
 """

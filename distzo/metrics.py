@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from .jsonl import JsonlWriter, read_jsonl
+from .jsonl import JsonlWriter
 
 log = logging.getLogger("distzo")
 
@@ -75,9 +75,6 @@ class MetricsWriter:
         for sink in self.sinks:
             sink.close()
         self.sinks = []
-
-
-read_metrics = read_jsonl
 
 
 def format_duration(seconds: float) -> str:

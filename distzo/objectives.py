@@ -25,8 +25,6 @@ from torch.nn import functional as F
 
 from .scoring import Batch, Scores
 
-READOUTS = ("logits", "likelihoods", "tokens")
-
 
 def cross_entropy_sums(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """logits [E, B, C], labels [B] -> [E, 2] float64: (sum of per-example cross-entropy, B)."""
@@ -35,15 +33,6 @@ def cross_entropy_sums(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
     per_example = F.cross_entropy(logits.reshape(E * B, C), labels.repeat(E), reduction="none")
     sums = per_example.view(E, B).double().sum(dim=1)
     return torch.stack([sums, torch.full_like(sums, float(B))], dim=1)
-
-
-def minus_accuracy_sums(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """logits [E, B, C], labels [B] -> [E, 2] float64: (minus the number of correct predictions, B).
-    The non-differentiable objective of MeZO §3.3: ZO needs only the value, so it can minimise
-    -accuracy directly."""
-    E, B, _ = logits.shape
-    correct = (logits.argmax(dim=-1) == labels.to(logits.device)[None]).double().sum(dim=1)
-    return torch.stack([-correct, torch.full_like(correct, float(B))], dim=1)
 
 
 def candidate_scores(scores: Scores, batch: Batch) -> torch.Tensor:

@@ -30,7 +30,7 @@ from .checkpoint import (atomic_write_json, list_snapshots, newest_valid_snapsho
 from .dist.mesh import Mesh
 from .engine import Engine
 from .errors import DistzoError
-from .jsonl import JsonlWriter, atomic_rewrite, read_jsonl
+from .jsonl import JsonlWriter, read_jsonl, truncate_after
 from .metrics import Progress
 from .zo.directions import DIRECTIONS_VERSION, gaussian_generator_id, same_directions
 
@@ -200,9 +200,7 @@ def truncate_logs(run_dir: Path, step: int) -> None:
     """Keep the records of steps <= step in metrics.jsonl and trajectory.jsonl, dropping summaries
     (a resumed run rewrites what came after), and any torn last line with them."""
     for name in ("metrics.jsonl", "trajectory.jsonl"):
-        path = run_dir / name
-        if path.exists():
-            atomic_rewrite(path, [r for r in read_jsonl(path) if r.get("type") != "summary" and r.get("step", 0) <= step])
+        truncate_after(run_dir / name, step)
 
 
 def catch_up(engine: Engine, records: list[dict[str, Any]], nonfinite_in_a_row: int, show: bool) -> int:

@@ -220,10 +220,6 @@ class Packed:
                       self.score_target, self.score_unit, self.units, self.candidates, rep(self.segment),
                       rep(self.branch))
 
-    @property
-    def has_targets(self) -> bool:
-        return bool((self.score_target != NO_TARGET).any())
-
     def mask_fn(self):
         """None for plain packed rows; for rows with branches, a mask function (batch, head, q, kv) ->
         bool: same sequence, and kv in the prefix or in q's own branch (causality comes from the

@@ -52,7 +52,6 @@ class WandbSink:
         config = OmegaConf.to_container(cfg, resolve=True)
         config["launch"] = mesh_info  # world size, P, D, nodes, run seed
         run_dir.mkdir(parents=True, exist_ok=True)
-        self._wandb = wandb
         # console="off": stdout stays the training log's, not a copy captured by wandb;
         # x_disable_stats: no system-metrics sampler competing with training for CPU.
         try:

@@ -52,7 +52,7 @@ def _field(record: dict[str, Any], task: str, *names: str) -> Any:
                     f"of {task.upper()} in SuperGLUE's JSONL, GLUE's TSV or a datasets export?")
 
 
-YES_NO = {True: 1, False: 0, 1: 1, 0: 0, "true": 1, "false": 0}  # candidates [No, Yes]
+YES_NO = {True: 1, False: 0, "true": 1, "false": 0}  # candidates [No, Yes]; 1 and 0 hash as True and False
 
 
 def sst2(records: Records) -> Records:

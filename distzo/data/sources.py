@@ -26,7 +26,6 @@ from ..errors import ConfigError
 log = logging.getLogger("distzo")
 
 Records = list[dict[str, Any]]
-FORMATS = ("auto", "json", "csv", "tsv", "parquet", "arrow")
 SPLIT_NAMES = {"train": "train", "validation": "validation", "val": "validation", "dev": "validation",
                "valid": "validation", "test": "test"}
 EXTENSIONS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".tsv": "tsv", ".parquet": "parquet"}

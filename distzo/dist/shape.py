@@ -18,10 +18,6 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def launched_rank() -> int:
-    return int(os.environ.get("RANK", "0"))
-
-
 @dataclass(frozen=True)
 class MeshShape:
     pert: int

@@ -13,13 +13,13 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator, Mapping, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..dist.node import Node, mapped_resident_bytes
+from ..dist.node import Node
 from ..models.adapters import DecoderAdapter
 
 SLICE_ALIGN = 256  # elements: every slice starts on a 1 KiB (fp32) boundary, friendly to DMA engines

@@ -215,20 +215,6 @@ class Directions:
                  lambda u: _ref_size(u[0]))
         return z
 
-    def generate_many(self, requests: Sequence[tuple[Sequence[int], int]], step: int, query: int,
-                      out: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
-        """z for several parameters (shape, key) at once, all chunks sharing one parallel pass.
-        `out`: float32 tensors to fill (for example views of a reused workspace)."""
-        if out is None:
-            out = [torch.empty(tuple(shape), dtype=torch.float32, device=self.device) for shape, _ in requests]
-        work = []
-        for buf, (shape, key) in zip(out, requests):
-            flat = buf.view(-1)
-            work += [(flat, r) for r, _ in self.units(key, shape)]
-        self.map(lambda fr: self.fill_chunk(fr[0][fr[1].start:fr[1].stop], step, query, fr[1]), work,
-                 lambda fr: _ref_size(fr[1]))
-        return list(out)
-
     def rows(self, shape: Sequence[int], key: int, step: int, query: int, rows: torch.Tensor) -> torch.Tensor:
         """z[rows] of a parameter (rows along dim 0): only those rows of a counter stream, otherwise
         the chunks that hold those rows."""

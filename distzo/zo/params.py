@@ -81,7 +81,3 @@ class TrainableParams:
 
     def numel(self) -> int:
         return sum(p.numel() for p in self.entries)
-
-    def under(self, prefix: str) -> list[TrainableParam]:
-        """Entries whose canonical name lies under a module prefix (e.g. "model.layers.3.")."""
-        return [p for p in self.entries if p.name.startswith(prefix)]

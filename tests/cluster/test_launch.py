@@ -52,6 +52,7 @@ def test_local_two_processes_with_wandb_offline(tmp_path):
     records = read_jsonl(run / "metrics.jsonl")
     train = {r["step"]: r for r in records if r["type"] == "train"}
     history = {h["_step"]: h for h in logged["history"]}
+    assert sorted(train) == [1, 2, 3] and len(logged["history"]) >= 3  # FAST: steps=3, each logged
     for step, line in train.items():
         assert history[step]["train/loss"] == line["loss"] and history[step]["train/tokens"] == line["tokens"]
         assert history[step]["train/step_time_s"] == line["step_time_s"]

@@ -6,8 +6,8 @@ dominated the suite when every rank of every run paid it. `torchrun()` therefore
 ranks from a forkserver that imported distzo, torch and transformers once, and gives them the
 environment torchrun gives its workers (RANK, LOCAL_RANK, WORLD_SIZE, ..., TORCHELASTIC_*), and hosts
 the job's TCP store itself as torchrun's agent does (`TORCHELASTIC_USE_AGENT_STORE=True`). Like
-torchrun, it stops the other ranks once one has failed. Tests of torchrun's own behaviour (its agent store, `--max-restarts`, its
-error reporting) pass `real=True`, which runs the real `torchrun` command.
+torchrun, it stops the other ranks once one has failed. Tests of torchrun's own behaviour (its agent store,
+`--max-restarts`, its error reporting) build and run the real `torchrun` command line themselves.
 """
 
 from __future__ import annotations
@@ -31,18 +31,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(nproc: int, *args: str, cwd: Path | None = None, timeout: float = 600,
-             real: bool = False) -> subprocess.CompletedProcess:
-    """`torchrun --standalone --nproc-per-node N -m distzo train ARGS` (plain python for N=1); by
-    default its workers are forked from the preloaded server (see the module docstring)."""
-    if not real:
-        return run_forked(nproc, ["train", *args], cwd=cwd, timeout=timeout)
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "distzo", "train", *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", "distzo", "train", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, env=ENV, cwd=cwd, timeout=timeout)
+def torchrun(nproc: int, *args: str, cwd: Path | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """The equivalent of `torchrun --standalone --nproc-per-node N -m distzo train ARGS` (plain python
+    for N=1), its workers forked from the preloaded server (see the module docstring)."""
+    return run_forked(nproc, ["train", *args], cwd=cwd, timeout=timeout)
 
 
 def spawn_env(rank: int, world: int, port: int) -> None:

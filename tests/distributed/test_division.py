@@ -15,7 +15,7 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.distributed.launch import free_port, spawn_env
-from tests.unit.test_engine import EPS, LABELS, sample_batch
+from tests.unit.test_engine import EPS, sample_batch
 
 PLAN_SIGNS = (+1, -1)  # a 2x1 mesh: rank r runs evaluation r of MeZO's (+, -) plan
 COEFFICIENTS = [[(0, 0.7)], [(0, -1.1)], [(0, 0.4)]]  # fixed: the test needs no loss exchange

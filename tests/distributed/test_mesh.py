@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 from distzo.dist.shape import MeshError, MeshShape
-from distzo.metrics import read_metrics
+from distzo.jsonl import read_jsonl
 from tests.distributed.launch import ENV, free_port, spawn_env, torchrun
 
 TINY = ["model=tiny", "task=synthetic-cue", "eval_every=0", "log_every=1000", "steps=8", "batch_size=12",
@@ -74,7 +74,7 @@ def layouts(tmp_path_factory):
         run_dir = root / mesh
         r = torchrun(nproc, *TINY, f"mesh={mesh}", f"hydra.run.dir={run_dir}", cwd=root)
         assert r.returncode == 0, f"{mesh}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
-        out[mesh] = (load_file(run_dir / "final" / "model.safetensors"), read_metrics(run_dir / "metrics.jsonl"), r)
+        out[mesh] = (load_file(run_dir / "final" / "model.safetensors"), read_jsonl(run_dir / "metrics.jsonl"), r)
     return out
 
 

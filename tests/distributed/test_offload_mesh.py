@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from distzo.metrics import read_metrics
+from distzo.jsonl import read_jsonl
 from tests.distributed.launch import torchrun
 
 BASE = ["task=synthetic-cue", "eval_every=3", "log_every=1000", "steps=6", "batch_size=8", "optim.lr=1e-3",
@@ -17,7 +17,7 @@ def run(tmp_path, name, nproc, *args):
     out = tmp_path / name
     r = torchrun(nproc, *BASE, *args, f"hydra.run.dir={out}", cwd=tmp_path)
     assert r.returncode == 0, f"{name}:\n{r.stderr[-3000:]}"
-    evals = [(m["step"], m["split"], m["accuracy"], m["loss"]) for m in read_metrics(out / "metrics.jsonl")
+    evals = [(m["step"], m["split"], m["accuracy"], m["loss"]) for m in read_jsonl(out / "metrics.jsonl")
              if m["type"] == "eval"]
     return load_file(out / "final" / "model.safetensors"), evals
 

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from distzo.dist.node import PREFIX, shm_dir
-from distzo.metrics import read_metrics
+from distzo.jsonl import read_jsonl
 from tests.distributed.launch import ENV, torchrun
 
 BASE = ["model=tiny", "task=synthetic-cue", "log_every=1000", "batch_size=8", "optim.lr=1e-3", "seed=4",
@@ -56,7 +56,7 @@ def test_four_local_ranks_move_a_quarter_and_share_one_master(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(weights(sliced).values(), weights(naive).values()))
 
     def last(out, kind):
-        return [m for m in read_metrics(out / "metrics.jsonl") if m["type"] == kind][-1]
+        return [m for m in read_jsonl(out / "metrics.jsonl") if m["type"] == kind][-1]
 
     s, n = last(sliced, "train"), last(naive, "train")
     # Each rank uploads its slice (a quarter, rounded up to an aligned length) and writes back only it.
@@ -89,7 +89,7 @@ def test_killed_rank_leaves_no_shared_segment(tmp_path):
     job = subprocess.Popen(cmd, env=ENV, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 180
-        while not any(m["type"] == "train" for m in read_metrics(out / "metrics.jsonl")):
+        while not any(m["type"] == "train" for m in read_jsonl(out / "metrics.jsonl")):
             assert job.poll() is None and time.time() < deadline, "training did not start"
             time.sleep(0.5)
         assert not stale.exists()

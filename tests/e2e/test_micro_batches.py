@@ -4,7 +4,6 @@ perturbation, so the step is the step of the whole batch: the same weights on 1x
 from __future__ import annotations
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from distzo.train import train

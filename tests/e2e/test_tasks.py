@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from distzo.metrics import read_metrics
+from distzo.jsonl import read_jsonl
 from distzo.train import train
 from tests.conftest import make_config
 from tests.distributed.launch import run_forked
@@ -22,8 +22,13 @@ def test_training_runs_on_a_file_of_every_format(tmp_path, fmt):
     out = tmp_path / "run"
     summary = train(make_config(*FAST, *THREE_CLASS, f"task.path={path}", "task.val_size=2", "task.test_size=3",
                                 "steps=3", "save_final=false"), out)
-    steps = [r["step"] for r in read_metrics(out / "metrics.jsonl") if r["type"] == "train"]
+    records = read_jsonl(out / "metrics.jsonl")
+    steps = [r["step"] for r in records if r["type"] == "train"]
     assert steps == [1, 2, 3] and 0 <= summary["test_accuracy"] <= 1
+    tested = [r for r in records if r["type"] == "eval" and r["split"] == "test"][-1]
+    assert tested["step"] == 3 and tested["examples"] == 3  # task.test_size=3
+    assert summary["test_accuracy"] == tested["accuracy"]
+    assert tested["accuracy"] * 3 == pytest.approx(round(tested["accuracy"] * 3), abs=1e-9)  # k of 3 right
 
 
 def quiz(tmp_path, n=400):
@@ -55,7 +60,7 @@ def test_multiple_choice_training_learns(tmp_path, loss, lr):
     out = tmp_path / loss
     summary = train(make_config(*FAST, *MC, f"task.path={quiz(tmp_path)}", f"task.loss={loss}", "steps=150",
                                 "batch_size=8", f"optim.lr={lr}", "save_final=false"), out)
-    records = read_metrics(out / "metrics.jsonl")
+    records = read_jsonl(out / "metrics.jsonl")
     losses = [r["loss"] for r in records if r["type"] == "train"]
     evals = [r for r in records if r["type"] == "eval" and r["split"] == "validation"]
     assert summary["validation_accuracy_after"] == evals[-1]["accuracy"]
@@ -71,7 +76,7 @@ def trained(tmp_path, name: str, *args: str):
     r = run_forked(1, ["train", *FAST, *args, f"hydra.run.dir={run_dir}"], cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
-    tested = [m for m in read_metrics(run_dir / "metrics.jsonl") if m["type"] == "eval" and m["split"] == "test"][-1]
+    tested = [m for m in read_jsonl(run_dir / "metrics.jsonl") if m["type"] == "eval" and m["split"] == "test"][-1]
     return run_dir, summary, tested
 
 
@@ -168,7 +173,7 @@ def test_sft_on_prompt_completion_pairs_lowers_the_completion_loss(tmp_path):
     train(make_config(*FAST, "task=custom", "task.kind=generation", f"task.path={path}", "task.template='{prompt}'",
                       "task.answers_field=completion", "task.val_size=20", "task.test_size=20", "task.max_new_tokens=4",
                       "steps=120", "batch_size=8", "optim.lr=3e-4", "save_final=false"), out)
-    evals = [r for r in read_metrics(out / "metrics.jsonl") if r["type"] == "eval" and r["split"] == "validation"]
+    evals = [r for r in read_jsonl(out / "metrics.jsonl") if r["type"] == "eval" and r["split"] == "validation"]
     assert evals[-1]["loss"] < evals[0]["loss"] - 0.1, evals
     assert {"exact_match", "f1", "accuracy"} <= evals[-1].keys() and evals[-1]["accuracy"] == evals[-1]["exact_match"]
 
@@ -182,5 +187,5 @@ def test_objective_f1_trains_on_decoded_answers(tmp_path):
     train(make_config(*FAST, "task=custom", "task.kind=generation", f"task.path={path}",
                       "task.template='Q: {question} A:'", "task.val_size=6", "task.test_size=6", "task.max_new_tokens=3",
                       "objective=f1", "steps=3", "save_final=false"), out)
-    steps = [r for r in read_metrics(out / "metrics.jsonl") if r["type"] == "train"]
+    steps = [r for r in read_jsonl(out / "metrics.jsonl") if r["type"] == "train"]
     assert [r["step"] for r in steps] == [1, 2, 3] and all(-1.0 <= r["loss"] <= 0.0 for r in steps)

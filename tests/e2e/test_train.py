@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from distzo.metrics import read_metrics
+from distzo.jsonl import read_jsonl
 from distzo.train import train
 from tests.conftest import TINY, make_config
 
@@ -19,7 +19,7 @@ def run(tmp_path, name, *overrides):
 
 def test_training_lowers_the_loss_of_a_learnable_task(tmp_path):
     out, summary = run(tmp_path, "learn", "steps=300", "optim.lr=1e-3", "save_final=false")
-    evals = [r for r in read_metrics(out / "metrics.jsonl") if r["type"] == "eval" and r["split"] == "validation"]
+    evals = [r for r in read_jsonl(out / "metrics.jsonl") if r["type"] == "eval" and r["split"] == "validation"]
     before, after = evals[0], evals[-1]
     assert before["step"] == 0 and after["step"] == 300
     assert after["loss"] < before["loss"] - 0.03, (before, after)
@@ -32,7 +32,7 @@ def test_same_seed_same_trajectory_and_weights(tmp_path):
     c, _ = run(tmp_path, "c", "steps=12", "seed=6")
 
     def trajectory(d):
-        return [(r["step"], r["loss"], r["projected_grad"]) for r in read_metrics(d / "metrics.jsonl")
+        return [(r["step"], r["loss"], r["projected_grad"]) for r in read_jsonl(d / "metrics.jsonl")
                 if r["type"] == "train"]
 
     assert trajectory(a) == trajectory(b) and trajectory(a) != trajectory(c)
@@ -42,7 +42,7 @@ def test_same_seed_same_trajectory_and_weights(tmp_path):
 
 def test_run_directory_contents(tmp_path):
     out, summary = run(tmp_path, "out", "steps=4", "eval_every=2", "optim.schedule=linear")
-    records = read_metrics(out / "metrics.jsonl")
+    records = read_jsonl(out / "metrics.jsonl")
     train_lines = [r for r in records if r["type"] == "train"]
     assert [r["step"] for r in train_lines] == [1, 2, 3, 4]
     for r in train_lines:
@@ -51,6 +51,13 @@ def test_run_directory_contents(tmp_path):
     evals = [(r["step"], r["split"]) for r in records if r["type"] == "eval"]
     assert evals == [(0, "validation"), (2, "validation"), (4, "validation"), (4, "test")]
     assert all(0 <= r["accuracy"] <= 1 for r in records if r["type"] == "eval")
+    for r in records:  # synthetic-cue's 200 validation and 200 test examples, every one scored
+        if r["type"] == "eval":
+            assert r["examples"] == 200 and r["accuracy"] * 200 == pytest.approx(round(r["accuracy"] * 200), abs=1e-9)
+    by_split = {(r["step"], r["split"]): r["accuracy"] for r in records if r["type"] == "eval"}
+    assert summary["test_accuracy"] == by_split[(4, "test")]
+    assert (summary["validation_accuracy_before"], summary["validation_accuracy_after"]) == \
+        (by_split[(0, "validation")], by_split[(4, "validation")])
     assert json.loads((out / "summary.json").read_text())["steps"] == 4
     weights = load_file(out / "final" / "model.safetensors")
     assert "model.embed_tokens.weight" in weights and (out / "final" / "config.json").is_file()

@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from distzo.jsonl import read_jsonl
 from distzo.train import train
 from distzo.zo.directions import Directions, chunks_of, param_key
 from distzo.zo.rademacher import _int64, stream_signs, stream_words
@@ -48,6 +49,10 @@ def test_offloaded_equals_resident_on_cuda(tmp_path, model, slots):
 def test_every_estimator_trainable_set_and_compute_mode_trains_on_cuda(tmp_path, run):
     summary = train(make_config(*FAST, "model=tiny", "steps=4", *run), tmp_path / "run")
     assert summary["steps"] == 4 and 0 <= summary["test_accuracy"] <= 1
+    tested = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if r["type"] == "eval" and r["split"] == "test"][-1]
+    assert tested["step"] == 4 and tested["examples"] == 32  # task.test_size=32
+    assert summary["test_accuracy"] == tested["accuracy"]
+    assert tested["accuracy"] * 32 == pytest.approx(round(tested["accuracy"] * 32), abs=1e-9)  # k of 32 right
 
 
 def test_sliced_offload_on_two_ranks_of_one_gpu_equals_one_process(tmp_path):

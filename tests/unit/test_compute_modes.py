@@ -4,7 +4,7 @@ weights' dtype (docs/performance.md#compute-modes)."""
 import pytest
 import torch
 
-from distzo.engine import OffloadEngine, ResidentEngine
+from distzo.engine import EngineConfigError, OffloadEngine, ResidentEngine
 from distzo.models.adapters import adapter_for
 from distzo.models.loading import random_model
 from distzo.zo.directions import Directions
@@ -66,6 +66,6 @@ def test_tf32_is_refused_off_cuda(tmp_path):
     from distzo.train import train
     from tests.conftest import make_config
 
-    with pytest.raises(Exception, match="engine.compute=tf32"):
+    with pytest.raises(EngineConfigError, match="engine.compute=tf32"):
         train(make_config("model=tiny", "task=synthetic-cue", "steps=1", "engine.compute=tf32"), tmp_path / "r")
     assert not (tmp_path / "r" / "final").exists()

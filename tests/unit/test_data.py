@@ -1,5 +1,8 @@
 """The bundled data sets, deterministic splits, prompt encoding, packing and the batch sampler."""
 
+import hashlib
+import json
+
 import torch
 
 from distzo.data.bundled import movie_review_endings, movie_reviews
@@ -19,7 +22,15 @@ def test_movie_reviews_are_the_full_polarity_set():
 
 def test_movie_review_endings_are_four_way_multiple_choice():
     records = movie_review_endings()
-    assert len(records) == 9581 and records == movie_review_endings()  # a fixed draw
+    assert len(records) == 9581 and records == movie_review_endings()  # the same draw each call
+    # and the same draw across versions: a changed draw would silently change the task's data
+    assert records[0] == {"context": "The Rock is destined to be the 21st Century's new ''Conan'' and that he's going to "
+                                     "make a splash even greater than Arnold Schwarzenegger, Jean Claud Van Damme",
+                          "endings": ["stoke the conversation.", "is more original.", "or Steven Segal.",
+                                      "great cinematic innovation."], "label": 2}
+    assert records[-1]["endings"] == ["the reality check.", "torture seem appealing.", "this case zero.", "of Tim Allen."]
+    digest = hashlib.sha256(json.dumps(records, sort_keys=True).encode()).hexdigest()
+    assert digest == "1cd296b2242d3a790e8c5695c356f7d76e1ead5f7532d50587d0a3a320bd8a70"
     reviews = {" ".join(r["sentence"].split()) for r in movie_reviews()}  # words joined by single spaces
     for r in records[:500]:
         assert len(r["endings"]) == len(set(r["endings"])) == 4

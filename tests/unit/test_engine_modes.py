@@ -28,15 +28,23 @@ def engine_for(*overrides):
     return build_engine(cfg, Mesh.single(), model, adapter_for(model), params, Directions(0), estimator)
 
 
-@pytest.mark.parametrize("overrides,cls,mode", [
-    ((), ResidentEngine, "resident"),
-    (("offload=cpu",), OffloadEngine, "offload"),
-    (("estimator=prge", "peft=lora_fa"), StackedLoRAEngine, "stacked-lora"),
-    (("peft=lora",), ResidentEngine, "resident"),
+STACKED = "resident, each rank's evaluations in one batched forward over stacked LoRA B copies"
+
+
+@pytest.mark.parametrize("overrides,cls,mode,described", [
+    ((), ResidentEngine, "resident", "resident"),
+    (("offload=cpu",), OffloadEngine, "offload", "blocks offloaded to host memory"),
+    (("offload=cpu", "offload.transfer_dtype=bfloat16"), OffloadEngine, "offload",
+     "blocks offloaded to host memory, moved in bfloat16"),
+    (("estimator=prge", "peft=lora_fa"), StackedLoRAEngine, "stacked-lora", STACKED + " (materialised)"),
+    (("estimator=prge", "peft=lora_fa", "estimator.prge.materialize=false"), StackedLoRAEngine, "stacked-lora",
+     STACKED + " (drawn inside each layer)"),
+    (("peft=lora",), ResidentEngine, "resident", "resident"),
 ])
-def test_the_mode_is_chosen_at_construction(overrides, cls, mode):
+def test_the_mode_is_chosen_at_construction(overrides, cls, mode, described):
     engine = engine_for(*overrides)
-    assert type(engine) is cls and engine.mode == mode and engine.describe()
+    assert type(engine) is cls and engine.mode == mode
+    assert engine.describe() == described
 
 
 def fake_mesh(shape, node_size, device="cpu"):

@@ -26,7 +26,7 @@ from torch.nn import functional as F
 from distzo.engine import ResidentEngine, StackedLoRAEngine
 from distzo.models.adapters import adapter_for
 from distzo.models.loading import random_model
-from distzo.objectives import cross_entropy_sums, minus_accuracy_sums, objective_sums
+from distzo.objectives import cross_entropy_sums, objective_sums
 from distzo.peft import apply_peft, attach_lora, attach_prefix
 from distzo.scoring import Scores
 from distzo.zo.directions import Directions
@@ -323,12 +323,26 @@ def test_peft_training_changes_only_trainable_parameters(method, estimator):
 def test_minus_accuracy_objective():
     logits = torch.tensor([[[2.0, 1.0], [0.0, 3.0], [1.0, 0.5]], [[0.0, 1.0], [0.0, 3.0], [1.0, 0.5]]])
     labels = torch.tensor([0, 1, 1])
-    assert minus_accuracy_sums(logits, labels).tolist() == [[-2.0, 3.0], [-1.0, 3.0]]
+    # argmax per example: evaluation 0 predicts [0, 1, 0] (2 right), evaluation 1 [1, 1, 0] (1 right)
     b = label_batch([[1], [2], [3]], labels, LABELS)
-    for e in range(2):
+    for e, want in enumerate([[-2.0, 3.0], [-1.0, 3.0]]):
         scores = Scores(torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.float64), logits[e])
-        assert torch.equal(objective_sums(scores, b, "accuracy"), minus_accuracy_sums(logits, labels)[e])
-        assert torch.equal(objective_sums(scores, b, "loss"), cross_entropy_sums(logits, labels)[e])
+        assert objective_sums(scores, b, "accuracy").tolist() == want
+        loss = objective_sums(scores, b, "loss")
+        assert loss.dtype == torch.float64 and loss[1].item() == 3.0
+        assert loss[0].item() == pytest.approx(F.cross_entropy(logits[e], labels, reduction="sum").item(), rel=1e-6)
+
+
+def test_minus_accuracy_objective_counts_any_gold_answer():
+    """With `extra["gold"]` (several right candidates, as ReCoRD's) a prediction is right when it is
+    any of them; `labels` (one right candidate each) is then not what accuracy compares with."""
+    logits = torch.tensor([[[2.0, 1.0], [0.0, 3.0], [1.0, 0.5]], [[0.0, 1.0], [0.0, 3.0], [1.0, 0.5]]])
+    b = label_batch([[1], [2], [3]], [0, 1, 1], LABELS)
+    b.extra["gold"] = [[1], [0], [0, 1]]
+    # evaluation 0 predicts [0, 1, 0]: only example 2 is right; evaluation 1 predicts [1, 1, 0]: examples 0 and 2
+    for e, want in enumerate([[-1.0, 3.0], [-2.0, 3.0]]):
+        scores = Scores(torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.float64), logits[e])
+        assert objective_sums(scores, b, "accuracy").tolist() == want
 
 
 # --- incompatible options fail up front ----------------------------------------------------------------------

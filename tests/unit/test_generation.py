@@ -5,17 +5,18 @@ the decoding objectives, and the QA presets on fixtures in their distributed for
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
+from distzo.data.sources import DataError
 from distzo.data.tasks import PromptTask
 from distzo.engine import ResidentEngine
 from distzo.generation import answer_text, greedy_decode
 from distzo.models.adapters import adapter_for
 from distzo.models.loading import random_model
 from distzo.objectives import objective_sums
+from distzo.scoring import Scores
 from distzo.zo.directions import Directions
 from distzo.zo.estimators import CLEAN, Evaluation
 from distzo.zo.params import TrainableParams
@@ -112,6 +113,26 @@ def test_decoding_through_the_engine_equals_the_stock_model(tokenizer, tmp_path)
     assert task.objective_sums(scores, batch, "f1").tolist() == [-want, 5.0]
 
 
+def test_the_decoding_objectives_score_known_generations(tokenizer, tmp_path):
+    """Scores with chosen generated tokens (the random model's own answers score 0): minus the sum of
+    the hand-computed SQuAD F1 / exact match of each answer, cut at the stop text and normalised."""
+    task = sft_task(tokenizer, tmp_path, objective="f1")
+    assert task.stop == "\n"
+    batch = task.train_batch(range(5))
+    gold = [answers[0] for answers in batch.extra["answers"]]  # "le <word>"
+    assert all(g.startswith("le ") and len(g.split()) == 2 for g in gold)
+    texts = [f" {gold[0]}\n",                    # right: F1 1, EM 1
+             f" {gold[1]}\nle cat le dog",       # right up to the stop text: F1 1, EM 1
+             " le zzz\n",                        # one of two words right: P = R = 1/2, F1 1/2, EM 0
+             f" The {gold[3].upper()}!\n",       # right once normalised (article, case, punctuation)
+             " nothing at all"]                  # wrong: F1 0, EM 0
+    generated = [tokenizer(t, add_special_tokens=False).input_ids for t in texts]
+    zeros = torch.zeros(5, dtype=torch.float64)
+    scores = Scores(zeros, zeros, None, generated)
+    assert task.objective_sums(scores, batch, "f1").tolist() == [-3.5, 5.0]
+    assert task.objective_sums(scores, batch, "exact_match").tolist() == [-3.0, 5.0]
+
+
 # --- the QA presets on fixtures in their distributed formats -----------------------------------------
 
 def test_squad_reads_its_distributed_json_and_the_datasets_export(tokenizer, tmp_path):
@@ -138,6 +159,10 @@ def test_squad_reads_its_distributed_json_and_the_datasets_export(tokenizer, tmp
     task = PromptTask(make_config("task=squad", f"task.path={tmp_path / 'export'}", "task.val_size=2",
                                   "task.test_size=2").task, tokenizer)
     assert {e.answers for e in task.splits.train} <= {(f"a{i}",) for i in range(8)}
+    assert (task.size("train"), task.size("validation"), task.size("test")) == (4, 2, 2)
+    everything = task.splits.train + task.splits.validation + task.splits.test
+    assert sorted(e.answers for e in everything) == [(f"a{i}",) for i in range(8)]  # each row once
+    assert all(e.prompt.endswith(f"Question: q{e.answers[0][1:]}\nAnswer:") for e in everything)  # its own answer
 
 
 def test_drop_reads_its_distributed_json(tokenizer, tmp_path):
@@ -169,5 +194,5 @@ def test_trivia_reads_the_installed_wheels_lists(tokenizer, tmp_path):
     folder = tmp_path / "lists"
     folder.mkdir()
     (folder / "mine.yaml").write_text("AUTHOR: me\nWhat is 2+2?:\n- 4\n- four\nRed or blue?:\n- red\n" * 1)
-    with pytest.raises(Exception, match=r"task.subsets=\['nope'\]: no list 'nope' in .*available: mine"):
+    with pytest.raises(DataError, match=r"task.subsets=\['nope'\]: no list 'nope' in .*available: mine"):
         PromptTask(make_config("task=trivia", f"task.path={folder}", "task.subsets=[nope]").task, tokenizer)

@@ -78,7 +78,11 @@ def test_blocks_live_in_host_buffers_and_move_each_step():
     model, off = engine("llama", offload=True, slots=2)
     assert len(off.host_blocks) == 4
     p = model.model.layers[2].self_attn.q_proj.weight
-    assert p.data.data_ptr() >= off.host_blocks[2].flat.data_ptr()  # a view into the block's buffer
+    flat = off.host_blocks[2].flat
+    # a view into the block's buffer: its storage, and its bytes within the buffer's
+    assert p.data.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+    start, end = flat.data_ptr(), flat.data_ptr() + flat.numel() * flat.element_size()
+    assert start <= p.data.data_ptr() and p.data.data_ptr() + p.numel() * p.element_size() <= end
     before = off.transfer_stats()
     train_steps(off, steps=2)
     moved = off.transfer_stats()

@@ -229,6 +229,10 @@ def test_presets_read_datasets_exports_too(tokenizer, tmp_path):
                           "test": rte.map(lambda r: {"label": -1})}).save_to_disk(str(tmp_path / "rte"))
     t = task(tokenizer, "task=rte", f"task.path={tmp_path / 'rte'}", "task.val_size=2")
     assert [ex.label for ex in t.splits.test] and {ex.label for ex in t.splits.test} <= {0, 1}
+    # the test split is the export's validation (rows 0-3); its label 0 is entailment, the class of "Yes"
+    assert sorted((ex.prompt.split("\n")[0], ex.label) for ex in t.splits.test) == [("P0", 0), ("P1", 1), ("P2", 0), ("P3", 1)]
+    assert all(ex.label == int(ex.prompt[1]) % 2 for ex in t.splits.train + t.splits.validation)
+    assert t.splits.test[0].candidates == ("Yes", "No")
     rec = datasets.Dataset.from_list([{"passage": "A and B.\n@highlight\nC", "query": "@placeholder wins", "idx": {"passage": i},
                                        "entities": ["A", "B", "A"], "entity_spans": {"start": [0, 6, 0]},
                                        "answers": ["B"]} for i in range(8)])
@@ -300,5 +304,5 @@ def test_errors_name_the_file_the_record_and_the_fix(tokenizer, tmp_path):
     empty = tmp_path / "empty"
     write_jsonl(empty / "train.jsonl", [{"text": "a", "label": 0}] * 4)
     (empty / "val.jsonl").write_text("")
-    with pytest.raises(DataError, match=r"the test split of .*empty is empty|cannot read .*val.jsonl"):
+    with pytest.raises(DataError, match=r"the test split of .*empty is empty; give it examples"):
         task(tokenizer, "task=custom", f"task.path={empty}", "task.val_size=1")

@@ -22,9 +22,44 @@ def test_a_phase_is_split_by_the_clocks_draw_share():
     with timers("comm"):  # no work items: all of it is the phase's
         time.sleep(0.02)
     t = timers.take()
+    assert set(t) == {"perturb", "noise", "comm"}
     wall = t["perturb"] + t["noise"]
+    # 0.5 of 2.0 busy seconds drew z; the comm phase added nothing to noise
     assert wall >= 0.05 and t["noise"] == pytest.approx(0.25 * wall)
-    assert t["comm"] >= 0.02 and t["noise"] == pytest.approx(0.25 * wall)
+    assert t["comm"] >= 0.02
+    assert timers.take() == {}  # take() resets
+
+
+def test_a_nested_phase_is_charged_to_the_outer_one(monkeypatch):
+    syncs = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: syncs.append(1))
+    timers = Timers(True, device=torch.device("cuda"))  # only to count the synchronisations
+    with timers("update"):
+        time.sleep(0.02)
+        with timers("comm"):
+            time.sleep(0.03)
+    assert len(syncs) == 2  # the outer phase's boundaries only
+    t = timers.take()
+    assert set(t) == {"update", "noise"} and t["noise"] == 0.0
+    assert t["update"] >= 0.05  # both sleeps
+    with timers("comm"):  # the nesting is over: a phase of its own again
+        time.sleep(0.01)
+    assert set(timers.take()) == {"comm", "noise"} and len(syncs) == 4
+
+
+def test_nothing_is_timed_while_paused(monkeypatch):
+    syncs = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: syncs.append(1))
+    timers = Timers(True, device=torch.device("cuda"))
+    with timers.paused():
+        assert not timers.enabled
+        with timers("perturb"):
+            time.sleep(0.01)
+    assert timers.take() == {} and syncs == []  # no totals, no CUDA synchronisation
+    assert timers.enabled  # restored afterwards
+    with timers("perturb"):
+        pass
+    assert set(timers.take()) == {"perturb", "noise"} and len(syncs) == 2
 
 
 def test_directions_clock_sees_draws_inside_work_items():

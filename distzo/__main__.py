@@ -124,11 +124,48 @@ def overrides_only(args: list[str], command: str, usage: str, note: str = "") ->
     return overrides
 
 
+def shell_quoted_override(key: str, value: str) -> str:
+    """`key=value` with the value as one quoted string of Hydra's grammar, itself double-quoted for
+    the shell: the form to type when the bare value holds override syntax."""
+    # In Hydra's quoted strings a backslash escapes only a quote, or the backslashes before one
+    # (the closing quote included); elsewhere it is itself.
+    hydra_value = "'" + re.sub(r"(\\*)('|$)", lambda m: m.group(1) * 2 + ("\\" if m.group(2) else "") + m.group(2),
+                               value) + "'"
+    text = f"{key}={hydra_value}"
+    for ch in ("\\", '"', "$", "`"):  # what a double-quoted shell word still interprets
+        text = text.replace(ch, "\\" + ch)
+    return f'"{text}"'
+
+
+def check_override_grammar(overrides: list[str]) -> None:
+    """Each override alone through Hydra's parser, so a value that its grammar rejects (a template
+    with braces, a text with a colon or a comma) is named with the quoted form that works, instead of
+    the parser's "no viable alternative at input"."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    parser = OverridesParser.create()
+    for override in overrides:
+        try:
+            parser.parse_overrides([override])
+        except OverrideParseException:
+            key, sep, value = override.partition("=")
+            if not sep:
+                fail(f"'{override}' is not an override; write key=value (e.g. steps=100)")
+            fail(f"{key}: Hydra's override grammar cannot read the value {value!r} (braces, brackets, quotes, "
+                 f"commas, colons and some spaces are its syntax); quote the value: {shell_quoted_override(key, value)}")
+
+
 def explain(exc: BaseException) -> str:
     """One line from Hydra's and OmegaConf's multi-line composition errors."""
     text = str(exc)
     if exc.__cause__ is not None:  # "Error merging override x=y" carries the reason in its cause
         text = f"{text}\n{exc.__cause__}"
+    ambiguous = re.search(r"Ambiguous value for argument '([^=']+)=([^']*)'", text)
+    if ambiguous:
+        key, value = ambiguous.groups()
+        return (f"{key}={value}: a comma separates the values of a sweep (with -m) or of a list ([a,b]); for one "
+                f"text holding a comma, quote it: {shell_quoted_override(key, value)}")
     missing = re.search(r"Could not find '([^/']+)/([^']+)'", text)
     if missing:
         group, option = missing.groups()
@@ -192,6 +229,7 @@ def compose_and_validate(overrides: list[str], multirun: bool = False, with_hydr
     from .errors import ConfigError
     from .validation import validate
 
+    check_override_grammar(overrides)
     try:
         sets = concrete_override_sets(overrides) if multirun else [overrides]
     except Exception as exc:
@@ -321,7 +359,7 @@ def run_hydra(task: Callable, command: str, args: list[str]) -> None:
         conf = config_dir()
     except ConfigError as exc:
         fail(str(exc))
-    sys.argv = [f"distzo {command}"] + args + worker_overrides()
+    sys.argv = [f"distzo {command}"] + args + worker_overrides() + [f"hydra.help.app_name={command}"]
     hydra.main(config_path=conf, config_name="config", version_base="1.3")(task)()
 
 

@@ -4,7 +4,7 @@ The dataclasses are registered in Hydra's ConfigStore as schemas, so a YAML pres
 override with an unknown key, a wrong type or a value outside a choice field's Enum fails at
 composition time, before anything loads. What types cannot express (ranges, finiteness, files that
 must exist) is checked by `distzo.validation.validate`. This module is a leaf: it imports nothing of
-distzo, so anything may read the schema.
+distzo but its error type, so anything may read the schema.
 
 Choice fields are Enums whose members compare equal to their value (`cfg.objective == "loss"`) and
 print as it. The three-way switches `auto | true | false` stay strings: `key=true` on a command line
@@ -216,16 +216,19 @@ class TaskConfig:
     loss: the training loss: classification (cross-entropy over the candidates' mean token
       log-likelihoods; MeZO's classification tasks) or teacher_forcing (the right candidate's token
       loss only; MeZO's multiple-choice tasks).
-    generation (docs/tasks.md#generation-and-sft): `answers_field` holds the accepted answer(s) (a
+    generation (docs/tasks.md#generation-and-sft-taskkindgeneration): `answers_field` holds the accepted answer(s) (a
       string or a list); the first, rendered with `completion_template` and followed by `stop`, is the
       completion trained by teacher forcing; evaluation decodes greedily up to `max_new_tokens`
       tokens, stopping at `stop`, and scores exact match and F1. `messages_field`: a chat `messages`
       list instead, rendered with the tokenizer's chat template (the last message, the assistant's,
-      is the completion).
+      is the completion). Records with `prompt` and `completion`, `messages` or `text` fields need
+      none of these keys (language modelling for `text`).
     subsets: the parts of a many-part source to read (task=trivia: the list names).
     demos: solved training examples put before every prompt (in-context learning), joined by
       `demo_separator`.
-    val_size / test_size / train_size / split_seed: the splits (docs/tasks.md#splits); max_length: a
+    val_size / test_size / train_size / split_seed: the splits (docs/tasks.md#splits); null sizes are
+      chosen from the data (validation 500, test 1,000, or a tenth of the data when that is fewer;
+      train: the rest); max_length: a
       prompt's tokens at most (the end is kept); num_examples: size of the synthetic set."""
 
     name: str = MISSING
@@ -249,8 +252,8 @@ class TaskConfig:
     subsets: List[str] = field(default_factory=list)
     demos: int = 0
     demo_separator: str = "\n\n"
-    val_size: int = 500
-    test_size: int = 1000
+    val_size: Optional[int] = None
+    test_size: Optional[int] = None
     train_size: Optional[int] = None
     split_seed: int = 0
     max_length: int = 128
@@ -340,7 +343,8 @@ class CommConfig:
 @dataclass
 class CheckpointConfig:
     """Snapshots of the trainable weights and run state every `every` steps (0: none), the newest
-    `keep` kept. They make `resume=auto` and `distzo replay` possible."""
+    `keep` kept. `distzo replay` needs one; `resume=auto` continues from the newest instead of
+    re-applying every logged step since the start."""
 
     every: int = 100
     keep: int = 3
@@ -355,7 +359,7 @@ class EngineConfig:
     row_tokens: prompts are packed into rows of at most this many tokens (block-causal attention).
     divide_work: several ranks on one machine, resident on CPU: share one master in host memory and
       divide the step's noise generation and update among the node's ranks instead of repeating them
-      on every rank (engine/division.py). "auto": wherever it applies (every rank has a perturbed
+      on every rank (engine/divided.py). "auto": wherever it applies (every rank has a perturbed
       evaluation, no offloading, CPU); "true": required (an error where it cannot apply).
     native: the fused CPU kernels (distzo/native): one pass per chunk for the update and every
       working copy, compiled on first use with the system C compiler. "auto": on CPU where a

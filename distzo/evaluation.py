@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,7 @@ class Evaluator:
         batches = list(self.task.batches(split, self.batch_size))
         mine = batches[mesh.rank::mesh.world_size]
         generation = self.task.kind == "generation"
+        decodes = generation and self.task.decodes
         progress = Progress(f"eval {split}", len(batches), enabled=mesh.is_main)
         correct = seen = 0
         loss_sum = loss_count = f1_total = 0.0
@@ -53,27 +55,41 @@ class Evaluator:
                 scores = weights.score(batch)
                 s, k = objective_sums(scores, batch, "loss").tolist()
                 loss_sum, loss_count = loss_sum + s, loss_count + k
-                if generation:
+                if decodes:
                     answers = weights.generate(self.task, batch.extra["prompts"])
                     em = sum(exact_match(a, ok) for a, ok in zip(answers, batch.extra["answers"]))
                     f1 = sum(f1_score(a, ok) for a, ok in zip(answers, batch.extra["answers"]))
                     correct, seen, f1_total = correct + em, seen + batch.size, f1_total + f1
+                elif generation:  # language modelling: the token loss alone
+                    seen += batch.size
                 else:
                     c, n = accuracy_counts(scores, batch)
                     correct, seen = correct + c, seen + n
                 progress.update(min(len(batches), (i + 1) * mesh.world_size))
         correct, seen, loss_sum, loss_count, f1_total = mesh.all_sum([correct, seen, loss_sum, loss_count, f1_total])
-        result = {"accuracy": correct / seen, "loss": loss_sum / loss_count, "examples": int(seen)}
+        result = {"accuracy": correct / seen if not generation or decodes else None, "loss": loss_sum / loss_count,
+                  "examples": int(seen)}
         if generation:
+            result["perplexity"] = math.exp(min(result["loss"], 700.0))  # of the completion tokens
+        if decodes:
             result.update(exact_match=correct / seen, f1=f1_total / seen)
         elapsed = time.time() - start
         if self.metrics is not None:
             self.metrics.write("eval", step=step, split=split, **result, eval_time_s=round(elapsed, 3))
-        scores_text = (f"exact match {result['exact_match']:.4f}, F1 {result['f1']:.4f}" if generation
-                       else f"accuracy {result['accuracy']:.4f}")
+        scores_text = headline(result)
         log.info("step %d: %s %s, loss %.4f (%d examples, %s)", step, split, scores_text, result["loss"], seen,
                  format_duration(elapsed))
         return result
+
+
+def headline(result: dict[str, Any]) -> str:
+    """An evaluation's main figures as text: accuracy (classification, multiple choice), exact match
+    and F1 (generation), or perplexity (language modelling on whole texts)."""
+    if "f1" in result:
+        return f"exact match {result['exact_match']:.4f}, F1 {result['f1']:.4f}"
+    if result.get("accuracy") is None:
+        return f"perplexity {result['perplexity']:.4f}"
+    return f"accuracy {result['accuracy']:.4f}"
 
 
 # --- python -m distzo eval -------------------------------------------------------------------------
@@ -132,7 +148,7 @@ def evaluate(cfg, run_dir: Path) -> dict[str, Any]:
             if mesh.is_main:
                 run_dir.mkdir(parents=True, exist_ok=True)
                 (run_dir / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
-                print(f"{cfg.task.name} {split}: accuracy {result['accuracy']:.4f}, loss {result['loss']:.4f} "
+                print(f"{cfg.task.name} {split}: {headline(result)}, loss {result['loss']:.4f} "
                       f"({result['examples']} examples)", flush=True)
             return result
         finally:

@@ -138,7 +138,7 @@ def summarize_metrics(path: Path) -> dict[str, Any]:
         "tokens_per_s": sum(r["tokens"] for r in timed) / total_time if total_time else math.nan,
         "step_time_s": statistics.median(r["step_time_s"] for r in timed) if timed else math.nan,
         "peak_mem_bytes": max(peaks) if peaks else math.nan,
-        "val_accuracy": evals[-1]["accuracy"] if evals else math.nan,
+        "val_accuracy": evals[-1]["accuracy"] if evals and evals[-1]["accuracy"] is not None else math.nan,
         "val_loss": evals[-1]["loss"] if evals else math.nan,
         "steps": max((r["step"] for r in train), default=0),
         "finished": bool(summary),

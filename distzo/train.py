@@ -28,7 +28,7 @@ from .components import Components, build_components
 from .dist.consistency import check_replicas
 from .dist.mesh import Mesh
 from .errors import DistzoError
-from .evaluation import Evaluator
+from .evaluation import Evaluator, headline
 from .jsonl import JsonlWriter
 from .metrics import MetricsWriter, Progress, format_duration, peak_memory_bytes, peak_rss_bytes
 from .resume import Checkpointer, ResumePoint, catch_up, check_identity, find_resume_point, truncate_logs
@@ -230,9 +230,10 @@ def _train(run: Run, stop: StopRequests) -> dict[str, Any]:
         **host_master_summary(run), "engine": run.engine.mode, "engine_description": run.engine.describe(),
         "replica_checksums": replica_checksums,  # every rank's, in rank order: identical (checked)
     }
-    if "f1" in last:  # generation: accuracy is the exact match; F1 too
-        summary.update(validation_f1_before=first["f1"] if first else None, validation_f1_after=last["f1"],
-                       test_f1=test["f1"])
+    for key in ("f1", "perplexity"):  # generation: accuracy is the exact match (None for whole texts)
+        if key in last:
+            summary.update({f"validation_{key}_before": first[key] if first else None,
+                            f"validation_{key}_after": last[key], f"test_{key}": test[key]})
     if cfg.save_final:
         with run.engine.materialized() as weights:
             if mesh.is_main:
@@ -242,14 +243,10 @@ def _train(run: Run, stop: StopRequests) -> dict[str, Any]:
     if mesh.is_main:
         atomic_write_json(run.run_dir / "summary.json", summary)
     run.metrics.write("summary", **summary)
-    metric = "exact match" if "f1" in last else "accuracy"
-    before = f"{first['accuracy']:.4f}" if first else f"(resumed at step {run.start_step})"
-    log.info("Validation %s %s -> %.4f after %d steps (%s training, median %.2f s/step); test %s %.4f", metric,
-             before, last["accuracy"], cfg.steps, format_duration(summary["train_time_s"]),
-             summary["step_time_s"] if step_times else float("nan"), metric, test["accuracy"])
-    if "f1" in last:
-        log.info("Validation F1 %s -> %.4f; test F1 %.4f", f"{first['f1']:.4f}" if first else "(resumed)", last["f1"],
-                 test["f1"])
+    log.info("Validation %s -> %s after %d steps (%s training, median %.2f s/step); test %s",
+             headline(first) if first else f"(resumed at step {run.start_step})", headline(last), cfg.steps,
+             format_duration(summary["train_time_s"]), summary["step_time_s"] if step_times else float("nan"),
+             headline(test))
     return summary
 
 

@@ -111,6 +111,9 @@ def check_local_model(path: str) -> None:
     if not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin")):
         raise ConfigError(f"model.path={path!r} has no weights (*.safetensors or *.bin); save the model with "
                           "save_pretrained into that folder")
+    from .models.loading import check_weight_files
+
+    check_weight_files(folder)
 
 
 def _format_string(template: str, key: str) -> list[str]:

@@ -13,6 +13,11 @@ strings or booleans) or taken as the class index; multiple-choice candidates com
 `candidate_template`. A preset may first rewrite a record (`distzo.data.presets`): it returns the
 fields the template reads plus `_label` (a class index) or `_candidates` and `_gold`.
 
+Generation reads the record layouts SFT data comes in without settings (`sft_layout`): the
+configured `answers_field` under `template`; else `prompt` and `completion` fields (TRL's
+prompt-completion format, plain or conversational); a chat `messages` list (the last message, the
+assistant's, is the completion); or a `text` field (language modelling on the whole text).
+
 Every mistake names the file, the record and the fix (`DataError`).
 """
 
@@ -71,6 +76,29 @@ class RecordFormatter:
         self.candidate_template = cfg.candidate_template
         self.rewrite = rewrite
         self.fields = template_fields(self.template)
+        self.layout = "template"  # generation: the current split's record layout (`sft_layout`)
+
+    def sft_layout(self, fields: set[str]) -> str:
+        """How a split's generation records give their prompt and completion, from the fields they
+        carry: "template" (the configured `answers_field`, or a preset's answers), "messages"
+        (`messages_field`, or a `messages` list), "prompt_completion" (`prompt` and `completion`)
+        or "text" (a `text` field, modelled whole). The configured fields win; the standard layouts
+        need no settings."""
+        if self.messages_field:
+            return "messages"
+        if "_answers" in fields or self.answers_field in fields:
+            return "template"
+        if {"prompt", "completion"} <= fields:
+            return "prompt_completion"
+        for layout, field in (("messages", "messages"), ("text", "text")):
+            if field in fields:
+                return layout
+        return "template"  # reports the missing answers field
+
+    def _answer_field(self) -> str:
+        """The field that holds a generation record's completion, in the split's layout."""
+        return {"messages": self.messages_field or "messages", "prompt_completion": "completion",
+                "text": "text"}.get(self.layout, self.answers_field)
 
     def has_label(self, record: dict[str, Any]) -> bool:
         """Whether a (rewritten) record says which answer is right (test splits of GLUE and SuperGLUE
@@ -78,8 +106,7 @@ class RecordFormatter:
         if "_label" in record or "_gold" in record or "_answers" in record:
             return next(record[k] for k in ("_label", "_gold", "_answers") if k in record) is not None
         if self.kind == "generation":
-            field = self.messages_field or self.answers_field
-            return bool(record.get(field))
+            return bool(record.get(self._answer_field()))
         value = record.get(self.label_field)
         return value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0)
 
@@ -87,6 +114,9 @@ class RecordFormatter:
         """The examples of a split; None when no record of it carries a label (an unlabelled test
         split), an error when only some lack one."""
         rows = self.rewrite(list(records)) if self.rewrite else list(records)
+        # A file's records share its columns (missing values read as None): the layout is what the
+        # split's records carry.
+        self.layout = self.sft_layout({k for r in rows for k, v in r.items() if v is not None})
         labelled = [self.has_label(r) for r in rows]
         if rows and not any(labelled):
             return None
@@ -94,8 +124,10 @@ class RecordFormatter:
         for i, (row, ok) in enumerate(zip(rows, labelled)):
             where = f"record {i} of the {split} split of {origin}"
             if not ok:
-                raise DataError(f"{where} has no {self.label_field!r} (the answer), though other records do; "
-                                "give every record its answer, or set task.label_field to the field that holds it")
+                key = "task.answers_field" if self.kind == "generation" else "task.label_field"
+                field = self._answer_field() if self.kind == "generation" else self.label_field
+                raise DataError(f"{where} has no {field!r} (the answer), though other records do; "
+                                f"give every record its answer, or set {key} to the field that holds it")
             out.append(self.example(row, where))
         return out
 
@@ -121,22 +153,45 @@ class RecordFormatter:
                             "and a literal brace as {{ or }}") from None
 
     def _generation(self, row: dict[str, Any], where: str) -> Example:
-        """A prompt and its completion: from the template and the answers, or from a chat."""
-        if self.messages_field:
-            messages = row.get(self.messages_field)
-            if (not isinstance(messages, (list, tuple)) or not messages or not isinstance(messages[-1], dict)
-                    or messages[-1].get("role") != "assistant"):
-                raise DataError(f"{where}: {self.messages_field!r} must be a list of chat messages ending with the "
-                                "assistant's ({'role': 'assistant', 'content': ...}), the completion to learn")
-            answer = str(messages[-1].get("content", ""))
-            return Example(self.chat(list(messages[:-1])), (answer + self.stop,), (0,), (answer,))
+        """A prompt and its completion, by the record's layout (`sft_layout`). A text is modelled
+        whole: an empty prompt (the task starts it at the tokenizer's document boundary) and no
+        answers to decode."""
+        layout = self.layout
+        if layout == "messages":
+            field = self.messages_field or "messages"
+            prompt, answer = self._chat_turns(row.get(field), where, field)
+            return Example(prompt, (answer + self.stop,), (0,), (answer,))
+        if layout == "prompt_completion":
+            prompt, completion = row["prompt"], row["completion"]
+            if isinstance(prompt, (list, tuple)):  # conversational: message lists on both sides
+                prompt, answer = self._chat_turns(list(prompt) + list(completion or [])[-1:], where, "prompt")
+            else:
+                prompt, answer = str(prompt), str(completion)
+            return Example(prompt, (answer + self.stop,), (0,), (answer.strip(),))
+        if layout == "text":
+            text = str(row["text"])
+            if not text.strip():
+                raise DataError(f"{where} has an empty 'text'; give every record some text")
+            return Example("", (text,), (0,), ())
         answers = row["_answers"] if "_answers" in row else _answer_list(row.get(self.answers_field))
         if not answers:
-            raise DataError(f"{where} has no answer in {self.answers_field!r}; set task.answers_field to the field "
-                            "holding the answer (a string, or a list of accepted answers)")
+            fields = sorted(k for k in row if not k.startswith("_"))
+            raise DataError(f"{where} has no answer in {self.answers_field!r} (its fields: {fields}); generation "
+                            "reads prompt and completion fields, a messages list or a text field as they are, or "
+                            "set task.answers_field to the field holding the answer (with task.template for the "
+                            "prompt)")
         prompt = self._format(self.template, row, where, "task.template")
         completion = self._format(self.completion_template, row, where, "task.completion_template", answer=answers[0])
         return Example(prompt, (completion + self.stop,), (0,), tuple(answers))
+
+    def _chat_turns(self, messages: Any, where: str, field: str) -> tuple[str, str]:
+        """A chat's prompt (every message before the last, rendered by the tokenizer's chat template
+        with the assistant's turn opened) and its completion (the last message, the assistant's)."""
+        if (not isinstance(messages, (list, tuple)) or not messages or not isinstance(messages[-1], dict)
+                or messages[-1].get("role") != "assistant"):
+            raise DataError(f"{where}: {field!r} must be a list of chat messages ending with the "
+                            "assistant's ({'role': 'assistant', 'content': ...}), the completion to learn")
+        return self.chat(list(messages[:-1])), str(messages[-1].get("content", ""))
 
     def _class(self, row: dict[str, Any], where: str) -> int:
         if "_label" in row:

@@ -33,7 +33,7 @@ from ..generation import answer_text
 from ..objectives import objective_sums
 from ..scoring import Batch, Scores, Sequence as Seq, label_word_batch
 from .bundled import BUNDLED, bundled_records
-from .examples import Example, RecordFormatter
+from .examples import RecordFormatter
 from .presets import JSON_OBJECTS, READERS
 from .sources import DataError, read_records
 from .splits import Splits, make_splits
@@ -80,7 +80,11 @@ class PromptTask:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.label_words = list(cfg.label_words)
         self.stop, self.max_new_tokens = cfg.stop, cfg.max_new_tokens
+        self.origin = cfg.path or cfg.dataset  # for messages while the data is read
         self.splits, self.origin = load_examples(cfg, self._render_chat)
+        # Generation whose records are plain texts (no answers to decode) is language modelling:
+        # evaluated by its token loss and perplexity.
+        self.decodes = self.kind == "generation" and any(ex.answers for s in SPLITS for ex in getattr(self.splits, s))
         self.num_demos = cfg.demos
         self.demos = self._demonstrations(cfg.demos, cfg.demo_separator, cfg.split_seed)
         self.decoding_objective = str(objective) in ("f1", "exact_match")
@@ -103,8 +107,8 @@ class PromptTask:
         """A chat's messages up to the assistant's answer, as the tokenizer's chat template renders
         them with the assistant's turn opened."""
         if not getattr(self.tokenizer, "chat_template", None):
-            raise DataError(f"task.messages_field={self.messages_field!r}: this tokenizer has no chat template; use a "
-                            "chat model's tokenizer, or prompt and answer fields with task.template")
+            raise DataError(f"{self.origin}: chat messages need a chat template, and this tokenizer has none; use a "
+                            "chat model's tokenizer (model.tokenizer=...), or prompt and completion fields")
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
     def _demonstrations(self, k: int, separator: str, seed: int) -> str:
@@ -122,10 +126,15 @@ class PromptTask:
         """Token ids of a prompt (after the demonstrations, if any), at most `max_length`, keeping the
         end: the template's cue is there."""
         ids = self.tokenizer(self.demos + prompt).input_ids
-        eos = self.tokenizer.eos_token_id
+        eos, bos = self.tokenizer.eos_token_id, self.tokenizer.bos_token_id
         # Some tokenizers append EOS; the prompt must end on its own last token.
-        if eos is not None and len(ids) > 1 and ids[-1] == eos and eos != self.tokenizer.bos_token_id:
+        if eos is not None and len(ids) > 1 and ids[-1] == eos and eos != bos:
             ids = ids[:-1]
+        if not ids:  # an empty prompt (a text modelled whole) starts at the document boundary
+            if bos is None and eos is None:
+                raise DataError(f"task {self.name}: a record has no prompt, and this tokenizer has no beginning- or "
+                                "end-of-sequence token to start it with; give the records a prompt")
+            ids = [bos if bos is not None else eos]
         return ids[-self.max_length:]
 
     def _continuation(self, text: str, cache: dict[str, list[int]]) -> list[int]:
@@ -230,10 +239,11 @@ class PromptTask:
 
     def describe(self) -> str:
         words = {"classification": f"label words {self.label_words}", "multiple_choice": "per-example candidates",
-                 "generation": f"greedy decoding of up to {self.max_new_tokens} tokens, stop {self.stop!r}"}[self.kind]
+                 "generation": (f"greedy decoding of up to {self.max_new_tokens} tokens, stop {self.stop!r}"
+                                if self.decodes else "language modelling on whole texts, scored by perplexity")}[self.kind]
         loss = "teacher forcing on the right candidate" if self.teacher_forcing else "cross-entropy over the candidates"
         if self.kind == "generation":
-            loss = "teacher forcing on the completion"
+            loss = "teacher forcing on the completion" if self.decodes else "token loss of the whole text"
         return (f"Task {self.name} ({self.kind}, {words}; training loss: {loss}): {self.size('train')} train / "
                 f"{self.size('validation')} validation / {self.size('test')} test examples from {self.origin}"
                 + (f"; {self.num_demos} solved examples before each prompt" if self.num_demos else ""))

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import struct
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -45,6 +48,53 @@ _RANDOM_BASE: dict[str, dict[str, Any]] = {
 }
 
 
+def check_weight_files(folder: str | Path, key: str = "model.path") -> None:
+    """Every weights file of a model folder is whole, read from headers only (no tensor is loaded):
+    a safetensors file holds the header its first 8 bytes announce and every tensor's bytes that
+    header lists; a shard index names only files that exist. A copy cut short or overwritten then
+    costs one line naming the file, not a loader's traceback."""
+    folder = Path(folder)
+    for index in folder.glob("*.index.json"):
+        try:
+            shards = set(json.loads(index.read_text()).get("weight_map", {}).values())
+        except (OSError, ValueError, AttributeError) as exc:
+            raise ConfigError(f"{key}={str(folder)!r}: the shard index {index.name} is unreadable ({exc}); copy the "
+                              "model folder again, or save it again with save_pretrained") from None
+        missing = sorted(s for s in shards if not (folder / s).is_file())
+        if missing:
+            raise ConfigError(f"{key}={str(folder)!r}: the shard index {index.name} names {missing[:3]}, which "
+                              "the folder lacks; copy the missing shards into it")
+    for path in sorted(folder.glob("*.safetensors")):
+        problem = _safetensors_problem(path)
+        if problem:
+            raise ConfigError(f"{key}={str(folder)!r}: {path.name} is {problem}; copy the model folder again (or "
+                              "save it again with save_pretrained)")
+
+
+def _safetensors_problem(path: Path) -> str | None:
+    """Why a safetensors file cannot be whole (None: its header and sizes agree)."""
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                return f"{size} bytes long, too short for a safetensors file (truncated)"
+            length = struct.unpack("<Q", head)[0]
+            if length > size - 8:
+                return f"truncated or not a safetensors file (its header claims {length} bytes, the file has {size})"
+            header = json.loads(fh.read(length))
+    except OSError as exc:
+        return f"unreadable ({exc.strerror or exc})"
+    except (ValueError, UnicodeDecodeError):
+        return "corrupt (its header is not the JSON a safetensors file starts with)"
+    ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)
+            and isinstance(v.get("data_offsets"), list) and len(v["data_offsets"]) == 2]
+    need = 8 + length + max(ends, default=0)
+    if size < need:
+        return f"truncated ({size} bytes; its header lists tensors up to byte {need})"
+    return None
+
+
 def load_tokenizer(spec: str | None):
     """A tokenizer from a preset name ("smollm2") or a local folder."""
     from transformers import AutoTokenizer
@@ -53,7 +103,13 @@ def load_tokenizer(spec: str | None):
         folder = smollm2_folder()
     else:
         folder = os.path.expanduser(spec)
-    tok = AutoTokenizer.from_pretrained(folder)
+    try:
+        tok = AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError, TypeError, KeyError, RuntimeError, EnvironmentError) as exc:
+        reason = " ".join(str(exc).split())[:200]
+        raise ConfigError(f"cannot read a tokenizer from {folder} ({type(exc).__name__}: {reason}); the folder needs the "
+                          "files a tokenizer's save_pretrained writes (tokenizer.json, or the vocabulary files and "
+                          "tokenizer_config.json), or name another folder with model.tokenizer=PATH") from None
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
@@ -90,7 +146,13 @@ def load_model(cfg) -> tuple[torch.nn.Module, Any]:
     else:
         folder = wheel_model_folder(cfg.source) if cfg.source in WHEEL_MODELS else os.path.expanduser(cfg.path)
         tok = load_tokenizer(cfg.tokenizer or str(folder))
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+        check_weight_files(folder)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+        except (OSError, ValueError, RuntimeError, KeyError) as exc:  # safetensors, torch.load, config errors
+            reason = " ".join(str(exc).split())[:200]
+            raise ConfigError(f"cannot load the model in {folder} ({type(exc).__name__}: {reason}); check that the "
+                              "folder is a complete save_pretrained copy of a causal LM") from None
     # ZO forwards must be deterministic: dropout off (MeZO runs its forwards in eval mode too).
     model.eval()
     model.requires_grad_(True)

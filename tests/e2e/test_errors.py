@@ -7,11 +7,13 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.distributed.launch import run_forked
 
@@ -65,6 +67,28 @@ def folders(tmp_path_factory):
     r = run_forked(1, ["train", "model=tiny", "task=synthetic-cue", "steps=1", "save_final=false", "eval_every=0",
                        "task.val_size=16", "task.test_size=16", f"hydra.run.dir={no_final}"], cwd=root, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
+    no_snapshot = root / "no-snapshot"  # a finished run that wrote no snapshot
+    r = run_forked(1, ["train", "model=tiny", "task=synthetic-cue", "steps=1", "checkpoint.every=0", "save_final=false",
+                       "eval_every=0", "task.val_size=16", "task.test_size=16", f"hydra.run.dir={no_snapshot}"],
+                   cwd=root, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    from distzo.models.loading import load_tokenizer, random_model
+
+    tokenizer = load_tokenizer("smollm2")
+    good = root / "good-model"  # a complete save_pretrained folder, broken below in copies
+    random_model("llama", len(tokenizer), {}, 0, torch.float32).save_pretrained(good)
+    tokenizer.save_pretrained(good)
+    broken = {}
+    for name in ("truncated", "corrupt", "missing-shard", "bad-tokenizer"):
+        broken[name] = root / name
+        shutil.copytree(good, broken[name])
+    weights = broken["truncated"] / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size // 2)  # a copy cut short
+    weights = broken["corrupt"] / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:8] + b"x" * 16 + weights.read_bytes()[24:])  # its header overwritten
+    (broken["missing-shard"] / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}}))
+    (broken["bad-tokenizer"] / "tokenizer.json").write_text("{ not json")
     data = root / "data"
     data.mkdir()
     reviews = [{"text": f"review {i}", "label": "positive" if i % 2 else "negative"} for i in range(12)]
@@ -80,9 +104,12 @@ def folders(tmp_path_factory):
     (empty_test / "val.jsonl").write_text("")
     return {"$CLIP": str(clip), "$MAMBA": str(mamba), "$USED_RUN": str(used), "$OTHER_RUN": str(other), "$EMPTY_DIR": str(empty),
             "$NO_WEIGHTS": str(no_weights), "$BAD_CONFIG": str(bad_config), "$NO_FINAL_RUN": str(no_final),
+            "$NO_SNAPSHOT_RUN": str(no_snapshot),
             "$REVIEWS": str(data / "reviews.jsonl"), "$ODD_LABEL": str(data / "odd-label.jsonl"),
             "$QUIZ": str(data / "quiz.jsonl"), "$NOT_JSON": str(data / "not-json.jsonl"), "$EMPTY_TEST": str(empty_test),
-            "$NO_DATA": str(data / "nothing")}
+            "$NO_DATA": str(data / "nothing"), "$TRUNCATED_MODEL": str(broken["truncated"]),
+            "$CORRUPT_MODEL": str(broken["corrupt"]), "$MISSING_SHARD": str(broken["missing-shard"]),
+            "$BAD_TOKENIZER": str(broken["bad-tokenizer"])}
 
 
 def run(text: str, cwd: Path) -> tuple[subprocess.CompletedProcess, int]:

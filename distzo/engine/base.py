@@ -17,8 +17,8 @@ from typing import Iterator, Sequence
 
 from torch import nn
 
+from ..data.batches import Batch, Packed, Scores
 from ..models.adapters import DecoderAdapter
-from ..scoring import Batch, Packed, Scores
 from ..zo.estimators import Evaluation
 from ..zo.params import TrainableParams
 
@@ -39,7 +39,7 @@ class Materialized:
     def generate(self, task, prompts: Sequence[Sequence[int]]) -> list[str]:
         """Greedy answers to `prompts` (token ids) under the task's stop rule, with the stock
         `generate` and its KV cache on the model's own (master) parameters: on this rank alone."""
-        from ..generation import greedy_decode
+        from ..data.decoding import greedy_decode
         from ..peft.prefix import has_prefix
 
         self._engine.check_can_generate()

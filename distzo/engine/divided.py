@@ -37,8 +37,8 @@ from typing import Callable, Sequence, TypeVar
 import torch
 import torch.distributed as dist
 
-from ..dist.mesh import Mesh
-from ..dist.node import Node
+from ..parallel.mesh import Mesh
+from ..parallel.node import Node
 from ..zo.estimators import Evaluation
 from ..zo.params import TrainableParam, TrainableParams
 from .chunkpass import PendingUpdate

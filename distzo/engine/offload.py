@@ -15,7 +15,7 @@ receives the update as a reduced-precision delta (4 bytes a parameter per step i
 full-precision round trip, and no update is lost to rounding the master).
 
 Sliced communication (DistZO2 §6.1, `comm.sliced=true` with several ranks on a node): the node
-keeps ONE host master, in memory every local rank maps (`distzo.dist.node`), laid out so that local
+keeps ONE host master, in memory every local rank maps (`distzo.parallel.node`), laid out so that local
 rank j owns slice j of every block (equal, aligned, contiguous ranges: DistZO2's thread-aligned
 partitioning). For each block a rank uploads only its slice, applies the deferred update to that
 slice alone (so the node's ranks share the update's noise regeneration), writes that slice back,
@@ -33,8 +33,8 @@ from typing import Iterator, Mapping
 import torch
 from torch import nn
 
-from ..dist.node import Node, mapped_resident_bytes
 from ..models.adapters import DecoderAdapter
+from ..parallel.node import Node, mapped_resident_bytes
 from ..zo.directions import Directions
 from ..zo.params import TrainableParams
 from .staged import StagedEngine

@@ -17,8 +17,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from ..data.batches import Packed, Scores
 from ..peft.lora import lora_layers, stacked_b
-from ..scoring import Packed, Scores
 from ..zo.directions import Directions
 from ..zo.estimators import Evaluation
 from ..zo.params import TrainableParam

@@ -23,10 +23,10 @@ from typing import Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
-from ..dist.mesh import Mesh
+from ..data.batches import NO_TARGET, Batch, Packed, Scores, label_word_batch
 from ..models.adapters import DecoderAdapter
-from ..scoring import NO_TARGET, Batch, Packed, Scores, label_word_batch
-from ..timing import DISABLED, Timers
+from ..parallel.mesh import Mesh
+from ..telemetry.timing import DISABLED, Timers
 from ..zo.directions import Directions
 from ..zo.estimators import CLEAN, Evaluation
 from ..zo.params import TrainableParam, TrainableParams
@@ -294,7 +294,7 @@ class StagedEngine(Engine):
         return scores
 
     def _head(self, hidden: torch.Tensor, packed: Packed, w) -> Scores:
-        """The final stage at the scored positions only (the scoring contract, distzo/scoring.py)."""
+        """The final stage at the scored positions only (the scoring contract, distzo/data/batches.py)."""
         features = self.adapter.final(hidden[packed.score_row, packed.score_col], w)
         return head_scores(self.adapter, features, packed, w)
 

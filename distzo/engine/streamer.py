@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..dist.node import Node
 from ..models.adapters import DecoderAdapter
+from ..parallel.node import Node
 
 SLICE_ALIGN = 256  # elements: every slice starts on a 1 KiB (fp32) boundary, friendly to DMA engines
 

@@ -14,7 +14,7 @@ from torch import nn
 from torch.func import functional_call
 from torch.nn import functional as F
 
-from ..timing import DISABLED, Timers
+from ..telemetry.timing import DISABLED, Timers
 from ..zo.directions import Directions
 from ..zo.estimators import Evaluation
 from ..zo.params import TrainableParam, TrainableParams

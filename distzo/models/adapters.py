@@ -174,7 +174,10 @@ class RotaryDecoderAdapter(DecoderAdapter):
 
     def context(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                 mask_fn: Callable | None = None) -> BatchContext:
-        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+        from transformers.masking_utils import (
+            create_causal_mask,
+            create_sliding_window_causal_mask,
+        )
 
         batch, seq = input_ids.shape
         # Mask helpers and rotary read only shape, dtype and device from the embeddings.

@@ -33,7 +33,14 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from .adapters import BatchContext, DecoderAdapter, UnsupportedModelError, WeightView, build_mask, packed_probe
+from .adapters import (
+    BatchContext,
+    DecoderAdapter,
+    UnsupportedModelError,
+    WeightView,
+    build_mask,
+    packed_probe,
+)
 
 log = logging.getLogger(__name__)
 
@@ -283,7 +290,10 @@ class GenericDecoderAdapter(DecoderAdapter):
         """distzo's own masks (`build_mask`: block-causal for packed prompts, intersected with
         `mask_fn` for branches), in the form a stock forward accepts instead of building its own: one
         4D mask, or a mapping per layer type."""
-        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+        from transformers.masking_utils import (
+            create_causal_mask,
+            create_sliding_window_causal_mask,
+        )
 
         full = build_mask(create_causal_mask, self.config, shaped, position_ids, mask_fn)
         layer_types = getattr(self.config, "layer_types", None)

@@ -22,7 +22,14 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .adapters import BatchContext, DecoderAdapter, UnsupportedModelError, WeightView, build_mask, packed_probe
+from .adapters import (
+    BatchContext,
+    DecoderAdapter,
+    UnsupportedModelError,
+    WeightView,
+    build_mask,
+    packed_probe,
+)
 
 log = logging.getLogger(__name__)
 

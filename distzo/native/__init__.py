@@ -36,7 +36,10 @@ import torch
 
 from ..cache import cache_dir
 from ..errors import DistzoError
-from ..zo.rademacher import Stream, stream_signs  # the stream's definition, which the kernels reproduce
+from ..zo.rademacher import (  # the stream's definition, which the kernels reproduce
+    Stream,
+    stream_signs,
+)
 
 log = logging.getLogger("distzo")
 

@@ -37,7 +37,7 @@ from .workers import CHUNK_NUMEL, ChunkWorkers
 
 if TYPE_CHECKING:
     from ..native import Kernels
-    from ..timing import WorkClock
+    from ..telemetry.timing import WorkClock
 
 # Bump when the seed -> z mapping changes; snapshots and run summaries record it.
 # 2: Rademacher signs unpacked from random bytes (8 per byte) instead of one draw per element.

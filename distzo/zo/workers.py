@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 import torch
 
 if TYPE_CHECKING:
-    from ..timing import WorkClock
+    from ..telemetry.timing import WorkClock
 
 CHUNK_NUMEL = 1 << 20  # the smallest scratch buffer (a chunk, distzo.zo.directions)
 

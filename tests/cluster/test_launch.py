@@ -7,7 +7,7 @@ import socket
 import subprocess
 import sys
 
-from distzo.jsonl import read_jsonl
+from distzo.telemetry.jsonl import read_jsonl
 from tests.cluster.common import ENV, FAST, ROOT
 from tests.cluster.wandb_records import read_run
 

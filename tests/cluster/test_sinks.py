@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from distzo.metrics import MetricsWriter
-from distzo.sinks import WandbSink, open_sinks
+from distzo.telemetry.metrics import MetricsWriter
+from distzo.telemetry.sinks import WandbSink, open_sinks
 from tests.conftest import make_config
 
 
@@ -71,7 +71,7 @@ def test_the_writer_forwards_every_record(tmp_path, fake_wandb):
 def test_a_wandb_that_cannot_start_is_one_clear_error(tmp_path, monkeypatch):
     import wandb
 
-    from distzo.sinks import SinkError
+    from distzo.telemetry.sinks import SinkError
 
     def init(**kwargs):
         raise wandb.errors.UsageError("api_key not configured (no-tty). call wandb.login(key=[your_api_key])")

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from distzo.jsonl import read_jsonl
+from distzo.telemetry.jsonl import read_jsonl
 from tests.cluster.common import ENV, FAST, ROOT, wait_for_jobs
 
 SCRIPT = ROOT / "slurm" / "train.sbatch"

@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from distzo.jsonl import read_jsonl
-from distzo.sweep import SweepError, expand, split_overrides
+from distzo.run.sweep import SweepError, expand, split_overrides
+from distzo.telemetry.jsonl import read_jsonl
 from tests.cluster.common import ENV, FAST
 
 
@@ -34,8 +34,8 @@ def test_the_sweeps_own_overrides_stay_with_the_sweep():
 
 def test_a_failing_run_is_a_row_and_the_sweep_exits_1(tmp_path, monkeypatch, capsys):
     """The launcher replaced by a stand-in: seed=0 'trains' (writes metrics.jsonl), seed=1 fails."""
-    import distzo.sweep
-    from distzo.__main__ import main
+    import distzo.run.sweep
+    from distzo.cli.main import main
 
     fake = ("import json, pathlib, sys\n"
             "d = pathlib.Path(sys.argv[1]); seed = sys.argv[2]\n"
@@ -45,7 +45,7 @@ def test_a_failing_run_is_a_row_and_the_sweep_exits_1(tmp_path, monkeypatch, cap
             "         {'type': 'eval', 'step': 2, 'split': 'validation', 'accuracy': 0.75, 'loss': 0.5},\n"
             "         {'type': 'summary', 'steps': 2, 'peak_mem_bytes': 8}]\n"
             "(d / 'metrics.jsonl').write_text(''.join(json.dumps(x) + '\\n' for x in lines))\n")
-    monkeypatch.setattr(distzo.sweep, "local_command",
+    monkeypatch.setattr(distzo.run.sweep, "local_command",
                         lambda job: [sys.executable, "-c", fake, str(job.run_dir), job.swept[0]])
     out = tmp_path / "sweep"
     with pytest.raises(SystemExit) as exit_:

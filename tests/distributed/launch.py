@@ -45,7 +45,7 @@ def spawn_env(rank: int, world: int, port: int) -> None:
 
 # --- forked runs ------------------------------------------------------------------------------------
 
-PRELOAD = ["distzo.__main__", "distzo.train", "distzo.bench", "distzo.replay", "distzo.validation", "transformers",
+PRELOAD = ["distzo.__main__", "distzo.run.training", "distzo.run.bench", "distzo.run.replay", "distzo.config.validation", "transformers",
            "transformers.models.llama.modeling_llama", "transformers.models.opt.modeling_opt",
            "transformers.models.qwen2.modeling_qwen2"]
 _server_lock = threading.Lock()
@@ -83,7 +83,7 @@ def _worker(argv: list[str], env: dict[str, str], cwd: str, out: str, err: str) 
     sys.stdout = open(1, "w", buffering=1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False)
     sys.argv = ["distzo", *argv]
-    from distzo.__main__ import main
+    from distzo.cli.main import main
 
     code = 0
     try:
@@ -105,9 +105,8 @@ def run_forked(nproc: int, argv: list[str], cwd: Path | None = None, timeout: fl
     """`python -m distzo ARGV` as nproc ranks of one standalone job; returns the ranks' outputs
     concatenated in rank order and the first failing rank's exit code (0 when all succeed).
     env: variables to set for every rank, on top of the suite's environment."""
-    import tempfile
-
     import datetime
+    import tempfile
     import uuid
 
     import torch.distributed as dist

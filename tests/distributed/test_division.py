@@ -53,7 +53,7 @@ def _run(engine, plan):
 
 def _worker(rank, world, port, slow_rank, distribution, out_dir):
     spawn_env(rank, world, port)
-    from distzo.dist.mesh import Mesh
+    from distzo.parallel.mesh import Mesh
     from distzo.zo.estimators import Evaluation
 
     mesh = Mesh.create("2x1", "cpu", timeout_s=120)

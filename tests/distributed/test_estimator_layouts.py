@@ -61,8 +61,8 @@ JOBS = [(name, mesh) for name in RUNS for mesh in MESHES if mesh == "2x2" or nam
 
 
 def _config(name: str, mesh: str, root: Path):
-    from distzo.config import compose_config
-    from distzo.validation import validate
+    from distzo.config.schema import compose_config
+    from distzo.config.validation import validate
 
     run = [o for r in RUNS[name] for o in ([*QA, f"task.path={root / 'qa.jsonl'}"] if r == "{qa}" else [r])]
     cfg = compose_config(COMMON + run + [f"mesh={mesh}"])
@@ -71,7 +71,7 @@ def _config(name: str, mesh: str, root: Path):
 
 
 def _train(name: str, mesh: str, root: Path) -> None:
-    from distzo.train import train
+    from distzo.run.training import train
 
     run_dir = root / f"{name}-{mesh}"
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -97,7 +97,7 @@ def write_qa(root: Path) -> None:
     moves with the perturbations, so an F1 step has a signal to follow."""
     import json
 
-    from distzo.generation import greedy_decode
+    from distzo.data.decoding import greedy_decode
     from distzo.models.loading import load_model
 
     cfg = compose_config_for_model()
@@ -112,7 +112,7 @@ def write_qa(root: Path) -> None:
 
 
 def compose_config_for_model():
-    from distzo.config import compose_config
+    from distzo.config.schema import compose_config
 
     return compose_config(["model=tiny", "model.dtype=float64"])
 

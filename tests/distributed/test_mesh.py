@@ -15,8 +15,8 @@ import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
-from distzo.dist.shape import MeshError, MeshShape
-from distzo.jsonl import read_jsonl
+from distzo.parallel.shape import MeshError, MeshShape
+from distzo.telemetry.jsonl import read_jsonl
 from tests.distributed.launch import ENV, free_port, spawn_env, torchrun
 
 TINY = ["model=tiny", "task=synthetic-cue", "eval_every=0", "log_every=1000", "steps=8", "batch_size=12",
@@ -38,7 +38,7 @@ def test_bad_mesh_messages(text, world, message):
 
 
 def test_roles():
-    from distzo.dist.mesh import Mesh
+    from distzo.parallel.mesh import Mesh
 
     roles = [(r % 2, r // 2) for r in range(4)]  # (perturbation index, data index) on 2x2
     for r, (p, d) in enumerate(roles):
@@ -51,8 +51,8 @@ def test_roles():
 def test_node_evaluations_are_those_of_the_nodes_ranks():
     """Work division builds the copies a node's ranks need: on a 4x1 mesh over two 2-rank nodes
     (4 evaluations), node 0 runs 0 and 1, node 1 runs 2 and 3; with one node, every evaluation."""
-    from distzo.dist.mesh import Mesh
-    from distzo.dist.node import Node
+    from distzo.parallel.mesh import Mesh
+    from distzo.parallel.node import Node
 
     for rank in range(4):
         node = Node(local_rank=rank % 2, size=2, index=rank // 2)
@@ -145,9 +145,9 @@ def _replica_worker(rank, world, port, corrupt_rank, out_dir):
     """Checks the replicas twice: as built (every rank the same), then after rank `corrupt_rank`
     moved one weight by one ulp."""
     spawn_env(rank, world, port)
-    from distzo.dist.consistency import ReplicaDivergence, check_replicas
-    from distzo.dist.mesh import Mesh
     from distzo.models.loading import random_model
+    from distzo.parallel.consistency import ReplicaDivergence, check_replicas
+    from distzo.parallel.mesh import Mesh
     from distzo.zo.params import TrainableParams
 
     mesh = Mesh.create(f"1x{world}", "cpu", timeout_s=60)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from distzo.jsonl import read_jsonl
+from distzo.telemetry.jsonl import read_jsonl
 from tests.distributed.launch import torchrun
 
 BASE = ["task=synthetic-cue", "eval_every=3", "log_every=1000", "steps=6", "batch_size=8", "optim.lr=1e-3",

@@ -16,8 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from distzo.checkpoint import list_snapshots, read_snapshot
-from distzo.jsonl import read_jsonl
+from distzo.state.snapshots import list_snapshots, read_snapshot
+from distzo.telemetry.jsonl import read_jsonl
 from tests.distributed.launch import ENV, torchrun
 
 BASE = ["model=tiny", "task=synthetic-cue", "eval_every=0", "log_every=1000", "batch_size=8", "optim.lr=1e-3",

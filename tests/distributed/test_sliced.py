@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from distzo.dist.node import PREFIX, shm_dir
-from distzo.jsonl import read_jsonl
+from distzo.parallel.node import PREFIX, shm_dir
+from distzo.telemetry.jsonl import read_jsonl
 from tests.distributed.launch import ENV, torchrun
 
 BASE = ["model=tiny", "task=synthetic-cue", "log_every=1000", "batch_size=8", "optim.lr=1e-3", "seed=4",

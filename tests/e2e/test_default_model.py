@@ -3,10 +3,10 @@
 import pytest
 import torch
 
+from distzo.data.objectives import accuracy_counts
 from distzo.data.tasks import PromptTask
 from distzo.engine import ResidentEngine
 from distzo.models import adapter_for, load_model
-from distzo.objectives import accuracy_counts
 from distzo.zo.directions import Directions
 from distzo.zo.estimators import SPSA
 from distzo.zo.params import TrainableParams

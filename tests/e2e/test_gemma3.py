@@ -3,9 +3,9 @@
 import pytest
 import torch
 
+from distzo.data.batches import Batch, Sequence
 from distzo.engine import ResidentEngine
 from distzo.models import adapter_for, load_model
-from distzo.scoring import Batch, Sequence
 from distzo.zo.directions import Directions
 from distzo.zo.params import TrainableParams
 from tests.conftest import make_config

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from safetensors.torch import load_file
 
-from distzo.train import train
+from distzo.run.training import train
 from tests.conftest import make_config
 from tests.distributed.launch import run_forked
 

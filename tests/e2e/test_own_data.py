@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from distzo.jsonl import read_jsonl
+from distzo.telemetry.jsonl import read_jsonl
 from tests.distributed.launch import run_forked
 
 RUN = ["model=tiny", "steps=2", "eval_every=0", "checkpoint.every=0"]

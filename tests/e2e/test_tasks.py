@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from distzo.jsonl import read_jsonl
-from distzo.train import train
+from distzo.run.training import train
+from distzo.telemetry.jsonl import read_jsonl
 from tests.conftest import make_config
 from tests.distributed.launch import run_forked
 from tests.unit.test_tasks import THREE_CLASS, reviews_in, write_jsonl
@@ -128,10 +128,10 @@ def peft_adapter_gives_distzos_logits(run_dir, *settings):
     import torch
     from peft import PeftModel
 
-    from distzo.components import build_components
-    from distzo.dist.mesh import Mesh
-    from distzo.evaluation import final_adapter
     from distzo.models.loading import load_model
+    from distzo.parallel.mesh import Mesh
+    from distzo.run.components import build_components
+    from distzo.run.evaluation import final_adapter
 
     cfg = make_config(*FAST, *settings, "task.val_size=16", "task.test_size=16")
     c = build_components(cfg, Mesh.single(), 0, weights=final_adapter(str(run_dir)))

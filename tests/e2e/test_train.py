@@ -6,8 +6,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from distzo.jsonl import read_jsonl
-from distzo.train import train
+from distzo.run.training import train
+from distzo.telemetry.jsonl import read_jsonl
 from tests.conftest import TINY, make_config
 
 
@@ -74,7 +74,7 @@ def test_final_folder_loads_back_as_a_local_model(tmp_path):
 
 
 def test_non_finite_loss_stops_with_a_clear_error(tmp_path):
-    from distzo.train import TrainingError
+    from distzo.run.training import TrainingError
 
     with pytest.raises(TrainingError, match="3 steps in a row had non-finite losses .* Lower optim.lr"):
         # float16 weights overflow after the first (huge) update: inf - inf = nan in the next forward

@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from distzo.jsonl import read_jsonl
-from distzo.train import train
+from distzo.run.training import train
+from distzo.telemetry.jsonl import read_jsonl
 from distzo.zo.directions import Directions, chunks_of, param_key
 from distzo.zo.rademacher import _int64, stream_signs, stream_words
 from tests.conftest import make_config

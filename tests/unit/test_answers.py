@@ -2,7 +2,7 @@
 
 import pytest
 
-from distzo.answers import exact_match, f1_score, normalize_answer
+from distzo.data.answers import exact_match, f1_score, normalize_answer
 
 
 @pytest.mark.parametrize("text,norm", [

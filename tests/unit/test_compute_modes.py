@@ -63,7 +63,7 @@ def test_a_float32_master_keeps_updates_that_a_bfloat16_master_loses():
 
 
 def test_tf32_is_refused_off_cuda(tmp_path):
-    from distzo.train import train
+    from distzo.run.training import train
     from tests.conftest import make_config
 
     with pytest.raises(EngineConfigError, match="engine.compute=tf32"):

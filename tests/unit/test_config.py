@@ -1,4 +1,4 @@
-"""The configuration schema and conf/config.yaml agree, and validation covers every number."""
+"""The configuration schema and the packaged config.yaml agree, and validation covers every number."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from distzo.config import Choice, Config, compose_config
+from distzo.config.schema import Choice, Config, compose_config
+from distzo.config.validation import RANGES, check_numbers
 from distzo.errors import ConfigError
-from distzo.validation import RANGES, check_numbers
 
-CONF = Path(__file__).resolve().parents[2] / "conf" / "config.yaml"
+CONF = Path(__file__).resolve().parents[2] / "distzo" / "config" / "presets" / "config.yaml"
 
 
 def _leaves(node, prefix=""):
@@ -31,7 +31,7 @@ def test_config_yaml_and_the_dataclasses_agree_on_every_default():
     for key, value in written.items():
         default = OmegaConf.select(OmegaConf.create(schema), key)
         default = default.value if isinstance(default, Choice) else default
-        assert default == value, f"{key}: conf/config.yaml says {value!r}, distzo/config.py {default!r}"
+        assert default == value, f"{key}: distzo/config/presets/config.yaml says {value!r}, distzo/config/schema.py {default!r}"
 
 
 def _numeric_keys(cls, prefix=""):
@@ -45,7 +45,7 @@ def _numeric_keys(cls, prefix=""):
 
 
 def test_every_number_of_the_schema_has_a_range():
-    from distzo import config
+    from distzo.config import schema as config
 
     numeric = set()
     for name, cls in [("model", config.ModelConfig), ("task", config.TaskConfig), ("estimator", config.EstimatorConfig),

@@ -5,9 +5,9 @@ import json
 
 import torch
 
+from distzo.data.batches import Batch, Sequence, label_word_batch
 from distzo.data.bundled import movie_review_endings, movie_reviews
 from distzo.data.tasks import PromptTask, TrainSampler
-from distzo.scoring import Batch, Sequence, label_word_batch
 from tests.conftest import make_config
 
 

@@ -3,7 +3,13 @@
 import pytest
 import torch
 
-from distzo.zo.directions import CHUNK_NUMEL, Directions, chunk_numel, chunks_of, param_key
+from distzo.zo.directions import (
+    CHUNK_NUMEL,
+    Directions,
+    chunk_numel,
+    chunks_of,
+    param_key,
+)
 
 
 def test_z_is_a_pure_function_of_its_coordinates():

@@ -5,13 +5,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distzo.dist.mesh import Mesh
-from distzo.dist.node import Node
-from distzo.dist.shape import MeshShape
-from distzo.engine import (EngineConfigError, OffloadEngine, ResidentEngine, StackedLoRAEngine, build_engine,
-                           work_division)
+from distzo.engine import (
+    EngineConfigError,
+    OffloadEngine,
+    ResidentEngine,
+    StackedLoRAEngine,
+    build_engine,
+    work_division,
+)
 from distzo.models.adapters import adapter_for
 from distzo.models.loading import random_model
+from distzo.parallel.mesh import Mesh
+from distzo.parallel.node import Node
+from distzo.parallel.shape import MeshShape
 from distzo.peft import apply_peft
 from distzo.zo.directions import Directions
 from distzo.zo.estimators import build_estimator

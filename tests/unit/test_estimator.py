@@ -6,10 +6,10 @@ import math
 import torch
 from torch.nn import functional as F
 
+from distzo.data.objectives import cross_entropy_sums
 from distzo.engine import ResidentEngine
 from distzo.models.adapters import adapter_for
 from distzo.models.loading import random_model
-from distzo.objectives import cross_entropy_sums
 from distzo.zo.directions import Directions
 from distzo.zo.estimators import SPSA, Evaluation
 from distzo.zo.params import TrainableParams

@@ -8,14 +8,13 @@ import subprocess
 
 import pytest
 
-from distzo.__main__ import shell_quoted_override
+from distzo.cli.main import shell_quoted_override
 from distzo.data.examples import Example
 from distzo.data.sources import DataError
 from distzo.data.splits import make_splits, split_pool
 from distzo.data.tasks import PromptTask
 from tests.conftest import make_config
 from tests.unit.test_tasks import write_jsonl
-
 
 # --- quoting: the printed fix, typed into a shell and read by Hydra, gives back the value ----------
 

@@ -9,14 +9,14 @@ import json
 import pytest
 import torch
 
+from distzo.data.batches import Scores
+from distzo.data.decoding import answer_text, greedy_decode
+from distzo.data.objectives import objective_sums
 from distzo.data.sources import DataError
 from distzo.data.tasks import PromptTask
 from distzo.engine import ResidentEngine
-from distzo.generation import answer_text, greedy_decode
 from distzo.models.adapters import adapter_for
 from distzo.models.loading import random_model
-from distzo.objectives import objective_sums
-from distzo.scoring import Scores
 from distzo.zo.directions import Directions
 from distzo.zo.estimators import CLEAN, Evaluation
 from distzo.zo.params import TrainableParams
@@ -107,7 +107,7 @@ def test_decoding_through_the_engine_equals_the_stock_model(tokenizer, tmp_path)
     scores = engine.evaluate(batch, [Evaluation(CLEAN, 0)], 0)[0]
     for seq, generated in zip(batch.sequences, scores.generated):
         assert generated == plain_greedy(model, seq.tokens, 4)
-    from distzo.answers import f1_score
+    from distzo.data.answers import f1_score
 
     want = sum(f1_score(answer_text(tokenizer, g, "\n"), ok) for g, ok in zip(scores.generated, batch.extra["answers"]))
     assert task.objective_sums(scores, batch, "f1").tolist() == [-want, 5.0]

@@ -9,7 +9,13 @@ import torch
 from distzo import native
 from distzo.engine.chunkpass import chunk_pass
 from distzo.engine.update import PendingUpdate
-from distzo.zo.directions import Directions, chunks_of, param_key, stream_rows, stream_signs
+from distzo.zo.directions import (
+    Directions,
+    chunks_of,
+    param_key,
+    stream_rows,
+    stream_signs,
+)
 from distzo.zo.params import TrainableParam
 
 MASK = (1 << 64) - 1

@@ -4,10 +4,10 @@ resident one, for tied and untied heads, with any number of device slots."""
 import pytest
 import torch
 
+from distzo.data.objectives import objective_sums
 from distzo.engine import OffloadEngine, ResidentEngine
 from distzo.models.adapters import adapter_for
 from distzo.models.loading import random_model
-from distzo.objectives import objective_sums
 from distzo.zo.directions import Directions
 from distzo.zo.estimators import SPSA
 from distzo.zo.params import TrainableParams
@@ -115,7 +115,7 @@ def test_reduced_precision_transfer_keeps_a_full_precision_master():
 def test_a_shared_segment_that_would_not_fit_is_refused_before_it_is_created(tmp_path):
     """A sparse file on a full tmpfs gives SIGBUS at the first touch; the check names the folder, the
     sizes and the fixes instead (issue: a container's 64 MB /dev/shm)."""
-    from distzo.dist.node import shm_shortfall
+    from distzo.parallel.node import shm_shortfall
 
     assert shm_shortfall(tmp_path, 1024, "master") is None
     message = shm_shortfall(tmp_path, 2**60, "master")

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from distzo.data.batches import NO_TARGET, Batch, Scores, Sequence
+from distzo.data.objectives import objective_sums
 from distzo.engine import ResidentEngine
 from distzo.models.adapters import adapter_for
 from distzo.models.loading import random_model
-from distzo.objectives import objective_sums
-from distzo.scoring import NO_TARGET, Batch, Scores, Sequence
 from distzo.zo.directions import Directions
 from distzo.zo.params import TrainableParams
 

@@ -261,8 +261,8 @@ def test_candidates_follow_one_shared_prompt(tokenizer, tmp_path):
 
 
 def test_an_example_with_several_right_answers_counts_any_of_them():
-    from distzo.objectives import accuracy_counts
-    from distzo.scoring import Batch, Scores, Sequence
+    from distzo.data.batches import Batch, Scores, Sequence
+    from distzo.data.objectives import accuracy_counts
 
     batch = Batch([Sequence((1,)), Sequence((2,))], [0, 1], [0, 0, 0, 1, 1], torch.tensor([0, 1]), readout="likelihoods",
                   extra={"gold": [(0, 2), (1,)]})

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from distzo.timing import Timers, WorkClock
+from distzo.telemetry.timing import Timers, WorkClock
 from distzo.zo.directions import Directions, chunks_of
 
 

@@ -25,14 +25,20 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from .checkpoint import (atomic_write_json, list_snapshots, newest_valid_snapshot, read_snapshot, snapshots_dir,
-                         write_snapshot)
-from .dist.mesh import Mesh
-from .engine import Engine
-from .errors import DistzoError
-from .jsonl import JsonlWriter, read_jsonl, truncate_after
-from .metrics import Progress
-from .zo.directions import DIRECTIONS_VERSION, gaussian_generator_id, same_directions
+from ..engine import Engine
+from ..errors import DistzoError
+from ..parallel.mesh import Mesh
+from ..telemetry.jsonl import JsonlWriter, read_jsonl, truncate_after
+from ..telemetry.metrics import Progress
+from ..zo.directions import DIRECTIONS_VERSION, gaussian_generator_id, same_directions
+from .snapshots import (
+    atomic_write_json,
+    list_snapshots,
+    newest_valid_snapshot,
+    read_snapshot,
+    snapshots_dir,
+    write_snapshot,
+)
 
 log = logging.getLogger("distzo")
 

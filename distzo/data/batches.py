@@ -21,7 +21,8 @@ ratio is the exact mean over the global batch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Sequence as Seq
+from typing import Any
+from typing import Sequence as Seq
 
 import torch
 
@@ -93,7 +94,7 @@ class Batch:
       non-decreasing). candidates: vocabulary ids whose logits each unit's single scored position
       returns (None: none). labels: per example, what the task's objective compares against (for
       classification and multiple choice the gold unit's index within the example); `readout` says
-      how an objective reads the scores (`distzo.objectives`); `extra` holds further per-example
+      how an objective reads the scores (`distzo.data.objectives`); `extra` holds further per-example
       fields a task needs (lists or tensors of one entry per example)."""
 
     sequences: list[Sequence]

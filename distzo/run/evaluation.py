@@ -18,12 +18,12 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from .dist.mesh import Mesh
-from .engine import Engine
-from .errors import DistzoError
-from .metrics import MetricsWriter, Progress, format_duration
-from .answers import exact_match, f1_score
-from .objectives import accuracy_counts, objective_sums
+from ..data.answers import exact_match, f1_score
+from ..data.objectives import accuracy_counts, objective_sums
+from ..engine import Engine
+from ..errors import DistzoError
+from ..parallel.mesh import Mesh
+from ..telemetry.metrics import MetricsWriter, Progress, format_duration
 
 log = logging.getLogger("distzo")
 
@@ -130,7 +130,7 @@ def evaluate(cfg, run_dir: Path) -> dict[str, Any]:
     """Score `cfg`'s model on `eval.split` of its task, every rank taking a share of the batches;
     writes `eval.json` and a metrics line in the run directory (rank 0)."""
     from .components import build_components
-    from .train import device_kind
+    from .training import device_kind
 
     mesh = Mesh.create(cfg.mesh, device_kind(cfg.device), cfg.dist_timeout_s)
     try:

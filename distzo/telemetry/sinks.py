@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from omegaconf import OmegaConf
 
-from .errors import DistzoError
+from ..errors import DistzoError
 
 log = logging.getLogger("distzo")
 

@@ -16,16 +16,21 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
-from . import native
-from .checkpoint import CorruptSnapshot, list_snapshots, read_snapshot
+from .. import native
+from ..engine import ResidentEngine
+from ..errors import DistzoError
+from ..models import adapter_for, load_model
+from ..state.resume import catch_up
+from ..state.snapshots import CorruptSnapshot, list_snapshots, read_snapshot
+from ..telemetry.jsonl import read_jsonl
+from ..zo.directions import (
+    DIRECTIONS_VERSION,
+    Directions,
+    gaussian_generator_id,
+    same_directions,
+)
+from ..zo.params import TrainableParams
 from .components import load_weights
-from .engine import ResidentEngine
-from .errors import DistzoError
-from .jsonl import read_jsonl
-from .models import adapter_for, load_model
-from .resume import catch_up
-from .zo.directions import DIRECTIONS_VERSION, Directions, gaussian_generator_id, same_directions
-from .zo.params import TrainableParams
 
 log = logging.getLogger("distzo")
 
@@ -78,7 +83,7 @@ def replay(run_dir: Path, step: int | None = None, out: Path | None = None, devi
                           "resume it from its snapshots instead")
     model, _ = load_model(cfg.model)
     if "peft" in cfg:
-        from .peft import apply_peft
+        from ..peft import apply_peft
 
         apply_peft(model, cfg.peft)  # the same trainable set, built the same seeded way
     params = TrainableParams.from_model(model)

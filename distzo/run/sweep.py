@@ -33,8 +33,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from .errors import DistzoError
-from .jsonl import read_jsonl
+from ..errors import DistzoError
+from ..telemetry.jsonl import read_jsonl
 
 COLUMNS = ("n", "label", "mesh", "status", "exit_code", "tokens_per_s", "step_time_s", "peak_mem_bytes",
            "val_accuracy", "val_loss", "steps", "wall_s", "run_dir")
@@ -156,11 +156,9 @@ def local_command(job: Job) -> list[str]:
 
 
 def default_script() -> Path | None:
-    here = Path(__file__).resolve().parent
-    for candidate in (here.parent / "slurm" / "train.sbatch", here / "slurm" / "train.sbatch"):
-        if candidate.is_file():
-            return candidate
-    return None
+    """slurm/train.sbatch of the source tree distzo runs from (None for an installed wheel)."""
+    candidate = Path(__file__).resolve().parents[2] / "slurm" / "train.sbatch"
+    return candidate if candidate.is_file() else None
 
 
 def slurm_command(job: Job, sc, script: Path) -> list[str]:

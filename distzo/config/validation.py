@@ -15,8 +15,8 @@ from typing import Any, Iterator
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from .dist.shape import MeshError, MeshShape, launched_world_size
-from .errors import ConfigError
+from ..errors import ConfigError
+from ..parallel.shape import MeshError, MeshShape, launched_world_size
 
 # key -> its bound: "> 0", ">= 0" or ">= 1". Every numeric key of the schema is listed (a test checks
 # that); `seed` has a range of its own.
@@ -111,13 +111,13 @@ def check_local_model(path: str) -> None:
     if not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin")):
         raise ConfigError(f"model.path={path!r} has no weights (*.safetensors or *.bin); save the model with "
                           "save_pretrained into that folder")
-    from .models.loading import check_weight_files
+    from ..models.loading import check_weight_files
 
     check_weight_files(folder)
 
 
 def _format_string(template: str, key: str) -> list[str]:
-    from .data.examples import template_fields
+    from ..data.examples import template_fields
 
     try:
         return template_fields(template)
@@ -129,8 +129,8 @@ def _format_string(template: str, key: str) -> list[str]:
 def check_task(t: Any) -> None:
     """The task's settings, before its data is read (what the data itself must hold is checked as it
     is read, by distzo.data, with the file and record named)."""
-    from .data.bundled import BUNDLED
-    from .data.presets import READERS
+    from ..data.bundled import BUNDLED
+    from ..data.presets import READERS
 
     known = (*BUNDLED, "file", *READERS)
     if t.dataset not in known:
@@ -195,7 +195,7 @@ def validate(cfg: Any, check_world: bool = True) -> None:
         raise ConfigError(f"model.path={m.path!r} is only read by model=hf (a local folder); the {m.name} preset "
                           f"ignores it. Use model=hf model.path={m.path}")
     if str(m.source).endswith("-wheel"):
-        from .models.assets import check_installed
+        from ..models.assets import check_installed
 
         check_installed(str(m.source))
     if m.source == "local":
@@ -205,7 +205,7 @@ def validate(cfg: Any, check_world: bool = True) -> None:
     if m.source == "random":
         import torch
 
-        from .models.loading import random_model
+        from ..models.loading import random_model
 
         # Built on the meta device (no memory, instant): shape errors surface here, not mid-run.
         random_model(str(m.arch), 1024, dict(m.arch_config), 0, getattr(torch, str(m.dtype)), device="meta")

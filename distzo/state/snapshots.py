@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from .errors import DistzoError
+from ..errors import DistzoError
 
 log = logging.getLogger("distzo")
 
@@ -180,7 +180,7 @@ def save_final(model, tokenizer, folder: Path, params=None, cfg=None) -> Path:
                                                    "model": OmegaConf.to_container(cfg.model, resolve=True)},
                                                   indent=2, sort_keys=True) + "\n")
         if cfg.peft.method in ("lora", "lora_fa"):  # also as a PEFT adapter (peft.PeftModel.from_pretrained)
-            from .peft.export import write_peft_lora
+            from ..peft.export import write_peft_lora
 
             base = cfg.model.path if cfg.model.source == "local" else cfg.model.name
             write_peft_lora(model, cfg.peft.r, cfg.peft.alpha, base, tmp)

@@ -23,19 +23,32 @@ from typing import Any
 
 import torch
 
-from .checkpoint import atomic_write_json, save_final
+from ..errors import DistzoError
+from ..parallel.consistency import check_replicas
+from ..parallel.mesh import Mesh
+from ..state.resume import (
+    Checkpointer,
+    ResumePoint,
+    catch_up,
+    check_identity,
+    find_resume_point,
+    truncate_logs,
+)
+from ..state.snapshots import atomic_write_json, save_final
+from ..telemetry.jsonl import JsonlWriter
+from ..telemetry.metrics import (
+    MetricsWriter,
+    Progress,
+    format_duration,
+    peak_memory_bytes,
+    peak_rss_bytes,
+)
+from ..telemetry.sinks import open_sinks
+from ..zo.directions import DIRECTIONS_VERSION
+from ..zo.schedule import learning_rate
 from .components import Components, build_components
-from .dist.consistency import check_replicas
-from .dist.mesh import Mesh
-from .errors import DistzoError
 from .evaluation import Evaluator, headline
-from .jsonl import JsonlWriter
-from .metrics import MetricsWriter, Progress, format_duration, peak_memory_bytes, peak_rss_bytes
-from .resume import Checkpointer, ResumePoint, catch_up, check_identity, find_resume_point, truncate_logs
-from .signals import StopRequests, Stopped
-from .sinks import open_sinks
-from .zo.directions import DIRECTIONS_VERSION
-from .zo.schedule import learning_rate
+from .signals import Stopped, StopRequests
 
 log = logging.getLogger("distzo")
 

@@ -37,17 +37,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import OmegaConf
 from torch.nn import functional as F
 
-from omegaconf import OmegaConf
-
+from ..parallel.mesh import Mesh
+from ..parallel.shape import MeshShape
+from ..telemetry.metrics import peak_memory_bytes, reset_peak_memory
+from ..telemetry.timing import Timers, WorkClock
+from ..zo.estimators import CLEAN, Evaluation
 from .components import Components, build_components
-from .dist.mesh import Mesh
-from .dist.shape import MeshShape
-from .metrics import peak_memory_bytes, reset_peak_memory
-from .timing import Timers, WorkClock
-from .train import device_kind, zo_step
-from .zo.estimators import CLEAN, Evaluation
+from .training import device_kind, zo_step
 
 log = logging.getLogger("distzo")
 

@@ -9,18 +9,18 @@ from typing import Any, Mapping
 
 import torch
 
-from . import native
-from .data.tasks import PromptTask, TrainSampler
-from .dist.mesh import Mesh
-from .engine import Engine, build_engine
-from .errors import DistzoError
-from .models import adapter_for, load_model
-from .peft import apply_peft
-from .timing import DISABLED, Timers, WorkClock
-from .zo.directions import Directions
-from .zo.estimators import Estimator, build_estimator
-from .zo.params import TrainableParams
-from .zo.subspace import ActivationCapture, SubspaceDirections
+from .. import native
+from ..data.tasks import PromptTask, TrainSampler
+from ..engine import Engine, build_engine
+from ..errors import DistzoError
+from ..models import adapter_for, load_model
+from ..parallel.mesh import Mesh
+from ..peft import apply_peft
+from ..telemetry.timing import DISABLED, Timers, WorkClock
+from ..zo.directions import Directions
+from ..zo.estimators import Estimator, build_estimator
+from ..zo.params import TrainableParams
+from ..zo.subspace import ActivationCapture, SubspaceDirections
 
 log = logging.getLogger("distzo")
 

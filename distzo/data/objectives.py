@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-from .scoring import Batch, Scores
+from .batches import Batch, Scores
 
 
 def cross_entropy_sums(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -1,9 +1,9 @@
-"""Typed configuration: the dataclasses behind Hydra's `conf/` tree.
+"""Typed configuration: the dataclasses behind Hydra's config tree (the packaged presets, distzo/config/presets).
 
 The dataclasses are registered in Hydra's ConfigStore as schemas, so a YAML preset or a command-line
 override with an unknown key, a wrong type or a value outside a choice field's Enum fails at
 composition time, before anything loads. What types cannot express (ranges, finiteness, files that
-must exist) is checked by `distzo.validation.validate`. This module is a leaf: it imports nothing of
+must exist) is checked by `distzo.config.validation.validate`. This module is a leaf: it imports nothing of
 distzo but its error type, so anything may read the schema.
 
 Choice fields are Enums whose members compare equal to their value (`cfg.objective == "loss"`) and
@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 
 class Choice(str, Enum):
@@ -499,12 +499,11 @@ def register_configs() -> None:
 
 
 def config_dir() -> str:
-    """conf/ of the source tree (editable installs), or a copy packaged as distzo/conf."""
-    here = Path(__file__).resolve().parent
-    for candidate in (here.parent / "conf", here / "conf"):
-        if (candidate / "config.yaml").is_file():
-            return str(candidate)
-    raise ConfigError("cannot find the conf/ directory; install distzo from its source tree with `pip install -e .`")
+    """The packaged presets (distzo/config/presets: config.yaml and its groups)."""
+    presets = Path(__file__).resolve().parent / "presets"
+    if not (presets / "config.yaml").is_file():
+        raise ConfigError(f"the packaged presets are missing ({presets}/config.yaml); reinstall distzo")
+    return str(presets)
 
 
 def compose_config(overrides: Sequence[str] = (), with_hydra: bool = False) -> Any:

@@ -27,8 +27,8 @@ def make_config(*overrides: str):
     ConfigError line the CLI prints)."""
     from distzo.cli.main import explain
     from distzo.config.schema import compose_config
-    from distzo.config.validation import validate
     from distzo.errors import ConfigError
+    from distzo.run.checks import validate
 
     try:
         cfg = compose_config(list(overrides))

@@ -15,7 +15,7 @@ def label_batch(sequences, labels, label_ids) -> Batch:
 def plan_logits(engine, batch: Batch, plan, step: int) -> torch.Tensor:
     """[len(plan), B, C]: the label-word logits of every evaluation of the plan (all run on this
     process: a 1x1 mesh)."""
-    scores = engine.evaluate(batch, plan, step)
+    scores = engine.run_probes(batch, plan, step)
     return torch.stack([scores[i].logits for i in range(len(plan))])
 
 

@@ -226,8 +226,8 @@ def compose_and_validate(overrides: list[str], multirun: bool = False, with_hydr
     """Compose the presets with the overrides and validate the result; exit with one line on any error.
     With multirun, every value of every sweep is checked. Returns the (first) composed config."""
     from ..config.schema import compose_config
-    from ..config.validation import validate
     from ..errors import ConfigError
+    from ..run.checks import validate
 
     check_override_grammar(overrides)
     try:
@@ -394,8 +394,8 @@ def _run_in_hydra(cfg, command: Callable) -> None:
     after removing the run directory this invocation created."""
     from hydra.core.hydra_config import HydraConfig
 
-    from ..config.validation import validate
     from ..errors import DistzoError
+    from ..run.checks import validate
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:

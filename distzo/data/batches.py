@@ -30,7 +30,7 @@ NO_TARGET = -1  # a scored position whose candidate logits are wanted, not a tar
 
 
 @dataclass(frozen=True)
-class Sequence:
+class TokenSequence:
     """One packed unit of input: a prefix, then each branch end to end.
 
     branches: start offsets (in `tokens`) of continuations that each follow the prefix: a branch's
@@ -61,7 +61,7 @@ class Sequence:
             out += range(prefix, prefix + hi - lo)
         return out
 
-    def unbranched(self) -> list["Sequence"]:
+    def unbranched(self) -> list["TokenSequence"]:
         """The same scores as plain sequences: the prefix followed by each branch in turn. A scored
         position inside the prefix sees the same tokens in every copy, so it goes to the first."""
         if not self.branches:
@@ -72,7 +72,7 @@ class Sequence:
         for b, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
             picked = [(o if o < prefix else o - lo + prefix, t, u) for o, t, u in zip(self.scored, self.targets, self.units)
                       if (o < prefix and b == 0) or lo <= o < hi]
-            out.append(Sequence(self.tokens[:prefix] + self.tokens[lo:hi], (), tuple(o for o, _, _ in picked),
+            out.append(TokenSequence(self.tokens[:prefix] + self.tokens[lo:hi], (), tuple(o for o, _, _ in picked),
                                 tuple(t for _, t, _ in picked), tuple(u for _, _, u in picked)))
         return out
 
@@ -97,7 +97,7 @@ class Batch:
       how an objective reads the scores (`distzo.data.objectives`); `extra` holds further per-example
       fields a task needs (lists or tensors of one entry per example)."""
 
-    sequences: list[Sequence]
+    sequences: list[TokenSequence]
     sequence_example: list[int]
     unit_example: list[int]
     labels: torch.Tensor
@@ -149,7 +149,7 @@ class Batch:
     def pack(self, row_tokens: int = 1024, window: int | None = None) -> "Packed":
         """The sequences packed into rows (`Packed`). window: the model's smallest sliding attention
         window, if any; a sequence with branches longer than it is packed as its unbranched copies
-        (`Sequence.unbranched`), since the mask helpers measure a window in row offsets."""
+        (`TokenSequence.unbranched`), since the mask helpers measure a window in row offsets."""
         sequences = self.sequences
         if window is not None and any(s.branches and len(s.tokens) > window for s in sequences):
             sequences = [u for s in sequences for u in (s.unbranched() if len(s.tokens) > window else [s])]
@@ -169,7 +169,7 @@ class Batch:
 def label_word_batch(prompts: Seq[Seq[int]], labels: torch.Tensor, label_ids: torch.Tensor,
                      pad_id: int = 0) -> Batch:
     """Single-token label words: one unit per prompt, the label words' logits at its last token."""
-    seqs = [Sequence(tuple(p), scored=(len(p) - 1,), targets=(NO_TARGET,), units=(i,)) for i, p in enumerate(prompts)]
+    seqs = [TokenSequence(tuple(p), scored=(len(p) - 1,), targets=(NO_TARGET,), units=(i,)) for i, p in enumerate(prompts)]
     n = len(seqs)
     return Batch(seqs, list(range(n)), list(range(n)), labels, label_ids, pad_id, "logits")
 
@@ -237,7 +237,7 @@ class Packed:
         return visible
 
 
-def pack(sequences: Seq[Sequence], units: int, candidates: torch.Tensor | None, pad_id: int,
+def pack(sequences: Seq[TokenSequence], units: int, candidates: torch.Tensor | None, pad_id: int,
          row_tokens: int) -> Packed:
     rows: list[list[int]] = [[]]
     used = 0

@@ -30,7 +30,7 @@ import torch
 
 from .answers import exact_match, f1_score
 from .batches import Batch, Scores, label_word_batch
-from .batches import Sequence as Seq
+from .batches import TokenSequence as Seq
 from .bundled import BUNDLED, bundled_records
 from .decoding import answer_text
 from .examples import RecordFormatter

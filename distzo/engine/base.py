@@ -1,6 +1,6 @@
 """The engine interface: the three things a driver asks of an engine (docs/architecture.md#engines).
 
-    scores = engine.evaluate(shard, plan, step)   # this rank's share of the plan: {index: Scores}
+    scores = engine.run_probes(shard, plan, step)   # this rank's share of the plan: {index: Scores}
     engine.apply(step, coefficients, lr, wd)      # the step's update, identical on every rank
     with engine.materialized() as weights:        # owed work done, peers in step: read the weights
         weights.score(batch); weights.params; weights.model
@@ -18,9 +18,14 @@ from typing import Iterator, Sequence
 from torch import nn
 
 from ..data.batches import Batch, Packed, Scores
+from ..errors import DistzoError
 from ..models.adapters import DecoderAdapter
-from ..zo.estimators import Evaluation
+from ..zo.estimators import Probe
 from ..zo.params import TrainableParams
+
+
+class EngineConfigError(DistzoError):
+    """An engine setting that cannot apply to this run."""
 
 
 class Materialized:
@@ -50,7 +55,7 @@ class Materialized:
 
 
 class Engine(ABC):
-    """Runs a step's forward evaluations and its update; see the module docstring."""
+    """Runs a step's forward probes and its update; see the module docstring."""
 
     model: nn.Module
     adapter: DecoderAdapter  # how the model's layers are driven (dedicated adapter or the general path)
@@ -58,8 +63,8 @@ class Engine(ABC):
     mode = "?"  # a short name of the engine's mode, for logs and summaries
 
     @abstractmethod
-    def evaluate(self, batch: Batch, plan: Sequence[Evaluation], step: int) -> dict[int, Scores]:
-        """Run the evaluations of `plan` dealt to this rank (docs/mesh.md) on `batch` (this rank's data
+    def run_probes(self, batch: Batch, plan: Sequence[Probe], step: int) -> dict[int, Scores]:
+        """Run the probes of `plan` dealt to this rank (docs/mesh.md) on `batch` (this rank's data
         shard) at step `step`, returning their Scores by index into `plan`. A rank dealt none returns
         {} (after walking the blocks with its peers where the mode needs it)."""
 

@@ -11,7 +11,7 @@ size-balanced deterministic assignment. Per block i:
      (`master +- eps*z`, the operations of an undivided run, so results agree bitwise), in a
      node-shared stage buffer, then *arrives* (an asynchronous all-reduce over the node);
   2. before its forward through block i, each rank waits until every rank has arrived for block i;
-  3. it then builds its share of block i+1 (step 1) and only then runs its evaluations of block i
+  3. it then builds its share of block i+1 (step 1) and only then runs its probes of block i
      on its copies in the stage buffer.
 
 Each chunk is thus read, drawn and written once per node, and z never leaves the owner's cache.
@@ -26,7 +26,7 @@ precedes its forward through block i-1 but follows that through block i-2). So w
 written, the live slots hold blocks i-1 and i. Updates outside the block walk (the embedding-like
 outer stage, flushes) are divided the same way and end with a barrier before anyone reads the master.
 
-The design requires every rank of the node to run at least one perturbed evaluation per step (it
+The design requires every rank of the node to run at least one perturbed probe per step (it
 walks every block with its peers); `division_applies` checks that for a plan and mesh.
 """
 
@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from ..parallel.mesh import Mesh
 from ..parallel.node import Node
-from ..zo.estimators import Evaluation
+from ..zo.estimators import Probe
 from ..zo.params import TrainableParam, TrainableParams
 from .chunkpass import PendingUpdate
 from .staged import ResidentEngine
@@ -49,8 +49,8 @@ from .weights import StageNoise
 T = TypeVar("T")
 
 
-def division_applies(plan: Sequence[Evaluation], pert: int) -> bool:
-    """True when every perturbation rank is dealt (`Mesh.dealt`) at least one perturbed evaluation
+def division_applies(plan: Sequence[Probe], pert: int) -> bool:
+    """True when every perturbation rank is dealt (`Mesh.dealt`) at least one perturbed probe
     of the plan."""
     return all(any(plan[i].perturbed for i in Mesh.dealt(len(plan), r, pert)) for r in range(pert))
 
@@ -155,7 +155,7 @@ class DividedStageNoise(StageNoise):
     def prepare(self, entries: Sequence[TrainableParam], source: Callable[[TrainableParam], torch.Tensor],
                 pending: PendingUpdate | None = None) -> None:
         todo = list(entries)
-        # Node-shared layout, per dtype: for each node evaluation in turn, the stage's parameters end to end.
+        # Node-shared layout, per dtype: for each node probe in turn, the stage's parameters end to end.
         offset: dict[str, int] = {}
         segment: dict[torch.dtype, int] = {}
         for p in todo:
@@ -181,7 +181,7 @@ class DividedStageNoise(StageNoise):
 
 class DividedEngine(ResidentEngine):
     """Resident weights on CPU, shared by the node's ranks, which divide the step's noise generation
-    and update (the module docstring). Every rank must run at least one perturbed evaluation per
+    and update (the module docstring). Every rank must run at least one perturbed probe per
     step (`division_applies`), since each walks every block with its peers."""
 
     mode = "divided"
@@ -190,7 +190,7 @@ class DividedEngine(ResidentEngine):
         super().__init__(model, adapter, params, directions, **kwargs)
         share_master(params, node)
         self.division = WorkDivision(node)
-        # Announced when this rank's last perturbed evaluation has read the shared master for the last
+        # Announced when this rank's last perturbed probe has read the shared master for the last
         # time; every write to the master first waits until all peers announced it.
         self._reads_done: Arrival | None = None
 
@@ -205,7 +205,7 @@ class DividedEngine(ResidentEngine):
         self.division.barrier()  # the peers' chunks are updated before anyone reads them
 
     def _before_write(self) -> None:
-        """Before this rank changes the shared master, every peer has finished the evaluation that read
+        """Before this rank changes the shared master, every peer has finished the probe that read
         it (a training step's loss exchange already ensures this; the engine does not rely on its
         caller for it)."""
         if self._reads_done is not None:
@@ -222,7 +222,7 @@ class DividedEngine(ResidentEngine):
         return perturbed
 
     def _after_walk(self, perturbed: bool) -> None:
-        if perturbed:  # every rank of the node runs perturbed evaluations in step with its peers
+        if perturbed:  # every rank of the node runs perturbed probes in step with its peers
             self._reads_done = self.division.arrive()
 
     def _prepare_block(self, i, sources, step, plan, perturbed, full_plan) -> StageNoise:
@@ -239,7 +239,7 @@ class DividedEngine(ResidentEngine):
             u = None
         dealt = full_plan if full_plan is not None else plan
         node_evals = sorted({(ev.query, ev.sign)
-                             for ev in (dealt[j] for j in self.mesh.node_evaluations(len(dealt))) if ev.perturbed})
+                             for ev in (dealt[j] for j in self.mesh.node_probes(len(dealt))) if ev.perturbed})
         noise = DividedStageNoise(self.directions, self.workspace, step, self.eps, plan, self.timers,
                                   division=self.division, slot=i % STAGE_SLOTS, node_evals=node_evals)
         noise.prepare(self.block_params[i], lambda p: p.tensor, u)

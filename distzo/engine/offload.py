@@ -3,7 +3,7 @@
 Embeddings, final norm and LM head stay on the device. Each block's parameters are re-pointed
 into one flat host buffer (pinned on CUDA), the master copy. Every step, each block is uploaded
 once into a slot of a small ring of preallocated device buffers, receives the previous step's
-deferred update, serves all of the rank's evaluations, and, if it was updated, goes back to the
+deferred update, serves all of the rank's probes, and, if it was updated, goes back to the
 host master. On CUDA, uploads and write-backs run on their own streams and are ordered against the
 compute stream with events (ZO2's Algorithm 2), so block i+1 uploads and block i-1 writes back
 while block i computes. On CPU the same code runs with host-to-host copies.
@@ -37,6 +37,7 @@ from ..models.adapters import DecoderAdapter
 from ..parallel.node import Node, mapped_resident_bytes
 from ..zo.directions import Directions
 from ..zo.params import TrainableParams
+from .base import EngineConfigError
 from .staged import StagedEngine
 from .streamer import BlockStreamer, build_host_blocks, place_resident, unpin_all
 from .update import apply_update
@@ -103,8 +104,6 @@ class OffloadEngine(StagedEngine):
 
     def check_can_generate(self) -> None:
         if self.device.type != "cpu":
-            from . import EngineConfigError
-
             raise EngineConfigError("generation tasks decode with the stock model on its own parameters, and "
                                     "offloaded blocks live in host memory; evaluate them with offload=none")
 

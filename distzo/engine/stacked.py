@@ -1,11 +1,11 @@
-"""P-RGE's batched evaluation: all of a rank's evaluations in ONE forward over LoRA-FA's B.
+"""P-RGE's batched probe: all of a rank's probes in ONE forward over LoRA-FA's B.
 
-The packed shard is replicated once per evaluation (rows [e R, (e + 1) R) belong to evaluation e),
+The packed shard is replicated once per probe (rows [e R, (e + 1) R) belong to probe e),
 so the frozen weights are read once for every query and sign. Only the LoRA B matrices differ
-between evaluations: each LoRA layer applies its stacked copies [E, out, r] with a batched matmul
-(`distzo.peft.lora`). Each copy is computed exactly as the per-evaluation path computes its working
+between probes: each LoRA layer applies its stacked copies [E, out, r] with a batched matmul
+(`distzo.peft.lora`). Each copy is computed exactly as the per-probe path computes its working
 copy (B + eps z or B - eps z, chunk by chunk from the same directions), so the batched and separate
-evaluations see bitwise the same weights; their losses differ only by GEMM shapes (float rounding).
+probes see bitwise the same weights; their losses differ only by GEMM shapes (float rounding).
 
 materialize=True builds a block's copies before the block runs; False hands each layer a function
 that draws its copies inside its forward and drops them after it (P-RGE §3.2's memory option).
@@ -20,7 +20,7 @@ import torch
 from ..data.batches import Packed, Scores
 from ..peft.lora import lora_layers, stacked_b
 from ..zo.directions import Directions
-from ..zo.estimators import Evaluation
+from ..zo.estimators import Probe
 from ..zo.params import TrainableParam
 from .staged import ResidentEngine, join_scores
 from .weights import CleanWeights
@@ -30,7 +30,7 @@ class StackedLoRAError(ValueError):
     pass
 
 
-def perturbed_copy(directions: Directions, p: TrainableParam, master: torch.Tensor, ev: Evaluation, step: int,
+def perturbed_copy(directions: Directions, p: TrainableParam, master: torch.Tensor, ev: Probe, step: int,
                    eps: float) -> torch.Tensor:
     """master + sign * eps * z_query, with the same operations as the engine's working copies."""
     if not ev.perturbed:
@@ -40,14 +40,14 @@ def perturbed_copy(directions: Directions, p: TrainableParam, master: torch.Tens
     return torch.add(master, z) if ev.sign > 0 else torch.sub(master, z)
 
 
-def stack_copies(directions: Directions, p: TrainableParam, plan: Sequence[Evaluation], step: int,
+def stack_copies(directions: Directions, p: TrainableParam, plan: Sequence[Probe], step: int,
                  eps: float) -> torch.Tensor:
     return torch.stack([perturbed_copy(directions, p, p.tensor, ev, step, eps) for ev in plan])
 
 
 class StackedLoRAEngine(ResidentEngine):
-    """P-RGE: a rank's perturbed evaluations run as one batched forward over stacked LoRA-FA B
-    copies; clean forwards (evaluation) take the ordinary stage loop."""
+    """P-RGE: a rank's perturbed probes run as one batched forward over stacked LoRA-FA B
+    copies; clean forwards (probe) take the ordinary stage loop."""
 
     mode = "stacked-lora"
 
@@ -57,23 +57,23 @@ class StackedLoRAEngine(ResidentEngine):
         self.layers = {f"{name}.lora_B": module for name, module in lora_layers(self.model)}
         others = [p.name for p in self.params if p.name not in self.layers]
         if others or not self.layers:
-            raise StackedLoRAError(f"batched evaluation perturbs LoRA-FA B matrices only; also trainable: {others[:3]}")
+            raise StackedLoRAError(f"batched probe perturbs LoRA-FA B matrices only; also trainable: {others[:3]}")
 
     def describe(self) -> str:
         how = "materialised" if self.materialize else "drawn inside each layer"
-        return f"resident, each rank's evaluations in one batched forward over stacked LoRA B copies ({how})"
+        return f"resident, each rank's probes in one batched forward over stacked LoRA B copies ({how})"
 
-    def _walk(self, parts: Sequence[Sequence[Packed]], plan: Sequence[Evaluation], step: int, full_plan) -> list[Scores]:
+    def _walk(self, parts: Sequence[Sequence[Packed]], plan: Sequence[Probe], step: int, full_plan) -> list[Scores]:
         if not any(ev.perturbed for ev in plan):
             return super()._walk(parts, plan, step, full_plan)
-        # Every evaluation scores the same micro-batches here; one batched forward per micro-batch.
+        # Every probe scores the same micro-batches here; one batched forward per micro-batch.
         per_part = [self._stacked(packed, plan, step) for packed in parts[0]]
         return [join_scores([scores[e] for scores in per_part]) for e in range(len(plan))]
 
     @torch.inference_mode()
-    def _stacked(self, packed: Packed, plan: Sequence[Evaluation], step: int) -> list[Scores]:
-        """Scores of every evaluation of the plan, in one forward: rows [e R, (e + 1) R) of the
-        replicated batch belong to evaluation e."""
+    def _stacked(self, packed: Packed, plan: Sequence[Probe], step: int) -> list[Scores]:
+        """Scores of every probe of the plan, in one forward: rows [e R, (e + 1) R) of the
+        replicated batch belong to probe e."""
         self.flush()  # the owed update (a few LoRA B matrices) before the copies are drawn from the masters
         E, R = len(plan), packed.input_ids.shape[0]
         replicated = packed.replicate(E)
@@ -95,6 +95,6 @@ class StackedLoRAEngine(ResidentEngine):
         return [self._head(hidden[e], packed, clean) for e in range(E)]
 
 
-def _on_the_fly(directions: Directions, p: TrainableParam, plan: Sequence[Evaluation], step: int,
+def _on_the_fly(directions: Directions, p: TrainableParam, plan: Sequence[Probe], step: int,
                 eps: float) -> Callable[[], torch.Tensor]:
     return lambda: stack_copies(directions, p, plan, step, eps)

@@ -1,6 +1,6 @@
-"""The stage loop every split engine shares: stem -> blocks -> final + head, all evaluations per stage.
+"""The stage loop every split engine shares: stem -> blocks -> final + head, all probes per stage.
 
-For each stage the engine draws the stage's z once per query and runs every evaluation of the step
+For each stage the engine draws the stage's z once per query and runs every probe of the step
 through that stage before moving on, so the + and - passes share one noise generation (ZO2's
 "dual forward", generalised to any plan).
 
@@ -12,7 +12,7 @@ owed before anything reads the weights.
 `StagedEngine` is the loop; `ResidentEngine` runs it with every weight on the compute device. The
 other modes are subclasses that override a few hooks: where a block's weights are while it computes
 (`block_sources`), how a block's owed update and working copies are built (`_prepare_block`), what a
-flush does, and whether a rank without evaluations must still walk the blocks with its peers.
+flush does, and whether a rank without probes must still walk the blocks with its peers.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from ..models.adapters import DecoderAdapter
 from ..parallel.mesh import Mesh
 from ..telemetry.timing import DISABLED, Timers
 from ..zo.directions import Directions
-from ..zo.estimators import CLEAN, Evaluation
+from ..zo.estimators import CLEAN, Probe
 from ..zo.params import TrainableParam, TrainableParams
 from .base import Engine, Materialized
 from .chunkpass import PendingUpdate
@@ -43,13 +43,13 @@ class StagedEngine(Engine):
     """Evaluates a step's plan stage by stage (see the module docstring); by default the weights are
     the parameters themselves, on the compute device.
 
-    eps: the perturbation scale; mesh: which evaluations of a plan this rank runs (a 1x1 mesh when
+    eps: the perturbation scale; mesh: which probes of a plan this rank runs (a 1x1 mesh when
     None); fuse_update: apply an owed update inside the next perturbation pass (False: in a pass of
     its own, for comparison); micro_batch_size: examples of a rank's shard per forward (None: the
     whole shard at once; see `_run`); timers: phase timers (`bench`)."""
 
     # Streaming a block involves collectives over the node (sliced offloading): a rank dealt no
-    # evaluation must still walk every block with its peers.
+    # probe must still walk every block with its peers.
     walks_with_peers = False
 
     def __init__(self, model: nn.Module, adapter: DecoderAdapter, params: TrainableParams, directions: Directions,
@@ -75,10 +75,10 @@ class StagedEngine(Engine):
 
     # --- the interface ------------------------------------------------------------------------------
 
-    def evaluate(self, batch: Batch, plan: Sequence[Evaluation], step: int) -> dict[int, Scores]:
+    def run_probes(self, batch: Batch, plan: Sequence[Probe], step: int) -> dict[int, Scores]:
         if batch.readout == "decode":
             return self._decode(batch, plan, step)
-        mine = self.mesh.my_evaluations(len(plan))
+        mine = self.mesh.my_probes(len(plan))
         if not mine:
             if self.walks_with_peers:
                 self._walk_with_peers()
@@ -88,7 +88,7 @@ class StagedEngine(Engine):
         return dict(zip(mine, scores))
 
     def apply(self, step: int, coefficients: Sequence[tuple[int, float]], lr: float, weight_decay: float) -> None:
-        self.flush()  # a rank without evaluations never streamed the previous update
+        self.flush()  # a rank without probes never streamed the previous update
         stages = {OUTER, *range(len(self.block_params))}
         self.pending = PendingUpdate(step, tuple(coefficients), lr, weight_decay, stages)
 
@@ -105,15 +105,15 @@ class StagedEngine(Engine):
         if self.pending is not None:
             raise RuntimeError("internal error: a clean score outside `materialized()` (an update is still owed)")
         packed = self.pack(batch).to(self.device)
-        return self._run([[packed]], [Evaluation(CLEAN, 0)], 0, None)[0]
+        return self._run([[packed]], [Probe(CLEAN, 0)], 0, None)[0]
 
-    def _decode(self, batch: Batch, plan: Sequence[Evaluation], step: int) -> dict[int, Scores]:
-        """Greedy continuations of the batch's sequences under each of this rank's evaluations,
-        `batch.decode_tokens` tokens long: one walk per token, each evaluation on its own sequences
+    def _decode(self, batch: Batch, plan: Sequence[Probe], step: int) -> dict[int, Scores]:
+        """Greedy continuations of the batch's sequences under each of this rank's probes,
+        `batch.decode_tokens` tokens long: one walk per token, each probe on its own sequences
         (prompt plus what it generated so far), the next token the argmax of the full vocabulary's
         logits at the last position. No KV cache, so it runs in every mode, on every mesh, with the
         step's perturbations; every rank makes the same number of walks (no early stop)."""
-        mine = self.mesh.my_evaluations(len(plan))
+        mine = self.mesh.my_probes(len(plan))
         if not mine:
             for _ in range(batch.decode_tokens):
                 if self.walks_with_peers:
@@ -204,7 +204,7 @@ class StagedEngine(Engine):
         yield
 
     def _walk_with_peers(self) -> None:
-        """A rank dealt no evaluation walks the blocks anyway (paying owed updates) where its peers
+        """A rank dealt no probe walks the blocks anyway (paying owed updates) where its peers
         need it to (`walks_with_peers`). It pays the outer stage's owed update too, as `_run` does, so
         that afterwards every rank owes the same stages: `flush` enters its collectives only when
         something is owed, and ranks that disagreed on that would wait on different collectives."""
@@ -216,8 +216,8 @@ class StagedEngine(Engine):
             with self.block_sources(i):
                 pass
 
-    def _prepare_block(self, i: int, sources, step: int, plan: Sequence[Evaluation], perturbed: bool,
-                       full_plan: Sequence[Evaluation] | None) -> StageNoise:
+    def _prepare_block(self, i: int, sources, step: int, plan: Sequence[Probe], perturbed: bool,
+                       full_plan: Sequence[Probe] | None) -> StageNoise:
         """Pay block i's owed update and build its working copies: fused into the perturbation when
         the block is perturbed, otherwise in a pass of its own."""
         noise = self._noise(step, plan)
@@ -236,7 +236,7 @@ class StagedEngine(Engine):
 
     # --- the stage loop -----------------------------------------------------------------------------
 
-    def _noise(self, step: int, plan: Sequence[Evaluation]) -> StageNoise:
+    def _noise(self, step: int, plan: Sequence[Probe]) -> StageNoise:
         return StageNoise(self.directions, self.workspace, step, self.eps, plan, self.timers)
 
     def forward_arithmetic(self):
@@ -248,16 +248,16 @@ class StagedEngine(Engine):
         return nullcontext()
 
     @torch.inference_mode()
-    def _run(self, parts: Sequence[Sequence[Packed]], plan: Sequence[Evaluation], step: int,
-             full_plan: Sequence[Evaluation] | None) -> list[Scores]:
+    def _run(self, parts: Sequence[Sequence[Packed]], plan: Sequence[Probe], step: int,
+             full_plan: Sequence[Probe] | None) -> list[Scores]:
         with self.forward_arithmetic():
             return self._walk(parts, plan, step, full_plan)
 
-    def _walk(self, parts: Sequence[Sequence[Packed]], plan: Sequence[Evaluation], step: int,
-              full_plan: Sequence[Evaluation] | None) -> list[Scores]:
-        """Scores of every evaluation of `plan`: evaluation e on the packed micro-batches parts[e]
-        (usually the same batch for every evaluation; decoding gives each its own). One walk: each
-        block's noise is drawn once and every micro-batch of every evaluation passes through the block
+    def _walk(self, parts: Sequence[Sequence[Packed]], plan: Sequence[Probe], step: int,
+              full_plan: Sequence[Probe] | None) -> list[Scores]:
+        """Scores of every probe of `plan`: probe e on the packed micro-batches parts[e]
+        (usually the same batch for every probe; decoding gives each its own). One walk: each
+        block's noise is drawn once and every micro-batch of every probe passes through the block
         before the next, so memory inside a block scales with a micro-batch while the hidden states
         between blocks are the whole shard's (small). full_plan: the step's whole plan (work division
         builds the copies of the node's other ranks too)."""

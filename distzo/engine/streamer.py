@@ -159,7 +159,7 @@ class BlockStreamer:
 
     Sliced (a node of n ranks): prefetch(i) uploads this rank's slice, lets `slice_update` apply
     the deferred update to it, writes the slice back, and all-gathers the other slices from the
-    node's peers; `local=True` (evaluation) uploads the whole block instead, with no collective,
+    node's peers; `local=True` (probe) uploads the whole block instead, with no collective,
     since ranks evaluate different numbers of batches."""
 
     def __init__(self, blocks: Sequence[HostBlock], device: torch.device, slots: int,

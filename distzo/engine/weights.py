@@ -1,4 +1,4 @@
-"""What an evaluation sees as its weights: master tensors, or working copies theta + s * eps * z.
+"""What an probe sees as its weights: master tensors, or working copies theta + s * eps * z.
 
 A stage's weights may come from the parameters themselves (resident) or from `sources`, a mapping
 from parameter name to the tensor that currently holds it on the compute device (an offloaded
@@ -12,11 +12,11 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 from torch.func import functional_call
-from torch.nn import functional as F
 
+from ..models.adapters import CleanWeights, full_name, module_sources
 from ..telemetry.timing import DISABLED, Timers
 from ..zo.directions import Directions
-from ..zo.estimators import Evaluation
+from ..zo.estimators import Probe
 from ..zo.params import TrainableParam, TrainableParams
 from .chunkpass import PendingUpdate, chunk_pass
 
@@ -54,19 +54,19 @@ class Workspace:
 
 
 class StageNoise:
-    """The perturbed working copies one stage needs, for every evaluation of the plan at once.
+    """The perturbed working copies one stage needs, for every probe of the plan at once.
 
     Dense parameters are perturbed chunk by chunk (`chunk_pass`): the owed update is applied to the
-    master chunk and every evaluation's copy of that chunk (`W + s * eps * z`) is written in the same
+    master chunk and every probe's copy of that chunk (`W + s * eps * z`) is written in the same
     pass, so the master is read once for all signs and z never travels through main memory (a
     per-thread scratch buffer, or no buffer at all with the fused kernels and Rademacher z).
     Embedding-like tables are perturbed by rows (only the rows an index reads)."""
 
     def __init__(self, directions: Directions, workspace: Workspace, step: int, eps: float,
-                 plan: Sequence[Evaluation], timers: Timers = DISABLED):
+                 plan: Sequence[Probe], timers: Timers = DISABLED):
         self.directions, self.workspace, self.step, self.eps = directions, workspace, step, eps
         self.plan, self.timers = list(plan), timers
-        self._copies: dict[tuple[str, int], torch.Tensor] = {}  # (parameter, evaluation index) -> copy
+        self._copies: dict[tuple[str, int], torch.Tensor] = {}  # (parameter, probe index) -> copy
         self._used: dict[tuple[int, torch.dtype], int] = {}
         self._rows: dict[tuple[str, int, int | None], tuple[torch.Tensor, ...]] = {}
 
@@ -75,7 +75,7 @@ class StageNoise:
 
     def copies(self, entries: Sequence[TrainableParam], index: int,
                source: Callable[[TrainableParam], torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Working copies of `entries` for evaluation plan[index] (built for all evaluations on first use)."""
+        """Working copies of `entries` for probe plan[index] (built for all probes on first use)."""
         self.ready()
         todo = [p for p in entries if (p.name, index) not in self._copies]
         if todo:
@@ -84,7 +84,7 @@ class StageNoise:
 
     def prepare(self, entries: Sequence[TrainableParam], source: Callable[[TrainableParam], torch.Tensor],
                 pending: PendingUpdate | None = None) -> None:
-        """Build every evaluation's working copies of `entries` in one pass over their chunks, first
+        """Build every probe's working copies of `entries` in one pass over their chunks, first
         applying `pending` (the previous step's update) to each master chunk: the deferred update
         fused with the next perturbation, while the chunk is in cache."""
         with self.timers("perturb"):
@@ -119,7 +119,7 @@ class StageNoise:
         self.directions.map(one, work, size)
 
     def _outputs(self, todo: Sequence[TrainableParam]) -> dict[tuple[str, int], torch.Tensor]:
-        """Workspace views for every perturbed evaluation's copy of every entry of `todo`."""
+        """Workspace views for every perturbed probe's copy of every entry of `todo`."""
         out: dict[tuple[str, int], torch.Tensor] = {}
         for i, ev in enumerate(self.plan):
             if not ev.perturbed:
@@ -152,38 +152,8 @@ class StageNoise:
         return unique, inverse, z, index
 
 
-def _full_name(prefix: str, rel: str) -> str:
-    """A submodule's parameter name in the model (prefix "": the model itself)."""
-    return f"{prefix}.{rel}" if prefix else rel
-
-
-def _module_sources(prefix: str, module: nn.Module, sources: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {rel: sources[_full_name(prefix, rel)] for rel, _ in module.named_parameters(remove_duplicate=False)
-            if _full_name(prefix, rel) in sources}
-
-
-class CleanWeights:
-    """The master weights, unperturbed (read from `sources` where a stage provides them)."""
-
-    def __init__(self, model: nn.Module, sources: Mapping[str, torch.Tensor] | None = None):
-        self.model, self.sources = model, sources or {}
-
-    def rows(self, name: str, index: torch.Tensor | None) -> torch.Tensor:
-        """Rows `index` of a table (index None: the whole table)."""
-        table = self.sources[name] if name in self.sources else self.model.get_parameter(name)
-        if index is None:
-            return table
-        return table[index] if table.dim() == 1 else F.embedding(index, table)  # a vector: a head's bias
-
-    def call(self, prefix: str, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        local = _module_sources(prefix, module, self.sources)
-        if not local:
-            return module(*args, **kwargs)
-        return functional_call(module, local, args, kwargs, tie_weights=False, strict=False)
-
-
 class PerturbedWeights:
-    """The WeightView of evaluation plan[index]: theta + sign * eps * z_query, as working copies."""
+    """The WeightView of probe plan[index]: theta + sign * eps * z_query, as working copies."""
 
     def __init__(self, model: nn.Module, params: TrainableParams, noise: StageNoise, index: int,
                  sources: Mapping[str, torch.Tensor] | None = None):
@@ -209,13 +179,13 @@ class PerturbedWeights:
     def call(self, prefix: str, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         local: dict[str, TrainableParam] = {}
         for rel, _ in module.named_parameters(remove_duplicate=False):
-            p = self.params.get(_full_name(prefix, rel))
+            p = self.params.get(full_name(prefix, rel))
             if p is not None:
                 local[rel] = p
         if not local:
             return CleanWeights(self.model, self.sources).call(prefix, module, *args, **kwargs)
         unique = list({p.name: p for p in local.values()}.values())
         working = self.noise.copies(unique, self.index, self.source)
-        tensors = _module_sources(prefix, module, self.sources)  # frozen parameters of an offloaded block
+        tensors = module_sources(prefix, module, self.sources)  # frozen parameters of an offloaded block
         tensors.update({rel: working[p.name] for rel, p in local.items()})
         return functional_call(module, tensors, args, kwargs, tie_weights=False, strict=False)

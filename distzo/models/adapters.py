@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Mapping, Protocol
 
 import torch
 from torch import nn
+from torch.func import functional_call
+from torch.nn import functional as F
 
 from ..errors import DistzoError
 
@@ -33,9 +35,44 @@ class UnsupportedModelError(DistzoError):
 
 
 class WeightView(Protocol):
+    """How an adapter reads a stage's weights: the model's own (`CleanWeights`) or an evaluation's
+    working copies (distzo.engine.weights)."""
+
     def rows(self, name: str, index: torch.Tensor) -> torch.Tensor: ...
 
     def call(self, prefix: str, module: nn.Module, *args: Any, **kwargs: Any) -> Any: ...
+
+
+def full_name(prefix: str, rel: str) -> str:
+    """A submodule's parameter name in the model (prefix "": the model itself)."""
+    return f"{prefix}.{rel}" if prefix else rel
+
+
+def module_sources(prefix: str, module: nn.Module, sources: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors of `sources` (by full parameter name) that belong to `module`, by its own names."""
+    return {rel: sources[full_name(prefix, rel)] for rel, _ in module.named_parameters(remove_duplicate=False)
+            if full_name(prefix, rel) in sources}
+
+
+class CleanWeights:
+    """The master weights, unperturbed (read from `sources` where a stage provides them)."""
+
+    def __init__(self, model: nn.Module, sources: Mapping[str, torch.Tensor] | None = None):
+        self.model, self.sources = model, sources or {}
+
+    def rows(self, name: str, index: torch.Tensor | None) -> torch.Tensor:
+        """Rows `index` of a table (index None: the whole table)."""
+        table = self.sources[name] if name in self.sources else self.model.get_parameter(name)
+        if index is None:
+            return table
+        return table[index] if table.dim() == 1 else F.embedding(index, table)  # a vector: a head's bias
+
+    def call(self, prefix: str, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        local = module_sources(prefix, module, self.sources)
+        if not local:
+            return module(*args, **kwargs)
+        return functional_call(module, local, args, kwargs, tie_weights=False, strict=False)
+
 
 
 @dataclass
@@ -253,40 +290,3 @@ ADAPTERS: dict[str, type[DecoderAdapter]] = {
     "qwen3": RotaryDecoderAdapter,
     "opt": OPTAdapter,
 }
-
-
-def adapter_for(model: nn.Module, path: str = "auto") -> DecoderAdapter:
-    """The adapter that drives `model`: the family's dedicated one (path auto or dedicated), else the
-    general path (`distzo.models.generic`, path auto or general), else (auto) the whole-model
-    fallback (`distzo.models.whole`)."""
-    import logging
-
-    model_type = getattr(model.config, "model_type", "?")
-    cls = ADAPTERS.get(model_type)
-    if cls is not None and path in ("auto", "dedicated"):
-        logging.getLogger(__name__).info("%s runs on the dedicated %s adapter", type(model).__name__, cls.family)
-        return cls(model)
-    if path == "whole":
-        from .whole import WholeModelAdapter
-
-        return WholeModelAdapter(model)
-    if path == "dedicated":
-        raise UnsupportedModelError(f"model type {model_type!r} has no dedicated adapter (those: "
-                                    f"{', '.join(sorted(ADAPTERS))}); use model.adapter=auto or general")
-    from .generic import GenericDecoderAdapter
-
-    try:
-        return GenericDecoderAdapter(model)
-    except UnsupportedModelError as general:
-        if path == "general":
-            raise
-        from .whole import WholeModelAdapter
-
-        try:
-            adapter = WholeModelAdapter(model)
-        except UnsupportedModelError as whole:
-            raise UnsupportedModelError(f"{general}; the whole-model fallback cannot run it either: "
-                                        f"{str(whole).split(': ', 1)[-1]}") from None
-        logging.getLogger(__name__).warning("%s; falling back to the whole model (stock forward, every parameter "
-                                            "perturbed at once, no offloading)", general)
-        return adapter

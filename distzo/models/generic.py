@@ -35,6 +35,7 @@ from torch.func import functional_call
 
 from .adapters import (
     BatchContext,
+    CleanWeights,
     DecoderAdapter,
     UnsupportedModelError,
     WeightView,
@@ -247,8 +248,6 @@ class GenericDecoderAdapter(DecoderAdapter):
         self.check_difference = diff
 
     def _check_difference(self) -> tuple[float, float]:
-        from ..engine.weights import CleanWeights
-
         probe = packed_probe(self.model, self.embed.num_embeddings, self.dtype, self.device)
         vocab = torch.arange(min(self.embed.num_embeddings, 64), device=self.device)
         w = CleanWeights(self.model)

@@ -24,6 +24,7 @@ from torch import nn
 
 from .adapters import (
     BatchContext,
+    CleanWeights,
     DecoderAdapter,
     UnsupportedModelError,
     WeightView,
@@ -57,8 +58,6 @@ class WholeModelAdapter(DecoderAdapter):
         return 0  # every sequence with branches is scored unbranched (see the module docstring)
 
     def _self_check(self) -> None:
-        from ..engine.weights import CleanWeights
-
         w = CleanWeights(self.model)
         diff = tol = float("nan")
         try:

@@ -8,10 +8,11 @@ after the last step.
 
 from __future__ import annotations
 
+from typing import Iterable
+
 import torch
 
 from ..errors import DistzoError
-from ..zo.params import TrainableParams
 from .mesh import Mesh
 
 _INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -22,20 +23,21 @@ class ReplicaDivergence(DistzoError):
     """Ranks hold different weights; the run cannot continue."""
 
 
-def weights_checksum(params: TrainableParams) -> int:
+def weights_checksum(tensors: Iterable[torch.Tensor]) -> int:
+    """The exact checksum of the tensors' bits, in order."""
     total = 0
-    for i, p in enumerate(params):
-        bits = p.tensor.detach().reshape(-1).view(_INT_VIEW[p.tensor.element_size()])
+    for i, tensor in enumerate(tensors):
+        bits = tensor.detach().reshape(-1).view(_INT_VIEW[tensor.element_size()])
         for lo in range(0, bits.numel(), _SLICE):
             # Mix in the position so swapped tensors do not cancel out.
             total += (i + 1) * int(bits[lo:lo + _SLICE].to(torch.int64).sum())
     return total & ((1 << 63) - 1)
 
 
-def check_replicas(mesh: Mesh, params: TrainableParams, step: int) -> list[int]:
-    """Every rank's weights checksum, in rank order; raises ReplicaDivergence on every rank if any
-    rank's weights differ from rank 0's."""
-    sums = mesh.all_gather_int(weights_checksum(params))
+def check_replicas(mesh: Mesh, tensors: Iterable[torch.Tensor], step: int) -> list[int]:
+    """Every rank's checksum of its weights (`tensors`, in the same order on every rank), in rank
+    order; raises ReplicaDivergence on every rank if any rank's weights differ from rank 0's."""
+    sums = mesh.all_gather_int(weights_checksum(tensors))
     differ = [r for r, s in enumerate(sums) if s != sums[0]]
     if differ:
         raise ReplicaDivergence(

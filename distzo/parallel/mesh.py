@@ -2,9 +2,9 @@
 D ranks along the data axis. Rank r has perturbation index r % P and data index r // P.
 
 What crosses the network per step is a handful of float64 scalars: each rank fills the rows of the
-evaluations it ran (loss sum, example count) on its data shard, an all-reduce over the perturbation
-group assembles all evaluations (an all-gather of disjoint rows), and an all-reduce over the data
-group sums the shards. Every rank then holds every evaluation's exact loss over the global batch and
+probes it ran (loss sum, example count) on its data shard, an all-reduce over the perturbation
+group assembles all probes (an all-gather of disjoint rows), and an all-reduce over the data
+group sums the shards. Every rank then holds every probe's exact loss over the global batch and
 applies the identical update, so weights never travel.
 
 A 1x1 mesh needs no torch.distributed at all: the collectives are identities.
@@ -39,6 +39,16 @@ def _restart_safe_store(timeout: datetime.timedelta) -> dict[str, Any]:
     return {"store": store, "rank": rank, "world_size": world}
 
 
+def device_type(name: str) -> str:
+    """The device type a `device` setting means here: auto is cuda where a GPU is visible, else cpu."""
+    name = str(name)
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise MeshError("device=cuda but no CUDA device is visible; use device=cpu or device=auto")
+    return name
+
+
 class Mesh:
     """Ranks, roles and the step's collectives for one run."""
 
@@ -69,9 +79,11 @@ class Mesh:
         return self.device_mesh is not None
 
     @classmethod
-    def create(cls, text: str, device_kind: str = "cpu", timeout_s: float = 600.0) -> "Mesh":
+    def create(cls, text: str, device: str = "cpu", timeout_s: float = 600.0) -> "Mesh":
         """Parse and check the mesh against the launched world, then (for more than one process)
-        initialise the process group and a DeviceMesh with named dims ("data", "pert")."""
+        initialise the process group and a DeviceMesh with named dims ("data", "pert").
+        device: auto (CUDA where visible), cpu or cuda."""
+        device_kind = device_type(device)
         shape = MeshShape.parse(text)
         world = launched_world_size()
         shape.check_world(world)
@@ -101,16 +113,16 @@ class Mesh:
 
     @staticmethod
     def dealt(n: int, pert_rank: int, pert: int) -> list[int]:
-        """Indices, among n evaluations, that perturbation rank `pert_rank` of `pert` runs: dealt
+        """Indices, among n probes, that perturbation rank `pert_rank` of `pert` runs: dealt
         round-robin. The one rule for who runs what (work division checks plans against it too)."""
         return list(range(pert_rank, n, pert))
 
-    def my_evaluations(self, n: int) -> list[int]:
-        """Indices of the plan's evaluations this rank runs."""
+    def my_probes(self, n: int) -> list[int]:
+        """Indices of the plan's probes this rank runs."""
         return self.dealt(n, self.pert_rank, self.shape.pert)
 
-    def node_evaluations(self, n: int) -> list[int]:
-        """Indices of the plan's evaluations some rank of this node runs (a node holds consecutive
+    def node_probes(self, n: int) -> list[int]:
+        """Indices of the plan's probes some rank of this node runs (a node holds consecutive
         ranks, `Node.create`)."""
         first = self.rank - self.node.local_rank
         perts = {(first + j) % self.shape.pert for j in range(self.node.size)}
@@ -119,7 +131,7 @@ class Mesh:
     # --- collectives -------------------------------------------------------------------------------
 
     def exchange(self, local: torch.Tensor) -> torch.Tensor:
-        """[n_evaluations, k] float64, rows of this rank's evaluations filled, others zero ->
+        """[n_evaluations, k] float64, rows of this rank's probes filled, others zero ->
         the global values on every rank (all-gather along pert, then sum along data)."""
         out = local.to(dtype=torch.float64, device=self._collective_device())
         if self.distributed:

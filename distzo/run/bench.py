@@ -2,7 +2,7 @@
 
 Three measurements on the same model and the same batches, in this order:
 
-1. **inference alone**: the forward passes a step needs (one per evaluation this rank runs) at the
+1. **inference alone**: the forward passes a step needs (one per probe this rank runs) at the
    master weights, nothing else. Its peak memory is the baseline for training's.
 2. **training**: the configured ZO step (any estimator, mesh, offloading), with the time split into
    noise generation, building perturbed copies, forward, update, waits for the node's peers (work
@@ -44,9 +44,9 @@ from ..parallel.mesh import Mesh
 from ..parallel.shape import MeshShape
 from ..telemetry.metrics import peak_memory_bytes, reset_peak_memory
 from ..telemetry.timing import Timers, WorkClock
-from ..zo.estimators import CLEAN, Evaluation
+from ..zo.estimators import CLEAN, Probe
 from .components import Components, build_components
-from .training import device_kind, zo_step
+from .training import zo_step
 
 log = logging.getLogger("distzo")
 
@@ -56,14 +56,14 @@ def _median(values: list[float]) -> float:
 
 
 def forward_baseline(c: Components, steps: range) -> list[float]:
-    """Seconds per step of the forward passes alone: as many clean evaluations as the step deals this
+    """Seconds per step of the forward passes alone: as many clean probes as the step deals this
     rank, on the same shards (a rank dealt none still walks the blocks where its peers need it to)."""
     mesh, times = c.mesh, []
-    clean = [Evaluation(CLEAN, 0)] * len(c.estimator.dealt_plan())
+    clean = [Probe(CLEAN, 0)] * len(c.estimator.dealt_plan())
     for step in steps:
         shard = c.task.train_batch(c.sampler.indices(step)).shard(mesh.data_rank, mesh.shape.data)
         started = time.perf_counter()
-        c.engine.evaluate(shard, clean, step)
+        c.engine.run_probes(shard, clean, step)
         if mesh.device.type == "cuda":
             torch.cuda.synchronize(mesh.device)
         times.append(time.perf_counter() - started)
@@ -197,7 +197,7 @@ def single_rank_round(solo: Components | None, mesh: Mesh, untimed: int, step: i
 
 
 def bench(cfg, run_dir: Path) -> dict[str, Any]:
-    mesh = Mesh.create(cfg.mesh, device_kind(cfg.device), cfg.dist_timeout_s)
+    mesh = Mesh.create(cfg.mesh, str(cfg.device), cfg.dist_timeout_s)
     try:
         torch.set_num_threads(cfg.threads or torch.get_num_threads())
         run_dir = Path(mesh.broadcast_object(str(run_dir)))

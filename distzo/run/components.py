@@ -1,5 +1,6 @@
-"""Everything a run of a configuration needs, built once: model, task, trainable set, engine,
-estimator, sampler. Training, `bench` and `eval` build their runs here."""
+"""Everything a run of a configuration needs, built once: the trainable model and the engine that
+trains it (`ModelStack`), then the task and its sampler (`Components`). Training, `bench`, `eval`
+and `replay` build here; what differs between estimators is asked of the estimator object."""
 
 from __future__ import annotations
 
@@ -17,10 +18,9 @@ from ..models import adapter_for, load_model
 from ..parallel.mesh import Mesh
 from ..peft import apply_peft
 from ..telemetry.timing import DISABLED, Timers, WorkClock
-from ..zo.directions import Directions
 from ..zo.estimators import Estimator, build_estimator
 from ..zo.params import TrainableParams
-from ..zo.subspace import ActivationCapture, SubspaceDirections
+from ..zo.subspace import ActivationCapture
 
 log = logging.getLogger("distzo")
 
@@ -30,66 +30,96 @@ class NothingToTrain(DistzoError):
 
 
 @dataclass
-class Components:
-    cfg: Any
-    mesh: Mesh
-    seed: int
+class ModelStack:
+    """The model, its trainable set, the estimator and the engine that runs its probes and updates."""
+
     model: torch.nn.Module
     tokenizer: Any
-    task: PromptTask
     params: TrainableParams
-    engine: Engine
     estimator: Estimator
-    sampler: TrainSampler
-    capture: ActivationCapture | None = None  # AGZO: the clean forward's activation bases
+    engine: Engine
+    capture: ActivationCapture | None = None  # what the step's directions read of the activations (AGZO)
 
     def close(self) -> None:
         self.engine.close()
         self.engine.directions.close()
 
 
-def build_components(cfg, mesh: Mesh, seed: int, weights: Mapping[str, torch.Tensor] | None = None,
-                     timers: Timers = DISABLED, clock: WorkClock | None = None) -> Components:
-    """weights: trainable tensors to start from (a snapshot's), by canonical name. timers / clock:
-    phase timers and the noise threads' work clock (`bench`)."""
+def build_model_stack(cfg, mesh: Mesh, seed: int, weights: Mapping[str, torch.Tensor] | None = None,
+                      timers: Timers = DISABLED, clock: WorkClock | None = None, model: torch.nn.Module | None = None,
+                      tokenizer: Any = None, resident: bool = False) -> ModelStack:
+    """The trainable model of `cfg` on `mesh`. weights: trainable tensors to start from (a
+    snapshot's), by canonical name. timers / clock: phase timers and the noise threads' work clock
+    (`bench`). model / tokenizer: your own, instead of loading `cfg.model`. resident: a resident
+    engine whatever the configuration's offloading and division (replay)."""
     kernels = native.load(cfg.engine.native, mesh.device)  # None: torch ops (same values); first, it may fail
-    model, tokenizer = load_model(cfg.model)
-    task = PromptTask(cfg.task, tokenizer, str(cfg.objective))
-    est = cfg.estimator
+    if model is None:
+        model, tokenizer = load_model(cfg.model)
+    estimator = build_estimator(cfg.estimator)
     apply_peft(model, cfg.peft)  # freezes the model and adds the adapter's parameters (peft != none)
-    if est.name == "agzo" and est.agzo.tied_embeddings == "freeze":
-        freeze_tied_embeddings(model)
+    estimator.prepare_model(model)
     params = TrainableParams.from_model(model)
     if len(params) == 0:
         raise NothingToTrain("nothing to train: every parameter is frozen (check peft and estimator.agzo.tied_embeddings)")
     if weights is not None:
-        load_weights(params, weights)
-    agzo = est.name == "agzo"
-    directions = (SubspaceDirections if agzo else Directions)(seed, str(est.distribution), mesh.device,
-                                                             kernels=kernels, clock=clock)
-    estimator = build_estimator(est)
-    engine = build_engine(cfg, mesh, model, adapter_for(model, str(cfg.model.adapter)), params, directions, estimator, timers)
-    capture = ActivationCapture(model, params, directions, est.agzo.rank, est.agzo.power_iters) if agzo else None
-    return Components(cfg, mesh, seed, model, tokenizer, task, params, engine, estimator,
-                      TrainSampler(task.size("train"), cfg.batch_size, seed), capture)
+        params.load(weights)
+    directions = estimator.directions(seed, str(cfg.estimator.distribution), mesh.device, kernels=kernels,
+                                      clock=clock)
+    adapter = adapter_for(model, str(cfg.model.adapter))
+    engine = build_engine(cfg, mesh, model, adapter, params, directions, estimator, timers, resident=resident)
+    return ModelStack(model, tokenizer, params, estimator, engine,
+                      estimator.activation_capture(model, params, directions))
 
 
-def load_weights(params: TrainableParams, tensors: Mapping[str, torch.Tensor], origin: str = "the snapshot") -> None:
-    names = {p.name for p in params}
-    if set(tensors) != names:
-        raise DistzoError(f"{origin} holds other parameters than this model trains (missing "
-                          f"{sorted(names - set(tensors))[:3]}, extra {sorted(set(tensors) - names)[:3]}); "
-                          "use the model, peft and estimator settings it was written with")
-    with torch.no_grad():
-        for p in params:
-            p.tensor.copy_(tensors[p.name])
+@dataclass
+class Components:
+    """A run's model stack, its task and the sampler of its training batches."""
+
+    cfg: Any
+    mesh: Mesh
+    seed: int
+    stack: ModelStack
+    task: PromptTask
+    sampler: TrainSampler
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.stack.model
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.stack.tokenizer
+
+    @property
+    def params(self) -> TrainableParams:
+        return self.stack.params
+
+    @property
+    def engine(self) -> Engine:
+        return self.stack.engine
+
+    @property
+    def estimator(self) -> Estimator:
+        return self.stack.estimator
+
+    @property
+    def capture(self) -> ActivationCapture | None:
+        return self.stack.capture
+
+    def close(self) -> None:
+        self.stack.close()
 
 
-def freeze_tied_embeddings(model: torch.nn.Module) -> None:
-    """AGZO's tied-embedding policy `freeze`: a token embedding that is also the LM head trains
-    neither as a table (dense noise over every row would swamp the subspace directions' advantage)
-    nor as a linear layer (the head is read by label rows, so it has no input activations here)."""
-    head = model.get_output_embeddings()
-    embed = model.get_input_embeddings()
-    if head is not None and embed is not None and head.weight is embed.weight:
-        embed.weight.requires_grad_(False)
+def build_components(cfg, mesh: Mesh, seed: int, weights: Mapping[str, torch.Tensor] | None = None,
+                     timers: Timers = DISABLED, clock: WorkClock | None = None, model: torch.nn.Module | None = None,
+                     tokenizer: Any = None, task: PromptTask | None = None) -> Components:
+    """The task (`cfg.task`, or your own), the model stack (`build_model_stack`) and the sampler.
+    The task is read first, right after the model and tokenizer load, so a mistake in the data costs
+    no engine set-up."""
+    native.load(cfg.engine.native, mesh.device)  # first: a required build that fails costs nothing else
+    if model is None:
+        model, tokenizer = load_model(cfg.model)
+    if task is None:
+        task = PromptTask(cfg.task, tokenizer, str(cfg.objective))
+    stack = build_model_stack(cfg, mesh, seed, weights, timers, clock, model, tokenizer)
+    return Components(cfg, mesh, seed, stack, task, TrainSampler(task.size("train"), cfg.batch_size, seed))

@@ -130,9 +130,8 @@ def evaluate(cfg, run_dir: Path) -> dict[str, Any]:
     """Score `cfg`'s model on `eval.split` of its task, every rank taking a share of the batches;
     writes `eval.json` and a metrics line in the run directory (rank 0)."""
     from .components import build_components
-    from .training import device_kind
 
-    mesh = Mesh.create(cfg.mesh, device_kind(cfg.device), cfg.dist_timeout_s)
+    mesh = Mesh.create(cfg.mesh, str(cfg.device), cfg.dist_timeout_s)
     try:
         run_dir = Path(mesh.broadcast_object(str(run_dir)))
         torch.set_num_threads(cfg.threads or torch.get_num_threads())

@@ -16,21 +16,18 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
-from .. import native
-from ..engine import ResidentEngine
 from ..errors import DistzoError
-from ..models import adapter_for, load_model
+from ..parallel.mesh import Mesh
 from ..state.resume import catch_up
 from ..state.snapshots import CorruptSnapshot, list_snapshots, read_snapshot
 from ..telemetry.jsonl import read_jsonl
 from ..zo.directions import (
     DIRECTIONS_VERSION,
-    Directions,
     gaussian_generator_id,
     same_directions,
 )
-from ..zo.params import TrainableParams
-from .components import load_weights
+from ..zo.estimators import estimator_type
+from .components import build_model_stack
 
 log = logging.getLogger("distzo")
 
@@ -76,33 +73,36 @@ def replay(run_dir: Path, step: int | None = None, out: Path | None = None, devi
         raise ReplayError(f"trajectory.jsonl lacks steps {missing[:5]}{'...' if len(missing) > 5 else ''} "
                           f"between the snapshot at step {state['step']} and step {target}")
 
-    cfg = OmegaConf.load(config_file)
-    if cfg.estimator.name == "agzo":
-        raise ReplayError(f"{run_dir} was trained with estimator=agzo, whose directions depend on each step's "
-                          "activations (not only on the seed); it cannot be replayed from the trajectory log, "
-                          "resume it from its snapshots instead")
-    model, _ = load_model(cfg.model)
-    if "peft" in cfg:
-        from ..peft import apply_peft
-
-        apply_peft(model, cfg.peft)  # the same trainable set, built the same seeded way
-    params = TrainableParams.from_model(model)
-    load_weights(params, tensors, str(base))
-    directions = Directions(state["seed"], state["distribution"], torch.device(device),
-                            kernels=native.load("auto", device))
-    model.to(device)
-    engine = ResidentEngine(model, adapter_for(model, str(OmegaConf.select(cfg, "model.adapter", default="auto"))),
-                            params, directions)
+    cfg = run_config(config_file)
+    if not estimator_type(cfg.estimator.name).replayable:
+        raise ReplayError(f"{run_dir} was trained with estimator={cfg.estimator.name}, whose directions depend on "
+                          "each step's activations (not only on the seed); it cannot be replayed from the trajectory "
+                          "log, resume it from its snapshots instead")
+    # The same trainable set, built the same seeded way, on a resident engine of this process.
+    stack = build_model_stack(cfg, Mesh.single(device), state["seed"], weights=tensors, resident=True)
+    engine = stack.engine
     log.info("Replaying steps %d..%d of %s from %s", state["step"] + 1, target, run_dir, base.name)
     catch_up(engine, todo, 0, show=True)
     with engine.materialized() as weights:
         result = {p.name: p.tensor.detach().cpu().contiguous() for p in weights.params}
-    directions.close()
+    stack.close()
     out = Path(out) if out else run_dir / "replay" / f"step-{target:08d}.safetensors"
     out.parent.mkdir(parents=True, exist_ok=True)
     save_file(result, out, metadata={"step": str(target)})
     log.info("Wrote the weights after step %d to %s", target, out)
     return out
+
+
+def run_config(path: Path):
+    """A run's saved configuration over the current schema's defaults (keys added since it was
+    written take their defaults)."""
+    from ..config.schema import Config
+
+    try:
+        return OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(path))
+    except Exception as exc:  # OmegaConf's merge errors: a key this distzo no longer has, a wrong type
+        raise ReplayError(f"{path} does not fit this distzo's configuration ({' '.join(str(exc).split())[:200]}); "
+                          "replay it with the distzo version that trained it") from None
 
 
 def _nearest_snapshot(run_dir: Path, target: int):

@@ -1,10 +1,10 @@
 """The training driver: the step of docs/architecture.md#one-step, top to bottom.
 
-    batch -> plan -> my evaluations on my shard -> exchange (sum, count) -> projected gradients ->
+    batch -> plan -> my probes on my shard -> exchange (sum, count) -> projected gradients ->
     identical update on every rank -> log -> (snapshot, evaluation)
 
 `start_run` builds everything once (resuming where an interrupted run left off, resume=auto);
-`_train` is the loop. On a PxD mesh each rank runs the evaluations dealt to its perturbation index on
+`_train` is the loop. On a PxD mesh each rank runs the probes dealt to its perturbation index on
 the shard of the global batch given to its data index; only scalars are exchanged, and every rank
 applies the same update. How the engine runs its part is fixed when `build_engine` picks its mode
 (docs/architecture.md#engines) and is not the driver's concern.
@@ -78,7 +78,7 @@ class Run(Components):
 @dataclass
 class StepOutcome:
     batch: Any  # the global batch
-    losses: torch.Tensor  # mean loss of every evaluation over the global batch
+    losses: torch.Tensor  # mean loss of every probe over the global batch
     result: Any  # the estimator's StepResult, or None when the step was skipped
     lr: float
 
@@ -95,7 +95,7 @@ def zo_step(c: Components, step: int) -> StepOutcome:
             scores = weights.score(batch)                                    # every rank, the global batch
         if mesh.rank == 0:                                                   # counted once in the exchange
             local[0] = c.task.objective_sums(scores, batch, cfg.objective)
-    for i, scores in engine.evaluate(shard, plan, step).items():             # my evaluations, on my shard
+    for i, scores in engine.run_probes(shard, plan, step).items():             # my probes, on my shard
         local[i + estimator.shared_clean] = c.task.objective_sums(scores, shard, cfg.objective)
     with engine.timers("comm"):
         sums = mesh.exchange(local)                                          # global, on every rank
@@ -109,15 +109,6 @@ def zo_step(c: Components, step: int) -> StepOutcome:
 
 
 _DEFAULT_THREADS = torch.get_num_threads()
-
-
-def device_kind(name: str) -> str:
-    name = str(name)
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        raise TrainingError("device=cuda but no CUDA device is visible; use device=cpu or device=auto")
-    return name
 
 
 def prepare_run_dir(run_dir: Path, resume: str) -> None:
@@ -169,17 +160,17 @@ def describe_run(run: Run) -> None:
     log.info("%s", task.describe())
     log.info("Model %s: %s", cfg.model.name, run.engine.adapter.describe())
     log.info("Training %.2fM parameters (peft=%s) with %s (q=%d, eps=%g, %s directions), seed %d, mesh %s "
-             "(%d evaluations per step over %d perturbation ranks, batch %d over %d data ranks), engine: %s, "
+             "(%d probes per step over %d perturbation ranks, batch %d over %d data ranks), engine: %s, "
              "run dir %s", params.numel() / 1e6, cfg.peft.method, cfg.estimator.name, cfg.estimator.q,
              cfg.estimator.eps, cfg.estimator.distribution, run.seed, mesh.shape, n_evals, mesh.shape.pert,
              cfg.batch_size, mesh.shape.data, run.engine.describe(), run.run_dir)
     if mesh.shape.pert > n_evals:
-        log.warning("mesh P=%d exceeds the %d evaluations a step needs: %d perturbation ranks idle; raise "
+        log.warning("mesh P=%d exceeds the %d probes a step needs: %d perturbation ranks idle; raise "
                     "estimator.q to use them", mesh.shape.pert, n_evals, mesh.shape.pert - n_evals)
 
 
 def train(cfg, run_dir: Path) -> dict[str, Any]:
-    mesh = Mesh.create(cfg.mesh, device_kind(cfg.device), cfg.dist_timeout_s)
+    mesh = Mesh.create(cfg.mesh, str(cfg.device), cfg.dist_timeout_s)
     try:
         run_dir = Path(mesh.broadcast_object(str(run_dir)))  # rank 0's directory (see __main__)
         if mesh.is_main:
@@ -217,7 +208,7 @@ def _train(run: Run, stop: StopRequests) -> dict[str, Any]:
             raise Stopped(done, stop.name, str(path) if path else None)
         if cfg.replica_check_every and done % cfg.replica_check_every == 0 and done < cfg.steps:
             with run.engine.materialized() as weights:  # compare current masters
-                check_replicas(mesh, weights.params, done)
+                check_replicas(mesh, [p.tensor for p in weights.params], done)
         if run.checkpoints.due(done):
             with stop.holding():
                 run.checkpoints.save(run.engine, done, nonfinite)
@@ -225,7 +216,7 @@ def _train(run: Run, stop: StopRequests) -> dict[str, Any]:
             run.evaluator.run("validation", done)
 
     with run.engine.materialized() as weights:      # owed updates reach the master before it is checked
-        replica_checksums = check_replicas(mesh, weights.params, cfg.steps)
+        replica_checksums = check_replicas(mesh, [p.tensor for p in weights.params], cfg.steps)
     if cfg.checkpoint.every and not run.checkpoints.due(cfg.steps) and cfg.steps > run.start_step:
         run.checkpoints.save(run.engine, cfg.steps, nonfinite)  # the end of the run, if not on the cadence
     last = run.evaluator.run("validation", cfg.steps)

@@ -31,6 +31,7 @@ from ..parallel.mesh import Mesh
 from ..telemetry.jsonl import JsonlWriter, read_jsonl, truncate_after
 from ..telemetry.metrics import Progress
 from ..zo.directions import DIRECTIONS_VERSION, gaussian_generator_id, same_directions
+from ..zo.estimators import estimator_type
 from .snapshots import (
     atomic_write_json,
     list_snapshots,
@@ -69,12 +70,6 @@ def run_identity(cfg, seed: int, mesh: Mesh) -> dict[str, Any]:
     return {"seed": seed, "directions_version": DIRECTIONS_VERSION, "distribution": str(cfg.estimator.distribution),
             "device_type": mesh.device.type, "gaussian_generator": gaussian_generator_id(mesh.device),
             "mesh": str(mesh.shape), "config_fingerprint": config_fingerprint(cfg)}
-
-
-def replayable(cfg) -> bool:
-    """Whether logged steps can be re-applied from the trajectory: not AGZO's, whose directions depend
-    on each step's activations, not only on the seed."""
-    return cfg.estimator.name != "agzo"
 
 
 @dataclass
@@ -179,10 +174,11 @@ def _resume_point(cfg, run_dir: Path, device: torch.device) -> ResumePoint | Non
     here = gaussian_generator_id(device)
     drawn_elsewhere = (point.identity.get("distribution") == "gaussian"
                        and point.identity.get("gaussian_generator", point.identity.get("device_type", "cpu")) != here)
-    if replayable(cfg) and not drawn_elsewhere:
+    replayable = estimator_type(cfg.estimator.name).replayable
+    if replayable and not drawn_elsewhere:
         point.records = logged_steps_after(run_dir, point.snapshot_step)
     else:
-        why = ("estimator=agzo's directions depend on each step's activations" if not replayable(cfg) else
+        why = (f"estimator={cfg.estimator.name}'s directions depend on each step's activations" if not replayable else
                f"its Gaussian directions were drawn by {point.identity.get('gaussian_generator') or point.identity.get('device_type')}, "
                f"this run draws by {here}")
         log.warning("resume=auto: the steps logged after the snapshot cannot be re-applied (%s); continuing from "

@@ -27,7 +27,7 @@ import hashlib
 import math
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, Sequence
 
 import torch
 
@@ -36,8 +36,17 @@ from .rademacher import Stream, _int64, mix64, stream_rows, stream_signs
 from .workers import CHUNK_NUMEL, ChunkWorkers
 
 if TYPE_CHECKING:
-    from ..native import Kernels
     from ..telemetry.timing import WorkClock
+
+
+class RademacherKernels(Protocol):
+    """What directions ask of the fused CPU kernels (`distzo.native.Kernels`, a layer above): the
+    Rademacher stream drawn in C, bitwise its definition in `rademacher`."""
+
+    def rademacher_fill(self, out: torch.Tensor, stream: Stream, offset: int = 0) -> torch.Tensor: ...
+
+    def rademacher_rows(self, out: torch.Tensor, seeds: Sequence[int], offsets: Sequence[int],
+                        scale: float) -> torch.Tensor: ...
 
 # Bump when the seed -> z mapping changes; snapshots and run summaries record it.
 # 2: Rademacher signs unpacked from random bytes (8 per byte) instead of one draw per element.
@@ -112,7 +121,7 @@ class Directions:
     """
 
     def __init__(self, seed: int, distribution: str = "gaussian", device: torch.device | str = "cpu",
-                 threads: int | None = None, kernels: Kernels | None = None, clock: WorkClock | None = None):
+                 threads: int | None = None, kernels: RademacherKernels | None = None, clock: WorkClock | None = None):
         if distribution not in ("gaussian", "rademacher"):
             raise ValueError(f"unknown direction distribution {distribution!r}")
         self.seed = int(seed)

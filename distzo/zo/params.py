@@ -9,10 +9,12 @@ its position, so adding or freezing other parameters never changes the z a param
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Mapping
 
 import torch
 from torch import nn
 
+from ..errors import DistzoError
 from .directions import param_key
 
 
@@ -81,3 +83,14 @@ class TrainableParams:
 
     def numel(self) -> int:
         return sum(p.numel() for p in self.entries)
+
+    def load(self, tensors: Mapping[str, torch.Tensor], origin: str = "the snapshot") -> None:
+        """Copy `tensors` (by canonical name, exactly this set's names) into the trainable tensors."""
+        names = {p.name for p in self.entries}
+        if set(tensors) != names:
+            raise DistzoError(f"{origin} holds other parameters than this model trains (missing "
+                              f"{sorted(names - set(tensors))[:3]}, extra {sorted(set(tensors) - names)[:3]}); "
+                              "use the model, peft and estimator settings it was written with")
+        with torch.no_grad():
+            for p in self.entries:
+                p.tensor.copy_(tensors[p.name])

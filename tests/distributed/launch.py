@@ -45,7 +45,7 @@ def spawn_env(rank: int, world: int, port: int) -> None:
 
 # --- forked runs ------------------------------------------------------------------------------------
 
-PRELOAD = ["distzo.__main__", "distzo.run.training", "distzo.run.bench", "distzo.run.replay", "distzo.config.validation", "transformers",
+PRELOAD = ["distzo.__main__", "distzo.run.training", "distzo.run.bench", "distzo.run.replay", "distzo.run.checks", "transformers",
            "transformers.models.llama.modeling_llama", "transformers.models.opt.modeling_opt",
            "transformers.models.qwen2.modeling_qwen2"]
 _server_lock = threading.Lock()

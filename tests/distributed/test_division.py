@@ -26,8 +26,8 @@ def _engine(mesh=None, distribution="gaussian"):
     """A divided engine on a 2x1 mesh's node, or (mesh None) a single process's resident one."""
     from distzo import native
     from distzo.engine import DividedEngine, ResidentEngine
-    from distzo.models.adapters import adapter_for
     from distzo.models.loading import random_model
+    from distzo.models.selection import adapter_for
     from distzo.zo.directions import Directions
     from distzo.zo.params import TrainableParams
 
@@ -43,7 +43,7 @@ def _run(engine, plan):
     """Per step, this process's evaluations' logits by plan index."""
     logits = []
     for step, coefficients in enumerate(COEFFICIENTS):
-        scores = engine.evaluate(sample_batch(seed=step), plan, step)
+        scores = engine.run_probes(sample_batch(seed=step), plan, step)
         logits.append({i: s.logits for i, s in scores.items()})
         engine.apply(step, coefficients, 1e-2, 0.05)
     with engine.materialized():
@@ -54,7 +54,7 @@ def _run(engine, plan):
 def _worker(rank, world, port, slow_rank, distribution, out_dir):
     spawn_env(rank, world, port)
     from distzo.parallel.mesh import Mesh
-    from distzo.zo.estimators import Evaluation
+    from distzo.zo.estimators import Probe
 
     mesh = Mesh.create("2x1", "cpu", timeout_s=120)
     model, engine = _engine(mesh, distribution)
@@ -66,7 +66,7 @@ def _worker(rank, world, port, slow_rank, distribution, out_dir):
         return block(i, *args, **kwargs)
 
     engine.adapter.block = slow_block
-    plan = [Evaluation(0, s) for s in PLAN_SIGNS]
+    plan = [Probe(0, s) for s in PLAN_SIGNS]
     logits = _run(engine, plan)  # the engine deals the plan: this rank runs evaluation `rank`
     assert all(set(x) == {rank} for x in logits)
     torch.save({"logits": [x[rank] for x in logits],
@@ -76,7 +76,7 @@ def _worker(rank, world, port, slow_rank, distribution, out_dir):
 
 @pytest.mark.parametrize("slow_rank,distribution", [(1, "gaussian"), (0, "rademacher")])
 def test_ranks_out_of_step_still_compute_the_single_process_step(tmp_path, slow_rank, distribution):
-    from distzo.zo.estimators import Evaluation
+    from distzo.zo.estimators import Probe
 
     mp.start_processes(_worker, args=(2, free_port(), slow_rank, distribution, tmp_path), nprocs=2, join=True,
                        start_method="spawn")
@@ -84,7 +84,7 @@ def test_ranks_out_of_step_still_compute_the_single_process_step(tmp_path, slow_
     torch.set_num_threads(1)  # as the ranks (OMP_NUM_THREADS=1): a matmul's result may depend on threads
     try:
         model, engine = _engine(distribution=distribution)
-        expected = _run(engine, [Evaluation(0, s) for s in PLAN_SIGNS])
+        expected = _run(engine, [Probe(0, s) for s in PLAN_SIGNS])
     finally:
         torch.set_num_threads(threads)
     for rank in range(2):

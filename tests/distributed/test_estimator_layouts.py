@@ -62,7 +62,7 @@ JOBS = [(name, mesh) for name in RUNS for mesh in MESHES if mesh == "2x2" or nam
 
 def _config(name: str, mesh: str, root: Path):
     from distzo.config.schema import compose_config
-    from distzo.config.validation import validate
+    from distzo.run.checks import validate
 
     run = [o for r in RUNS[name] for o in ([*QA, f"task.path={root / 'qa.jsonl'}"] if r == "{qa}" else [r])]
     cfg = compose_config(COMMON + run + [f"mesh={mesh}"])

@@ -44,8 +44,8 @@ def test_roles():
     for r, (p, d) in enumerate(roles):
         m = Mesh(MeshShape(2, 2), torch.device("cpu"), rank=r)
         assert (m.pert_rank, m.data_rank) == (p, d)
-        assert m.my_evaluations(4) == [p, p + 2]
-    assert Mesh(MeshShape(4, 1), torch.device("cpu"), rank=3).my_evaluations(2) == []
+        assert m.my_probes(4) == [p, p + 2]
+    assert Mesh(MeshShape(4, 1), torch.device("cpu"), rank=3).my_probes(2) == []
 
 
 def test_node_evaluations_are_those_of_the_nodes_ranks():
@@ -57,10 +57,10 @@ def test_node_evaluations_are_those_of_the_nodes_ranks():
     for rank in range(4):
         node = Node(local_rank=rank % 2, size=2, index=rank // 2)
         m = Mesh(MeshShape(4, 1), torch.device("cpu"), rank=rank, node=node)
-        assert m.node_evaluations(4) == ([0, 1] if rank < 2 else [2, 3])
-        assert set(m.my_evaluations(4)) <= set(m.node_evaluations(4))
+        assert m.node_probes(4) == ([0, 1] if rank < 2 else [2, 3])
+        assert set(m.my_probes(4)) <= set(m.node_probes(4))
     whole = Mesh(MeshShape(2, 2), torch.device("cpu"), rank=3, node=Node(local_rank=3, size=4))
-    assert whole.node_evaluations(2) == [0, 1]
+    assert whole.node_probes(2) == [0, 1]
 
 
 # --- layout invariance over real torchrun jobs ------------------------------------------------------
@@ -159,7 +159,7 @@ def _replica_worker(rank, world, port, corrupt_rank, out_dir):
                 w = params.get("model.layers.1.mlp.up_proj.weight").tensor
                 w.view(-1)[17] = torch.nextafter(w.view(-1)[17], torch.tensor(1.0))  # one ulp
         try:
-            check_replicas(mesh, params, step=step)
+            check_replicas(mesh, [p.tensor for p in params], step=step)
             messages.append("consistent")
         except ReplicaDivergence as exc:
             messages.append(str(exc))

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from distzo.data.batches import Batch, Sequence
+from distzo.data.batches import Batch, TokenSequence
 from distzo.engine import ResidentEngine
 from distzo.models import adapter_for, load_model
 from distzo.zo.directions import Directions
@@ -29,7 +29,7 @@ def test_gemma3_270m_loss_on_a_sentence_is_the_stock_forwards():
     ids = tokenizer("The capital of France is Paris, and the capital of Italy is Rome.").input_ids
     assert ids[0] == tokenizer.bos_token_id
     cut = len(ids) - 4
-    seq = Sequence(tuple(ids), scored=tuple(range(cut - 1, len(ids) - 1)), targets=tuple(ids[cut:]),
+    seq = TokenSequence(tuple(ids), scored=tuple(range(cut - 1, len(ids) - 1)), targets=tuple(ids[cut:]),
                    units=(0,) * (len(ids) - cut))
     batch = Batch([seq], [0], [0], torch.zeros(1, dtype=torch.long), readout="tokens")
     engine = ResidentEngine(model, adapter, TrainableParams.from_model(model), Directions(0))

@@ -6,8 +6,8 @@ import torch
 
 from distzo.engine import ResidentEngine
 from distzo.engine.weights import CleanWeights
-from distzo.models.adapters import adapter_for
 from distzo.models.loading import random_model
+from distzo.models.selection import adapter_for
 from distzo.zo.directions import Directions
 from distzo.zo.params import TrainableParams
 from tests.engine_helpers import clean_logits, label_batch

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from distzo.engine import EngineConfigError, OffloadEngine, ResidentEngine
-from distzo.models.adapters import adapter_for
 from distzo.models.loading import random_model
+from distzo.models.selection import adapter_for
 from distzo.zo.directions import Directions
 from distzo.zo.params import TrainableParams
 from tests.engine_helpers import clean_logits, materialize
@@ -53,7 +53,7 @@ def test_a_float32_master_keeps_updates_that_a_bfloat16_master_loses():
     for name, dtype, compute in (("bf16 master", torch.bfloat16, "fp32"), ("fp32 master", torch.float32, "bf16")):
         model, eng = engine(compute, dtype=dtype)
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
-        eng.evaluate(next(batches(1)), [], 0)
+        eng.run_probes(next(batches(1)), [], 0)
         eng.apply(0, [(0, 1.0)], 1e-6, 0.0)
         materialize(eng)
         w = "model.layers.0.mlp.down_proj.weight"

@@ -5,7 +5,7 @@ import json
 
 import torch
 
-from distzo.data.batches import Batch, Sequence, label_word_batch
+from distzo.data.batches import Batch, TokenSequence, label_word_batch
 from distzo.data.bundled import movie_review_endings, movie_reviews
 from distzo.data.tasks import PromptTask, TrainSampler
 from tests.conftest import make_config
@@ -75,8 +75,8 @@ def test_packing_keeps_every_prompt_and_restarts_positions():
 def test_branches_continue_the_prefix_positions_and_see_only_it():
     """A shared prompt [1, 2, 3] with two candidates [4, 5] and [6]: positions continue from 3 in each
     branch, and the mask lets a branch see the prefix and itself, never the other branch."""
-    seq = Sequence((1, 2, 3, 4, 5, 6), branches=(3, 5), scored=(2, 3, 2), targets=(4, 5, 6), units=(0, 0, 1))
-    batch = Batch([seq, Sequence((7, 8), scored=(1,), targets=(9,), units=(2,))], [0, 1], [0, 0, 1],
+    seq = TokenSequence((1, 2, 3, 4, 5, 6), branches=(3, 5), scored=(2, 3, 2), targets=(4, 5, 6), units=(0, 0, 1))
+    batch = Batch([seq, TokenSequence((7, 8), scored=(1,), targets=(9,), units=(2,))], [0, 1], [0, 0, 1],
                   torch.tensor([0, 0]), readout="likelihoods")
     packed = batch.pack(1024)
     assert packed.position_ids.tolist() == [[0, 1, 2, 3, 4, 3, 0, 1]]
@@ -100,9 +100,9 @@ def test_shards_partition_the_batch():
 
 def test_shards_keep_every_unit_of_an_example():
     """An example with several units (candidates) goes to one shard whole; units are renumbered."""
-    seqs = [Sequence((1, 2, 3, 4), branches=(2, 3), scored=(1, 2), targets=(3, 4), units=(0, 1)),
-            Sequence((5, 6, 7), branches=(2,), scored=(1,), targets=(7,), units=(2,)),
-            Sequence((8, 9, 1, 2), branches=(2, 3), scored=(1, 2), targets=(1, 2), units=(3, 4))]
+    seqs = [TokenSequence((1, 2, 3, 4), branches=(2, 3), scored=(1, 2), targets=(3, 4), units=(0, 1)),
+            TokenSequence((5, 6, 7), branches=(2,), scored=(1,), targets=(7,), units=(2,)),
+            TokenSequence((8, 9, 1, 2), branches=(2, 3), scored=(1, 2), targets=(1, 2), units=(3, 4))]
     batch = Batch(seqs, [0, 1, 2], [0, 0, 1, 2, 2], torch.tensor([1, 0, 0]), readout="likelihoods")
     second = batch.shard(1, 2)
     assert second.size == 1 and second.units_per_example() == [2] and second.sequences[0].units == (0, 1)

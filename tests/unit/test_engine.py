@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from distzo.engine import ResidentEngine
-from distzo.models.adapters import adapter_for
 from distzo.models.loading import random_model
+from distzo.models.selection import adapter_for
 from distzo.zo.directions import Directions
-from distzo.zo.estimators import CLEAN, Evaluation
+from distzo.zo.estimators import CLEAN, Probe
 from distzo.zo.params import TrainableParams
 from tests.engine_helpers import clean_logits, label_batch, materialize, plan_logits
 
@@ -31,7 +31,7 @@ def sample_batch(n=6, seed=0):
     return label_batch(seqs, torch.randint(0, 2, (n,), generator=gen), LABELS)
 
 
-PLAN = [Evaluation(0, +1), Evaluation(0, -1), Evaluation(1, +1), Evaluation(CLEAN, 0), Evaluation(1, -1)]
+PLAN = [Probe(0, +1), Probe(0, -1), Probe(1, +1), Probe(CLEAN, 0), Probe(1, -1)]
 
 
 # gpt2, phi (a head with a bias) and gemma3_text (a scaled embedding) run on the general path.

@@ -13,8 +13,8 @@ from distzo.engine import (
     build_engine,
     work_division,
 )
-from distzo.models.adapters import adapter_for
 from distzo.models.loading import random_model
+from distzo.models.selection import adapter_for
 from distzo.parallel.mesh import Mesh
 from distzo.parallel.node import Node
 from distzo.parallel.shape import MeshShape
@@ -34,7 +34,7 @@ def engine_for(*overrides):
     return build_engine(cfg, Mesh.single(), model, adapter_for(model), params, Directions(0), estimator)
 
 
-STACKED = "resident, each rank's evaluations in one batched forward over stacked LoRA B copies"
+STACKED = "resident, each rank's probes in one batched forward over stacked LoRA B copies"
 
 
 @pytest.mark.parametrize("overrides,cls,mode,described", [
@@ -62,7 +62,7 @@ def fake_mesh(shape, node_size, device="cpu"):
     (("offload=cpu",), "2x1", 2, "offloaded runs divide the update by slices already"),
     (("estimator=agzo",), "2x1", 2, "it serves full-parameter estimator=mezo"),
     (("peft=lora",), "2x1", 2, "it serves full-parameter estimator=mezo"),
-    (("estimator.q=1",), "4x1", 4, "would have no perturbed evaluation"),
+    (("estimator.q=1",), "4x1", 4, "would have no perturbed probe"),
 ])
 def test_work_division_says_why_it_cannot_apply(overrides, shape, node, why):
     cfg = make_config("model=tiny", *overrides)

@@ -8,10 +8,10 @@ from torch.nn import functional as F
 
 from distzo.data.objectives import cross_entropy_sums
 from distzo.engine import ResidentEngine
-from distzo.models.adapters import adapter_for
 from distzo.models.loading import random_model
+from distzo.models.selection import adapter_for
 from distzo.zo.directions import Directions
-from distzo.zo.estimators import SPSA, Evaluation
+from distzo.zo.estimators import SPSA, Probe
 from distzo.zo.params import TrainableParams
 from tests.engine_helpers import label_batch, plan_logits
 
@@ -92,7 +92,7 @@ def test_mean_estimate_converges_to_the_autograd_gradient():
 
 def test_spsa_arithmetic():
     est = SPSA(eps=0.5, q=2)
-    assert est.plan() == [Evaluation(0, 1), Evaluation(0, -1), Evaluation(1, 1), Evaluation(1, -1)]
+    assert est.plan() == [Probe(0, 1), Probe(0, -1), Probe(1, 1), Probe(1, -1)]
     r = est.combine(torch.tensor([3.0, 1.0, 2.0, 2.5]))
     assert r.grads == (2.0, -0.5) and r.coefficients == ((0, 1.0), (1, -0.25)) and r.loss == 2.125
     fwd = SPSA(eps=0.5, q=1, difference="forward")

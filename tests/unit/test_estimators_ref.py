@@ -26,8 +26,8 @@ from torch.nn import functional as F
 from distzo.data.batches import Scores
 from distzo.data.objectives import cross_entropy_sums, objective_sums
 from distzo.engine import ResidentEngine, StackedLoRAEngine
-from distzo.models.adapters import adapter_for
 from distzo.models.loading import random_model
+from distzo.models.selection import adapter_for
 from distzo.peft import apply_peft, attach_lora, attach_prefix
 from distzo.zo.directions import Directions
 from distzo.zo.estimators import AGZO, PRGE, SPSA

@@ -15,10 +15,10 @@ from distzo.data.objectives import objective_sums
 from distzo.data.sources import DataError
 from distzo.data.tasks import PromptTask
 from distzo.engine import ResidentEngine
-from distzo.models.adapters import adapter_for
 from distzo.models.loading import random_model
+from distzo.models.selection import adapter_for
 from distzo.zo.directions import Directions
-from distzo.zo.estimators import CLEAN, Evaluation
+from distzo.zo.estimators import CLEAN, Probe
 from distzo.zo.params import TrainableParams
 from tests.conftest import make_config
 from tests.unit.test_tasks import write_jsonl
@@ -104,7 +104,7 @@ def test_decoding_through_the_engine_equals_the_stock_model(tokenizer, tmp_path)
     assert batch.readout == "decode" and batch.decode_tokens == 4
     with engine.materialized():
         pass
-    scores = engine.evaluate(batch, [Evaluation(CLEAN, 0)], 0)[0]
+    scores = engine.run_probes(batch, [Probe(CLEAN, 0)], 0)[0]
     for seq, generated in zip(batch.sequences, scores.generated):
         assert generated == plain_greedy(model, seq.tokens, 4)
     from distzo.data.answers import f1_score

@@ -7,9 +7,10 @@ from torch import nn
 
 from distzo.engine import ResidentEngine
 from distzo.engine.weights import CleanWeights
-from distzo.models.adapters import UnsupportedModelError, adapter_for
+from distzo.models.adapters import UnsupportedModelError
 from distzo.models.generic import GenericDecoderAdapter
 from distzo.models.loading import random_model
+from distzo.models.selection import adapter_for
 from distzo.zo.directions import Directions
 from distzo.zo.params import TrainableParams
 from tests.engine_helpers import clean_logits, label_batch
@@ -123,14 +124,14 @@ def test_the_whole_model_fallback_perturbs_like_the_staged_path():
     call) against the dedicated adapter's stage-by-stage copies: the same theta +- eps z, so the
     same logits up to the head's shapes (all vocabulary columns against the scored rows: float32
     rounding, observed 6e-8; a different z would move them by O(eps))."""
-    from distzo.zo.estimators import CLEAN, Evaluation
+    from distzo.zo.estimators import CLEAN, Probe
     from tests.engine_helpers import plan_logits
 
     model = random_model("llama", VOCAB, {}, 0, torch.float32)
     gen = torch.Generator().manual_seed(3)
     seqs = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (4, 9, 6)]
     batch = label_batch(seqs, torch.zeros(3, dtype=torch.long), torch.tensor([7, 99]))
-    plan = [Evaluation(0, +1), Evaluation(0, -1), Evaluation(1, +1), Evaluation(CLEAN, 0)]
+    plan = [Probe(0, +1), Probe(0, -1), Probe(1, +1), Probe(CLEAN, 0)]
     got = {}
     for path in ("dedicated", "whole"):
         engine = ResidentEngine(model, adapter_for(model, path), TrainableParams.from_model(model), Directions(4),

@@ -6,8 +6,8 @@ import torch
 
 from distzo.data.objectives import objective_sums
 from distzo.engine import OffloadEngine, ResidentEngine
-from distzo.models.adapters import adapter_for
 from distzo.models.loading import random_model
+from distzo.models.selection import adapter_for
 from distzo.zo.directions import Directions
 from distzo.zo.estimators import SPSA
 from distzo.zo.params import TrainableParams
@@ -38,7 +38,7 @@ def train_steps(eng, steps=6, lr=1e-2):
     est = SPSA(eps=1e-3, q=2)
     losses = []
     for step, b in zip(range(steps), batches(steps)):
-        scores = eng.evaluate(b, est.plan(), step)
+        scores = eng.run_probes(b, est.plan(), step)
         sums = torch.stack([objective_sums(scores[i], b) for i in range(len(est.plan()))])
         result = est.combine(sums[:, 0] / sums[:, 1])
         eng.apply(step, result.coefficients, lr, 0.1)

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distzo.data.batches import NO_TARGET, Batch, Scores, Sequence
+from distzo.data.batches import NO_TARGET, Batch, Scores, TokenSequence
 from distzo.data.objectives import objective_sums
 from distzo.engine import ResidentEngine
-from distzo.models.adapters import adapter_for
 from distzo.models.loading import random_model
+from distzo.models.selection import adapter_for
 from distzo.zo.directions import Directions
 from distzo.zo.params import TrainableParams
 
@@ -24,7 +24,7 @@ def completion_batch(pairs, readout="tokens"):
     for i, (prompt, completion) in enumerate(pairs):
         tokens = tuple(prompt + completion)
         scored = tuple(range(len(prompt) - 1, len(tokens) - 1))
-        seqs.append(Sequence(tokens, scored=scored, targets=tuple(completion), units=(i,) * len(completion)))
+        seqs.append(TokenSequence(tokens, scored=scored, targets=tuple(completion), units=(i,) * len(completion)))
     n = len(pairs)
     return Batch(seqs, list(range(n)), list(range(n)), torch.zeros(n, dtype=torch.long), readout=readout)
 
@@ -83,8 +83,8 @@ def test_candidate_logits_and_targets_in_one_batch():
     its own, the logits equal the full head's columns at that position."""
     model = random_model("llama", VOCAB, {}, 0, torch.float64)
     engine = ResidentEngine(model, adapter_for(model), TrainableParams.from_model(model), Directions(0))
-    seqs = [Sequence((5, 6, 7), scored=(2,), targets=(NO_TARGET,), units=(0,)),
-            Sequence((8, 9, 10, 11), scored=(1, 2), targets=(10, 11), units=(1, 1))]
+    seqs = [TokenSequence((5, 6, 7), scored=(2,), targets=(NO_TARGET,), units=(0,)),
+            TokenSequence((8, 9, 10, 11), scored=(1, 2), targets=(10, 11), units=(1, 1))]
     batch = Batch(seqs, [0, 1], [0, 1], torch.tensor([0, 0]), candidates=torch.tensor([4, 250]))
     with engine.materialized() as weights:
         scores = weights.score(batch)
@@ -95,7 +95,7 @@ def test_candidate_logits_and_targets_in_one_batch():
 
 
 def test_likelihood_readout_scores_candidates_by_their_mean_token_log_likelihood():
-    batch = Batch([Sequence((1,)), Sequence((2,))], [0, 1], [0, 0, 0, 1, 1], torch.tensor([2, 0]),
+    batch = Batch([TokenSequence((1,)), TokenSequence((2,))], [0, 1], [0, 0, 0, 1, 1], torch.tensor([2, 0]),
                   readout="likelihoods")
     nll = torch.tensor([3.0, 4.0, 1.0, 0.5, 6.0], dtype=torch.float64)
     count = torch.tensor([1.0, 2.0, 2.0, 1.0, 3.0], dtype=torch.float64)

@@ -261,10 +261,10 @@ def test_candidates_follow_one_shared_prompt(tokenizer, tmp_path):
 
 
 def test_an_example_with_several_right_answers_counts_any_of_them():
-    from distzo.data.batches import Batch, Scores, Sequence
+    from distzo.data.batches import Batch, Scores, TokenSequence
     from distzo.data.objectives import accuracy_counts
 
-    batch = Batch([Sequence((1,)), Sequence((2,))], [0, 1], [0, 0, 0, 1, 1], torch.tensor([0, 1]), readout="likelihoods",
+    batch = Batch([TokenSequence((1,)), TokenSequence((2,))], [0, 1], [0, 0, 0, 1, 1], torch.tensor([0, 1]), readout="likelihoods",
                   extra={"gold": [(0, 2), (1,)]})
     scores = Scores(torch.tensor([3.0, 2.0, 1.0, 5.0, 1.0], dtype=torch.float64), torch.ones(5, dtype=torch.float64))
     assert accuracy_counts(scores, batch) == (2, 2)  # example 0 picks candidate 2, also right

@@ -1,19 +1,22 @@
 """Zeroth-order gradient estimators, chosen with `estimator=<name>`."""
 
 from .agzo import AGZO
-from .base import CLEAN, Estimator, Evaluation, StepResult
+from .base import CLEAN, Estimator, Probe, StepResult
 from .prge import PRGE
 from .spsa import SPSA
 
+ESTIMATORS: dict[str, type[Estimator]] = {cls.name: cls for cls in (SPSA, PRGE, AGZO)}
+
+
+def estimator_type(name: str) -> type[Estimator]:
+    """The estimator class of `estimator=<name>`."""
+    return ESTIMATORS[str(name)]
+
 
 def build_estimator(cfg) -> Estimator:
-    if cfg.name == "mezo":
-        return SPSA(eps=cfg.eps, q=cfg.q, difference=cfg.difference)
-    if cfg.name == "prge":
-        return PRGE(eps=cfg.eps, q=cfg.q)
-    if cfg.name == "agzo":
-        return AGZO(eps=cfg.eps, q=cfg.q, rank=cfg.agzo.rank, power_iters=cfg.agzo.power_iters)
-    raise ValueError(f"unknown estimator {cfg.name!r}")
+    """The estimator an `estimator` config group describes."""
+    return estimator_type(cfg.name).from_config(cfg)
 
 
-__all__ = ["AGZO", "CLEAN", "Estimator", "Evaluation", "PRGE", "StepResult", "SPSA", "build_estimator"]
+__all__ = ["AGZO", "CLEAN", "ESTIMATORS", "Estimator", "Probe", "PRGE", "StepResult", "SPSA",
+           "build_estimator", "estimator_type"]

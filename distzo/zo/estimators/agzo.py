@@ -1,15 +1,15 @@
 """AGZO (Lin et al. 2026): activation-guided subspace perturbations, one-sided differences.
 
-Plan: one clean evaluation f0, then q perturbed ones f_k = L(theta + eps Delta_k) on the same
+Plan: one clean probe f0, then q perturbed ones f_k = L(theta + eps Delta_k) on the same
 batch. For the weight of a linear layer Delta_k = R_k A^T, A the top-r basis of that layer's input
 activations in the clean forward (`distzo.zo.subspace`); every other trainable parameter gets a
 dense Gaussian. g_k = (f_k - f0) / eps and theta -= lr * (1/q) sum_k g_k Delta_k (AGZO Eq. 10 and
 Algorithm 2; q = 1 is the paper's algorithm). In expectation the estimate is the gradient projected
 onto span(A) (Prop. 5.1).
 
-The clean evaluation is `shared_clean`: every rank runs it on the whole global batch, so every rank
+The clean probe is `shared_clean`: every rank runs it on the whole global batch, so every rank
 derives the same bases from the same activations (the exact data-parallel mode, docs/estimators.md);
-the q perturbed evaluations are dealt over the mesh like any other.
+the q perturbed probes are dealt over the mesh like any other.
 
 The paper restores and updates in one fused pass (W -= (eps + lr g) Delta). Here perturbed weights
 are working copies and the master is never perturbed, so there is nothing to restore: the master
@@ -20,17 +20,53 @@ from __future__ import annotations
 
 import torch
 
-from .base import CLEAN, Estimator, Evaluation, StepResult
+from ...errors import ConfigError
+from ..subspace import ActivationCapture, SubspaceDirections
+from .base import CLEAN, Estimator, Probe, StepResult
 
 
 class AGZO(Estimator):
+    name = "agzo"
     shared_clean = True
+    replayable = False  # the directions follow each step's activations, not the seed alone
 
-    def __init__(self, eps: float = 1e-4, q: int = 1, rank: int = 1, power_iters: int = 3):
+    def __init__(self, eps: float = 1e-4, q: int = 1, rank: int = 1, power_iters: int = 3,
+                 tied_embeddings: str = "freeze"):
         self.eps, self.q, self.rank, self.power_iters = float(eps), int(q), int(rank), int(power_iters)
+        self.tied_embeddings = tied_embeddings
 
-    def plan(self) -> list[Evaluation]:
-        return [Evaluation(CLEAN, 0)] + [Evaluation(k, +1) for k in range(self.q)]
+    @classmethod
+    def from_config(cls, cfg) -> "AGZO":
+        return cls(eps=cfg.eps, q=cfg.q, rank=cfg.agzo.rank, power_iters=cfg.agzo.power_iters,
+                   tied_embeddings=str(cfg.agzo.tied_embeddings))
+
+    @classmethod
+    def check_config(cls, cfg, peft_method: str) -> None:
+        if cfg.difference != "forward":
+            raise ConfigError("estimator=agzo is one-sided (AGZO Algorithm 2); it needs estimator.difference=forward")
+        if cfg.distribution != "gaussian":
+            raise ConfigError("estimator=agzo draws Gaussian R and dense noise; it needs "
+                              "estimator.distribution=gaussian")
+
+    def directions(self, seed: int, distribution: str, device, **kwargs) -> SubspaceDirections:
+        return SubspaceDirections(seed, distribution, device, **kwargs)
+
+    def prepare_model(self, model) -> None:
+        """The tied-embedding policy `freeze`: a token embedding that is also the LM head trains
+        neither as a table (dense noise over every row would swamp the subspace directions'
+        advantage) nor as a linear layer (the head is read by label rows, so it has no input
+        activations here)."""
+        if self.tied_embeddings != "freeze":
+            return
+        head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+        if head is not None and embed is not None and head.weight is embed.weight:
+            embed.weight.requires_grad_(False)
+
+    def activation_capture(self, model, params, directions) -> ActivationCapture:
+        return ActivationCapture(model, params, directions, self.rank, self.power_iters)
+
+    def plan(self) -> list[Probe]:
+        return [Probe(CLEAN, 0)] + [Probe(k, +1) for k in range(self.q)]
 
     def combine(self, losses: torch.Tensor) -> StepResult:
         losses = losses.double()

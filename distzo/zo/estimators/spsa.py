@@ -1,26 +1,34 @@
 """SPSA as in MeZO: g_k = (L(theta + eps z_k) - L(theta - eps z_k)) / (2 eps), update (1/q) sum_k g_k z_k.
 
 q = 1 is MeZO's Algorithm 1; q > 1 is n-SPSA (Algorithm 2). `difference="forward"` uses one clean
-evaluation shared by all queries: g_k = (L(theta + eps z_k) - L(theta)) / eps.
+probe shared by all queries: g_k = (L(theta + eps z_k) - L(theta)) / eps.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .base import CLEAN, Estimator, Evaluation, StepResult
+from .base import CLEAN, Estimator, Probe, StepResult
 
 
 class SPSA(Estimator):
+    name = "mezo"
+    streams_blocks = True
+    decodes = True
+
     def __init__(self, eps: float = 1e-3, q: int = 1, difference: str = "central"):
         if difference not in ("central", "forward"):
             raise ValueError(f"unknown difference {difference!r}")
         self.eps, self.q, self.difference = float(eps), int(q), difference
 
-    def plan(self) -> list[Evaluation]:
+    @classmethod
+    def from_config(cls, cfg) -> "SPSA":
+        return cls(eps=cfg.eps, q=cfg.q, difference=str(cfg.difference))
+
+    def plan(self) -> list[Probe]:
         if self.difference == "central":
-            return [Evaluation(k, s) for k in range(self.q) for s in (+1, -1)]
-        return [Evaluation(CLEAN, 0)] + [Evaluation(k, +1) for k in range(self.q)]
+            return [Probe(k, s) for k in range(self.q) for s in (+1, -1)]
+        return [Probe(CLEAN, 0)] + [Probe(k, +1) for k in range(self.q)]
 
     def combine(self, losses: torch.Tensor) -> StepResult:
         losses = losses.double()

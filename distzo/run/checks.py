@@ -1,0 +1,43 @@
+"""Everything checked of a composed configuration before anything loads: its values
+(`distzo.config.validation`), the model and the task data it names (`distzo.models.checks`,
+`distzo.data.checks`), what the chosen estimator and engine can run with, and the mesh against the
+launched processes. One ConfigError, naming the problem and the fix, for the first that fails."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..config.validation import check_values
+from ..data.checks import check_task_config
+from ..errors import ConfigError
+from ..models.checks import check_model_config
+from ..parallel.shape import MeshError, MeshShape, launched_world_size
+from ..zo.estimators import estimator_type
+
+
+def validate(cfg: Any, check_world: bool = True) -> None:
+    """Check a composed config before any model or data is loaded. Raises ConfigError.
+    check_world=False skips the mesh-vs-processes check (for commands that start no mesh)."""
+    check_values(cfg)
+    check_model_config(cfg.model)
+    check_task_config(cfg.task)
+    e, peft = cfg.estimator, str(cfg.peft.method)
+    estimator = estimator_type(e.name)
+    if cfg.objective in ("f1", "exact_match") and not estimator.decodes:
+        raise ConfigError(f"objective={cfg.objective} decodes answers under each of MeZO's perturbations; "
+                          f"estimator={e.name} is not supported with it: use estimator=mezo")
+    estimator.check_config(e, peft)
+    off = cfg.offload
+    if off.mode != "none" and (not estimator.streams_blocks or peft != "none"):
+        what = f"estimator={e.name}" if not estimator.streams_blocks else f"peft={peft}"
+        raise ConfigError(f"offload={off.mode} streams full-parameter blocks for estimator=mezo only; {what} "
+                          "is not supported with offloading yet: use offload=none")
+    try:
+        shape = MeshShape.parse(cfg.mesh)
+        if check_world:
+            shape.check_world(launched_world_size())
+    except MeshError as exc:
+        raise ConfigError(str(exc)) from None
+    if cfg.batch_size < shape.data:
+        raise ConfigError(f"batch_size={cfg.batch_size} is smaller than the data-parallel degree D={shape.data} "
+                          f"of mesh={cfg.mesh}; every data rank needs at least one example")

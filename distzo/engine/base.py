@@ -72,7 +72,9 @@ class Engine(ABC):
     def apply(self, step: int, coefficients: Sequence[tuple[int, float]], lr: float, weight_decay: float) -> None:
         """theta <- theta (1 - lr wd) - sum_k (lr c_k) z_k(step), for every trainable parameter. An
         engine may defer the work (fusing it into the next step's perturbation); it is done before
-        any read of the weights through `materialized`."""
+        any read of the weights through `materialized`. The staged engines record it here and pay it
+        in one method per mode, `_pay` (`StagedEngine._pay`, `DividedEngine._pay`); the table in
+        docs/architecture.md#engines says, per mode, where that method is called and when."""
 
     @abstractmethod
     @contextmanager

@@ -42,8 +42,8 @@ from ..parallel.node import Node
 from ..zo.estimators import Probe
 from ..zo.params import TrainableParam, TrainableParams
 from .chunkpass import PendingUpdate
-from .staged import ResidentEngine
-from .update import apply_update
+from .staged import OUTER, ResidentEngine
+from .update import Target, apply_update
 from .weights import StageNoise
 
 T = TypeVar("T")
@@ -197,12 +197,21 @@ class DividedEngine(ResidentEngine):
     def describe(self) -> str:
         return f"resident, master shared by the node's {self.division.node.size} ranks, which divide noise and update"
 
-    def _update(self, u: PendingUpdate, targets) -> None:
-        apply_update(self.directions, targets, u, mine=self.division.mine)
-
-    def _apply_outer(self) -> None:
-        super()._apply_outer()
-        self.division.barrier()  # the peers' chunks are updated before anyone reads them
+    def _pay(self, stage, targets: Sequence[Target], noise: StageNoise | None = None) -> None:
+        """The owed update, divided: this rank pays the chunks it owns (`WorkDivision.mine`) of the
+        node-shared master, fused into `DividedStageNoise`'s pass over them when `noise` is given,
+        else in a pass of its own (each rank then perturbs the chunks it updated: no handshake).
+        After the outer stage, a node barrier: the peers' chunks are updated before anyone reads them."""
+        u = self.take_pending(stage)
+        if u is not None and (noise is None or not self.fuse_update):
+            with self.timers("update"):
+                apply_update(self.directions, targets, u, mine=self.division.mine)
+            u = None
+        if noise is not None:
+            masters = {t.param.name: t.tensor for t in targets}
+            noise.prepare([t.param for t in targets], lambda p: masters[p.name], u)
+        if stage == OUTER:
+            self.division.barrier()
 
     def _before_write(self) -> None:
         """Before this rank changes the shared master, every peer has finished the probe that read
@@ -226,21 +235,16 @@ class DividedEngine(ResidentEngine):
             self._reads_done = self.division.arrive()
 
     def _prepare_block(self, i, sources, step, plan, perturbed, full_plan) -> StageNoise:
-        u = self.take_pending(i)
-        if u is not None and not perturbed:
-            # divided, this rank would update only its own chunks and then read the whole block with no
-            # handshake; every clean forward reads materialized weights, which keeps this unreachable
-            raise RuntimeError("internal error: a clean forward on a divided engine still owes an update")
         if not perturbed:
+            if self.owes(i):
+                # divided, this rank would update only its own chunks and then read the whole block with
+                # no handshake; every clean forward reads materialized weights, which keeps this unreachable
+                raise RuntimeError("internal error: a clean forward on a divided engine still owes an update")
             return self._noise(step, plan)
-        if u is not None and not self.fuse_update:
-            with self.timers("update"):  # each rank updates the chunks it then perturbs: no handshake needed
-                self._update(u, self._targets(i, sources))
-            u = None
         dealt = full_plan if full_plan is not None else plan
         node_evals = sorted({(ev.query, ev.sign)
                              for ev in (dealt[j] for j in self.mesh.node_probes(len(dealt))) if ev.perturbed})
         noise = DividedStageNoise(self.directions, self.workspace, step, self.eps, plan, self.timers,
                                   division=self.division, slot=i % STAGE_SLOTS, node_evals=node_evals)
-        noise.prepare(self.block_params[i], lambda p: p.tensor, u)
+        self._pay(i, self._targets(i, sources), noise)
         return noise

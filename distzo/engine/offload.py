@@ -8,11 +8,11 @@ host master. On CUDA, uploads and write-backs run on their own streams and are o
 compute stream with events (ZO2's Algorithm 2), so block i+1 uploads and block i-1 writes back
 while block i computes. On CPU the same code runs with host-to-host copies.
 
-The deferred update is the same chunked function as the resident engine's (fused with the block's
-perturbation), applied to the uploaded copy, so offloaded and resident training agree bitwise. With `transfer_dtype` (bf16/fp16) a block travels
-at reduced precision and is widened on the device; the host keeps the full-precision master and
-receives the update as a reduced-precision delta (4 bytes a parameter per step instead of 8 for a
-full-precision round trip, and no update is lost to rounding the master).
+The deferred update is paid by the resident engine's `_pay` (fused with the block's perturbation),
+on the uploaded copy, so offloaded and resident training agree bitwise. With `transfer_dtype`
+(bf16/fp16) a block travels at reduced precision and is widened on the device; the host keeps the
+full-precision master and receives the update as a reduced-precision delta (4 bytes a parameter per
+step instead of 8 for a full-precision round trip, and no update is lost to rounding the master).
 
 Sliced communication (DistZO2 §6.1, `comm.sliced=true` with several ranks on a node): the node
 keeps ONE host master, in memory every local rank maps (`distzo.parallel.node`), laid out so that local
@@ -39,8 +39,8 @@ from ..zo.directions import Directions
 from ..zo.params import TrainableParams
 from .base import EngineConfigError
 from .staged import StagedEngine
-from .streamer import BlockStreamer, build_host_blocks, place_resident, unpin_all
-from .update import apply_update
+from .streamer import BlockStreamer, SlicedBlockStreamer, build_host_blocks, place_resident, unpin_all
+from .update import Target
 
 
 class OffloadEngine(StagedEngine):
@@ -54,37 +54,40 @@ class OffloadEngine(StagedEngine):
         self.host_blocks = build_host_blocks(adapter, pin_memory=device.type == "cuda", node=self._shared_node())
         place_resident(model, device, self.host_blocks)
         super().__init__(model, adapter, params, directions, **kwargs)
-        self.streamer = BlockStreamer(self.host_blocks, device, slots, transfer_dtype, self._shared_node())
+        self.streamer = self._build_streamer(slots, transfer_dtype)
 
     def _shared_node(self) -> Node | None:
         """The node whose ranks share one host master (sliced), or None (a master of its own)."""
         return None
 
+    def _build_streamer(self, slots: int, transfer_dtype: torch.dtype | None) -> BlockStreamer:
+        return BlockStreamer(self.host_blocks, self.device, slots, transfer_dtype)
+
     def describe(self) -> str:
-        dtype = self.streamer.transfer_dtype
+        dtype = self.streamer.transfer.transfer_dtype
         return "blocks offloaded to host memory" + (f", moved in {str(dtype).replace('torch.', '')}" if dtype else "")
 
     @contextmanager
     def block_sources(self, i: int) -> Iterator[Mapping[str, torch.Tensor]]:
-        """Upload block i (prefetching the next ones), let it compute, write it back if the deferred
-        update changed it."""
+        """Upload block i (prefetching the next ones), let it compute, write it back if it owed an
+        update (paid on the slot meanwhile: `_pay`)."""
         updated = self.owes(i)
         with self.timers("transfer"):
             for j in range(i, min(i + len(self.streamer.slots), len(self.host_blocks))):
                 self.streamer.prefetch(j)  # uploads of the next blocks overlap this block's compute
             views = self.streamer.acquire(i)
-        if updated and self.streamer.transfer_dtype is not None:
-            # Reduced-precision transfer: apply the update here, recording the deltas to send back.
-            with self.timers("update"):
-                u = self.take_pending(i)
-                deltas = self.streamer.delta_views(i)
-                targets = [(p, views[p.name]) for p in self.block_params[i]]
-                apply_update(self.directions, targets, u, deltas=[deltas[p.name] for p, _ in targets])
         try:
             yield views
         finally:
             with self.timers("transfer"):
                 self.streamer.release(i, write_back=updated)
+
+    def _targets(self, i: int, sources) -> list[Target]:
+        """Block i's masters in its slot; at reduced precision each records the update's change in
+        the slot's delta buffer, which goes back to the host master."""
+        deltas = self.streamer.delta_views(i)
+        return [Target(p, sources[p.name], delta=None if deltas is None else deltas[p.name])
+                for p in self.block_params[i]]
 
     def _after_flush(self) -> None:
         self.streamer.synchronize()
@@ -112,9 +115,9 @@ class OffloadEngine(StagedEngine):
         return {"copy": copy, "resident": copy}  # a private copy, every page written
 
     def transfer_stats(self) -> dict[str, float]:
-        s = self.streamer
-        return {"h2d_bytes": s.bytes_up, "d2h_bytes": s.bytes_down, "peer_bytes": s.bytes_peer,
-                "transfer_s": s.transfer_seconds()}
+        m = self.streamer.meter
+        return {"h2d_bytes": m.bytes_up, "d2h_bytes": m.bytes_down, "peer_bytes": m.bytes_peer,
+                "transfer_s": self.streamer.transfer_seconds()}
 
 
 class SlicedOffloadEngine(OffloadEngine):
@@ -128,47 +131,43 @@ class SlicedOffloadEngine(OffloadEngine):
     def __init__(self, model, adapter, params, directions, *, node: Node, **kwargs):
         self.node = node
         super().__init__(model, adapter, params, directions, **kwargs)
-        self.streamer.slice_update = self._update_slice
-        self.streamer.slice_owed = self.owes
-        self._local = False
 
     def _shared_node(self) -> Node | None:
         return self.node
+
+    def _build_streamer(self, slots: int, transfer_dtype: torch.dtype | None) -> SlicedBlockStreamer:
+        return SlicedBlockStreamer(self.host_blocks, self.device, slots, transfer_dtype, self.node,
+                                   owes=self.owes, pay=self._pay_slice)
 
     def describe(self) -> str:
         return super().describe() + f", one node-shared master sliced over {self.node.size} ranks"
 
     @contextmanager
     def block_sources(self, i: int) -> Iterator[Mapping[str, torch.Tensor]]:
+        """Block i whole in its slot: my slice uploaded and paid (`_pay_slice`), the rest gathered."""
         with self.timers("transfer"):
             for j in range(i, min(i + len(self.streamer.slots), len(self.host_blocks))):
-                self.streamer.prefetch(j, self._local)  # next blocks' slices overlap this compute
-            views = self.streamer.acquire(i, self._local)
+                self.streamer.prefetch(j)  # next blocks' slices overlap this compute
+            views = self.streamer.acquire(i)
         try:
             yield views
         finally:
-            self.streamer.release(i, write_back=False, updated=not self._local)
+            self.streamer.release(i, write_back=False)  # my slice went back in `prefetch`
 
-    def _update_slice(self, i: int, slot: torch.Tensor, lo: int, hi: int, delta: torch.Tensor | None) -> bool:
-        """Apply block i's deferred update (if owed) to elements [lo, hi) of its slot."""
-        if not self.owes(i):
-            return False
-        with self.timers("update"):
-            u = self.take_pending(i)
-            block = self.host_blocks[i]
-            views = block.views(slot)
-            delta_views = block.views(delta) if delta is not None else None
-            targets, windows, deltas = [], [], []
-            for p in self.block_params[i]:
-                start = block.offsets[block.names.index(p.name)]
-                a, b = max(lo, start) - start, min(hi, start + p.numel()) - start
-                if a < b:
-                    targets.append((p, views[p.name]))
-                    windows.append((a, b))
-                    if delta_views is not None:
-                        deltas.append(delta_views[p.name])
-            apply_update(self.directions, targets, u, deltas=deltas if delta is not None else None, windows=windows)
-        return True
+    def _pay_slice(self, i: int, slot: torch.Tensor, lo: int, hi: int, delta: torch.Tensor | None) -> None:
+        """`_pay` on this rank's slice of block i: elements [lo, hi) of the block in its slot (and in
+        the slot's delta buffer at reduced precision). The streamer calls it between the slice's
+        upload and its write-back."""
+        block = self.host_blocks[i]
+        views = block.views(slot)
+        deltas = block.views(delta) if delta is not None else {}
+        targets = []
+        for p in self.block_params[i]:
+            start = block.offsets[block.names.index(p.name)]
+            a, b = max(lo, start) - start, min(hi, start + p.numel()) - start
+            if a < b:
+                targets.append(Target(p, views[p.name], (a, b), deltas.get(p.name)))
+        self._pay(i, targets)
 
     def _flush_block(self, i: int) -> None:
         self.streamer.flush_slice(i)
@@ -180,15 +179,8 @@ class SlicedOffloadEngine(OffloadEngine):
     @contextmanager
     def _local_reads(self) -> Iterator[None]:
         """Evaluation: read whole blocks from the (flushed) master, with no collective."""
-        self._local = True
-        try:
+        with self.streamer.local_reads():
             yield
-        finally:
-            self._local = False
-            # Ranks ran different numbers of local reads, so which blocks sit whole in which slot now
-            # differs between them; forget it, or the next collective walk would skip the all-gather on
-            # some ranks only and deadlock.
-            self.streamer.owner = [None] * len(self.streamer.slots)
 
     def host_master_bytes(self) -> dict[str, int]:
         copy = sum(b.numel * b.flat.element_size() for b in self.host_blocks)

@@ -7,12 +7,14 @@ through that stage before moving on, so the + and - passes share one noise gener
 Updates are deferred (docs/architecture.md#invariants, I5): `apply` records the step's update, and
 the next step applies it to each stage as the stage comes up, fused chunk by chunk with that stage's
 perturbation (one pass over the weights instead of two). `materialized` applies whatever is still
-owed before anything reads the weights.
+owed before anything reads the weights. Every owed update is paid by one method, `_pay` (the
+work-divided mode overrides it); docs/architecture.md#engines tables where and when each mode calls it.
 
 `StagedEngine` is the loop; `ResidentEngine` runs it with every weight on the compute device. The
 other modes are subclasses that override a few hooks: where a block's weights are while it computes
-(`block_sources`), how a block's owed update and working copies are built (`_prepare_block`), what a
-flush does, and whether a rank without probes must still walk the blocks with its peers.
+(`block_sources`) and what a payment reaches there (`_targets`), how a block's working copies are
+built (`_prepare_block`), how a flush reaches a block (`_flush_block`), and whether a rank without
+probes must still walk the blocks with its peers.
 """
 
 from __future__ import annotations
@@ -29,10 +31,10 @@ from ..parallel.mesh import Mesh
 from ..telemetry.timing import DISABLED, Timers
 from ..zo.directions import Directions
 from ..zo.estimators import CLEAN, Probe
-from ..zo.params import TrainableParam, TrainableParams
+from ..zo.params import TrainableParams
 from .base import Engine, Materialized
 from .chunkpass import PendingUpdate
-from .update import apply_update
+from .update import Target, apply_update
 from .weights import CleanWeights, PerturbedWeights, StageNoise, Workspace
 
 OUTER = "outer"  # the stage of every trainable parameter outside the blocks (embeddings, norms, head)
@@ -88,6 +90,7 @@ class StagedEngine(Engine):
         return dict(zip(mine, scores))
 
     def apply(self, step: int, coefficients: Sequence[tuple[int, float]], lr: float, weight_decay: float) -> None:
+        """Records the update as owed by every stage; `_pay` pays it (docs/architecture.md#engines)."""
         self.flush()  # a rank without probes never streamed the previous update
         stages = {OUTER, *range(len(self.block_params))}
         self.pending = PendingUpdate(step, tuple(coefficients), lr, weight_decay, stages)
@@ -146,37 +149,44 @@ class StagedEngine(Engine):
     def owes(self, stage) -> bool:
         return self.pending is not None and stage in self.pending.stages
 
+    def _pay(self, stage, targets: Sequence[Target], noise: StageNoise | None = None) -> None:
+        """Pay the update `stage` owes, if any, on `targets` (the stage's masters where they are now).
+        Every owed update of the staged modes is paid here (`DividedEngine._pay` overrides it with
+        its division of the chunks); docs/architecture.md#engines tables where and when each mode
+        calls it. With `noise`, the stage's working copies are built too and the update is fused into
+        that pass; it runs in a pass of its own without `noise`, with `fuse_update` off, or where the
+        targets record their change as deltas (which the fused pass does not write)."""
+        u = self.take_pending(stage)
+        if u is not None and (noise is None or not self.fuse_update or any(t.delta is not None for t in targets)):
+            with self.timers("update"):
+                apply_update(self.directions, targets, u)
+            u = None
+        if noise is not None:  # an owed update still in hand is fused into this stage's perturbation
+            masters = {t.param.name: t.tensor for t in targets}
+            noise.prepare([t.param for t in targets], lambda p: masters[p.name], u)
+
     @torch.inference_mode()
     def flush(self) -> None:
-        """Apply the deferred update to every stage that still owes it (I5)."""
+        """Pay the deferred update of every stage that still owes it (I5)."""
         if self.pending is None:
             self._settle()  # nothing owed, but copies of the last walk may still be in flight
             return
         self._before_write()
         with self.timers("update"):
-            self._apply_outer()
+            self._pay(OUTER, self._outer_targets())
             for i in range(len(self.block_params)):
                 if self.owes(i):
                     self._flush_block(i)
             self._after_flush()
 
-    def _apply_outer(self) -> None:
-        u = self.take_pending(OUTER)
-        if u is not None:
-            self._update(u, [(p, p.tensor) for p in self.outer_params])
+    def _pay_outer_if_owed(self) -> None:
+        """The outer stage's owed update, at the start of a walk."""
+        if self.owes(OUTER):
+            with self.timers("update"):
+                self._pay(OUTER, self._outer_targets())
 
-    def _flush_block(self, i: int) -> None:
-        with self.block_sources(i) as sources:
-            u = self.take_pending(i)
-            if u is not None:
-                self._update(u, self._targets(i, sources))
-
-    def _update(self, u: PendingUpdate, targets: Sequence[tuple[TrainableParam, torch.Tensor]]) -> None:
-        apply_update(self.directions, targets, u)
-
-    def _targets(self, i: int, sources) -> list[tuple[TrainableParam, torch.Tensor]]:
-        sources = sources or {}
-        return [(p, sources.get(p.name, p.tensor)) for p in self.block_params[i]]
+    def _outer_targets(self) -> list[Target]:
+        return [Target(p, p.tensor) for p in self.outer_params]
 
     # --- hooks of the modes -------------------------------------------------------------------------
 
@@ -185,6 +195,17 @@ class StagedEngine(Engine):
         """The tensors holding block i's parameters on the compute device while it computes (None:
         the parameters themselves)."""
         yield None
+
+    def _targets(self, i: int, sources) -> list[Target]:
+        """Where a payment reaches block i: its masters on the compute device (`sources` from
+        `block_sources`)."""
+        sources = sources or {}
+        return [Target(p, sources.get(p.name, p.tensor)) for p in self.block_params[i]]
+
+    def _flush_block(self, i: int) -> None:
+        """A flush reaches block i, which owes the update."""
+        with self.block_sources(i) as sources:
+            self._pay(i, self._targets(i, sources))
 
     def _before_write(self) -> None:
         """Called before the master changes outside a block walk (flush, the outer stage)."""
@@ -205,29 +226,20 @@ class StagedEngine(Engine):
 
     def _walk_with_peers(self) -> None:
         """A rank dealt no probe walks the blocks anyway (paying owed updates) where its peers
-        need it to (`walks_with_peers`). It pays the outer stage's owed update too, as `_run` does, so
+        need it to (`walks_with_peers`). It pays the outer stage's owed update too, as `_walk` does, so
         that afterwards every rank owes the same stages: `flush` enters its collectives only when
         something is owed, and ranks that disagreed on that would wait on different collectives."""
         self._before_write()
-        if self.owes(OUTER):
-            with self.timers("update"):
-                self._apply_outer()
+        self._pay_outer_if_owed()
         for i in range(len(self.adapter.blocks)):
             with self.block_sources(i):
                 pass
 
     def _prepare_block(self, i: int, sources, step: int, plan: Sequence[Probe], perturbed: bool,
                        full_plan: Sequence[Probe] | None) -> StageNoise:
-        """Pay block i's owed update and build its working copies: fused into the perturbation when
-        the block is perturbed, otherwise in a pass of its own."""
+        """Block i's working copies (none for a clean walk), its owed update paid on the way."""
         noise = self._noise(step, plan)
-        u = self.take_pending(i)
-        if u is not None and not (perturbed and self.fuse_update):
-            with self.timers("update"):
-                self._update(u, self._targets(i, sources))
-            u = None
-        if perturbed:  # an owed update still in hand is fused into this block's perturbation
-            noise.prepare(self.block_params[i], lambda p, s=sources: (s or {}).get(p.name, p.tensor), u)
+        self._pay(i, self._targets(i, sources), noise if perturbed else None)
         return noise
 
     def _look_ahead(self, perturbed: bool) -> bool:
@@ -271,9 +283,7 @@ class StagedEngine(Engine):
                     for i, ev in enumerate(plan)]
 
         self._before_write()
-        if self.owes(OUTER):
-            with self.timers("update"):
-                self._apply_outer()
+        self._pay_outer_if_owed()
         hidden = [[self.adapter.stem(contexts[id(p)], w) for p in ps]
                   for ps, w in zip(parts, stage_views(self._noise(step, plan)))]
         blocks = len(self.adapter.blocks)

@@ -1,15 +1,23 @@
 """Host masters and the device slot ring of offloaded blocks (docs/offload.md).
 
 `build_host_blocks` moves every block's parameters into flat host buffers (the master copy; one
-node-shared buffer when sliced), `place_resident` puts everything else on the device, and
-`BlockStreamer` moves blocks (or a rank's slice of them) between the host masters and a ring of
-device slots, on their own CUDA streams ordered by events.
+node-shared buffer when sliced) and `place_resident` puts everything else on the device. A
+streamer then moves blocks between the host masters and a ring of device slots, on their own CUDA
+streams ordered by events. Two choices compose:
+
+- the streamer, which decides what moves when: `BlockStreamer` moves whole blocks;
+  `SlicedBlockStreamer` moves this rank's slice of each block, has the engine pay the slice's owed
+  update, and all-gathers the other slices from the node's peers;
+- the transfer, which moves a range of a block: `FullPrecisionTransfer` copies it as it is;
+  `ReducedPrecisionTransfer` narrows it for the trip and returns an update as a narrowed delta
+  (`CudaReducedPrecisionTransfer`: the host's share of that on worker threads).
 """
 
 from __future__ import annotations
 
 import math
 import time
+from abc import ABC, abstractmethod
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -146,78 +154,21 @@ def place_resident(model: nn.Module, device: torch.device, host_blocks: Sequence
                 module._buffers[key] = buf.to(device)
 
 
-# (block index, the slot's flat buffer, [lo, hi) of the block, float32 delta buffer or None) -> updated?
-SliceUpdate = Callable[[int, torch.Tensor, int, int, "torch.Tensor | None"], bool]
+# --- transfers: how a range of a block moves between its host master and a device slot ---------------
 
 
-class BlockStreamer:
-    """Moves blocks between the host masters and a ring of device slots.
+class TransferMeter:
+    """Bytes moved and the time spent moving them: wall time of host-side copies (CPU), or device
+    time between CUDA events around them, resolved when read (no synchronisation while streaming)."""
 
-    prefetch(i) starts block i's upload; acquire(i) makes the compute stream wait for it and
-    returns the slot; release(i, write_back) returns the slot to the ring, first copying the
-    block (or, at reduced precision, its update delta) back to the host master.
-
-    Sliced (a node of n ranks): prefetch(i) uploads this rank's slice, lets `slice_update` apply
-    the deferred update to it, writes the slice back, and all-gathers the other slices from the
-    node's peers; `local=True` (probe) uploads the whole block instead, with no collective,
-    since ranks evaluate different numbers of batches."""
-
-    def __init__(self, blocks: Sequence[HostBlock], device: torch.device, slots: int,
-                 transfer_dtype: torch.dtype | None, node: Node | None = None):
-        self.blocks, self.device = blocks, device
-        self.cuda = device.type == "cuda"
-        self.node = node if node is not None and node.shared else None
-        self.part = node.local_rank if self.node is not None else 0
-        dtype = blocks[0].flat.dtype
-        size = max(b.padded.numel() for b in blocks)
-        self.transfer_dtype = transfer_dtype if transfer_dtype not in (None, dtype) else None
-        n = min(slots, len(blocks))
-        self.slots = [torch.empty(size, dtype=dtype, device=device) for _ in range(n)]
-        self.owner: list[int | None] = [None] * n  # block whose current weights fill the slot
-        if self.transfer_dtype is not None:
-            pin = self.cuda
-            self.host_stage = [host_buffer(size, self.transfer_dtype, pin) for _ in range(n)]  # uploads
-            self.host_delta = [host_buffer(size, self.transfer_dtype, pin) for _ in range(n)]  # deltas back
-            self.device_stage = [torch.empty(size, dtype=self.transfer_dtype, device=device) for _ in range(n)]
-            self.deltas = [torch.zeros(size, dtype=torch.float32, device=device) for _ in range(n)]
-        # Reduced-precision transfer on CUDA: the host's work runs on two worker threads, so the
-        # Python thread queues the next blocks' kernels meanwhile instead of waiting for each
-        # write-back. One narrows blocks for upload, the other adds returned deltas to the masters;
-        # a block's narrowing waits only for its own last delta, and a delta buffer is reused only
-        # after the add that read it.
-        self._host: tuple[ThreadPoolExecutor, ThreadPoolExecutor] | None = None
-        self._host_jobs: list[Future] = []
-        self._uploading: dict[int, Future] = {}  # slot -> its upload job (records `uploaded[slot]`)
-        self._adding: dict[int, Future] = {}  # block -> the add of its last delta
-        self._delta_read: dict[int, Future] = {}  # slot -> the last add that read host_delta[slot]
-        self._stage_read: list[torch.cuda.Event | None] = [None] * n  # last upload that read host_stage[s]
-        if self.cuda and self.transfer_dtype is not None:
-            self._host = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="distzo-narrow"),
-                          ThreadPoolExecutor(max_workers=1, thread_name_prefix="distzo-delta"))
-        if self.cuda:
-            self.upload_stream = torch.cuda.Stream(device)
-            self.offload_stream = torch.cuda.Stream(device)
-            self.uploaded = [torch.cuda.Event() for _ in range(n)]
-            self.slot_free: list[torch.cuda.Event | None] = [None] * n
-            self.written: dict[int, torch.cuda.Event] = {}  # block -> its last write-back
-            self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-        self.slice_update: SliceUpdate | None = None
-        self.slice_owed: Callable[[int], bool] = lambda i: False  # block i's slice still owes an update
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
         self.bytes_up = self.bytes_down = self.bytes_peer = 0
-        self.transfer_s = 0.0
-
-    @property
-    def sliced(self) -> bool:
-        return self.node is not None
-
-    def slot_of(self, i: int) -> int:
-        return i % len(self.slots)
-
-    # --- timing ----------------------------------------------------------------------------------------
+        self._seconds = 0.0
+        self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # CUDA: not resolved yet
 
     @contextmanager
-    def _timed_transfer(self) -> Iterator[None]:
-        """Wall time of host-side copies (CPU), or device time between events (CUDA, resolved lazily)."""
+    def timed(self) -> Iterator[None]:
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -227,116 +178,275 @@ class BlockStreamer:
             return
         t0 = time.perf_counter()
         yield
-        self.transfer_s += time.perf_counter() - t0
+        self._seconds += time.perf_counter() - t0
 
-    def transfer_seconds(self) -> float:
-        self._drain_host()  # uploads the host worker queued have recorded their timing events
-        if self.cuda and self._timed:
-            for start, end in self._timed:
-                end.synchronize()
-                self.transfer_s += start.elapsed_time(end) / 1e3
-            self._timed.clear()
-        return self.transfer_s
+    def seconds(self) -> float:
+        """Seconds spent so far (waits for the recorded events: call it after the host workers' jobs)."""
+        for start, end in self._timed:
+            end.synchronize()
+            self._seconds += start.elapsed_time(end) / 1e3
+        self._timed.clear()
+        return self._seconds
 
-    # --- moving a range of a block ------------------------------------------------------------------
 
-    def _upload(self, block: HostBlock, s: int, lo: int, hi: int) -> None:
-        with self._timed_transfer():
-            if self.transfer_dtype is None:
-                self.slots[s][lo:hi].copy_(block.flat[lo:hi], non_blocking=True)
-                self.bytes_up += (hi - lo) * block.flat.element_size()
-            else:
-                if self._stage_read[s] is not None:
-                    # The previous upload from this staging buffer may still be queued: overwriting
-                    # it now would send the wrong block (the host runs ahead of the GPU).
-                    self._stage_read[s].synchronize()
-                self.host_stage[s][lo:hi].copy_(block.flat[lo:hi])  # narrow on the host (CPU work)
-                self.device_stage[s][lo:hi].copy_(self.host_stage[s][lo:hi], non_blocking=True)
-                if self.cuda:
-                    self._stage_read[s] = torch.cuda.Event()
-                    self._stage_read[s].record()
-                self.slots[s][lo:hi].copy_(self.device_stage[s][lo:hi])  # widen on the device
-                self.bytes_up += (hi - lo) * self.host_stage[s].element_size()
+class Transfer(ABC):
+    """Moves flat ranges [lo, hi) of blocks between their host masters and the device slots. On CUDA
+    each copy is queued on the current stream; the streamer picks the stream and orders it with
+    events. The hooks below the copies serve transfers with host worker threads; here they run
+    everything at once."""
 
-    def _write_back(self, block: HostBlock, s: int, lo: int, hi: int) -> None:
-        with self._timed_transfer():
-            if self.transfer_dtype is None:
-                block.flat[lo:hi].copy_(self.slots[s][lo:hi], non_blocking=True)
-                self.bytes_down += (hi - lo) * block.flat.element_size()
-                return
-            reading = self._delta_read.pop(s, None)
-            if reading is not None:
-                reading.result()  # the add that reads this delta buffer is done with it
-            self.device_stage[s][lo:hi].copy_(self.deltas[s][lo:hi])  # narrow the delta on the device
+    transfer_dtype: torch.dtype | None = None  # what blocks travel in (None: the master's own dtype)
+    exact = True  # a slot whose update was written back holds exactly what its host master holds
+
+    def __init__(self, slots: Sequence[torch.Tensor], meter: TransferMeter):
+        self.slots, self.meter = slots, meter
+
+    @abstractmethod
+    def upload(self, block: HostBlock, s: int, lo: int, hi: int) -> None:
+        """Elements [lo, hi) of the block's master into slot s."""
+
+    @abstractmethod
+    def write_back(self, block: HostBlock, s: int, lo: int, hi: int) -> None:
+        """The update of elements [lo, hi) in slot s back into the block's master."""
+
+    def deltas(self, s: int) -> torch.Tensor | None:
+        """Slot s's float32 buffer that receives an update's change (`Target.delta`), or None."""
+        return None
+
+    def queue_upload(self, i: int, s: int, queue: Callable[[], None]) -> None:
+        """Run `queue`, which queues block i's upload into slot s on the upload stream (CUDA)."""
+        queue()
+
+    def wait_queued(self, s: int) -> None:
+        """Return once slot s's upload has been queued (and its event recorded)."""
+
+    def written_back(self, done: torch.cuda.Event, i: int, block: HostBlock, s: int, lo: int, hi: int) -> None:
+        """CUDA: the write-back of elements [lo, hi) of block i from slot s is queued; `done` records
+        its end on the device."""
+
+    def drain(self) -> None:
+        """Wait for the host-side work still running (re-raising its errors): the host masters and
+        staging buffers are then the Python thread's to read and write."""
+
+    def close(self) -> None:
+        """Stop the host-side workers."""
+
+
+class FullPrecisionTransfer(Transfer):
+    """Blocks travel in the master's dtype: a slot and its host master hold the same values."""
+
+    def upload(self, block: HostBlock, s: int, lo: int, hi: int) -> None:
+        with self.meter.timed():
+            self.slots[s][lo:hi].copy_(block.flat[lo:hi], non_blocking=True)
+            self.meter.bytes_up += (hi - lo) * block.flat.element_size()
+
+    def write_back(self, block: HostBlock, s: int, lo: int, hi: int) -> None:
+        with self.meter.timed():
+            block.flat[lo:hi].copy_(self.slots[s][lo:hi], non_blocking=True)
+            self.meter.bytes_down += (hi - lo) * block.flat.element_size()
+
+
+class ReducedPrecisionTransfer(Transfer):
+    """Blocks travel narrowed to `transfer_dtype` and are widened in the slot; the host master keeps
+    full precision and receives an update as its narrowed delta (`deltas`, filled by the update),
+    added in place. Here (CPU) every copy and add runs on the calling thread."""
+
+    exact = False  # the slot holds the update at full precision, the master its narrowed delta
+    pinned = False  # host staging buffers page-locked (CUDA)
+
+    def __init__(self, slots: Sequence[torch.Tensor], meter: TransferMeter, transfer_dtype: torch.dtype):
+        super().__init__(slots, meter)
+        self.transfer_dtype = transfer_dtype
+        size, device = slots[0].numel(), slots[0].device
+        self.host_stage = [host_buffer(size, transfer_dtype, self.pinned) for _ in slots]  # uploads
+        self.host_delta = [host_buffer(size, transfer_dtype, self.pinned) for _ in slots]  # deltas back
+        self.device_stage = [torch.empty(size, dtype=transfer_dtype, device=device) for _ in slots]
+        self._deltas = [torch.zeros(size, dtype=torch.float32, device=device) for _ in slots]
+
+    def deltas(self, s: int) -> torch.Tensor:
+        return self._deltas[s]
+
+    def upload(self, block: HostBlock, s: int, lo: int, hi: int) -> None:
+        with self.meter.timed():
+            self.host_stage[s][lo:hi].copy_(block.flat[lo:hi])  # narrow on the host
+            self.device_stage[s][lo:hi].copy_(self.host_stage[s][lo:hi], non_blocking=True)
+            self.slots[s][lo:hi].copy_(self.device_stage[s][lo:hi])  # widen on the device
+            self.meter.bytes_up += (hi - lo) * self.host_stage[s].element_size()
+
+    def write_back(self, block: HostBlock, s: int, lo: int, hi: int) -> None:
+        with self.meter.timed():
+            self.device_stage[s][lo:hi].copy_(self._deltas[s][lo:hi])  # narrow the delta on the device
             self.host_delta[s][lo:hi].copy_(self.device_stage[s][lo:hi], non_blocking=True)
-            self.bytes_down += (hi - lo) * self.host_delta[s].element_size()
-        if not self.cuda:
-            self._add_delta(block, s, lo, hi)
+            self.meter.bytes_down += (hi - lo) * self.host_delta[s].element_size()
+        self._add_delta(block, s, lo, hi)
 
     def _add_delta(self, block: HostBlock, s: int, lo: int, hi: int) -> None:
         # Mixed-dtype in place: widened element by element, with no block-sized temporary.
         block.flat[lo:hi].add_(self.host_delta[s][lo:hi])
 
-    def _add_delta_when(self, done: torch.cuda.Event, i: int, s: int, lo: int, hi: int) -> None:
+
+class CudaReducedPrecisionTransfer(ReducedPrecisionTransfer):
+    """Reduced precision on CUDA. The host's work runs on two worker threads, so the Python thread
+    queues the next blocks' kernels meanwhile instead of waiting for each write-back: one narrows
+    blocks for upload (`queue_upload`), the other adds returned deltas to the masters
+    (`written_back`); a block's narrowing waits only for its own last delta, and a delta buffer is
+    reused only after the add that read it. Each staging buffer carries the event of the last
+    upload that read it, waited for before it is overwritten."""
+
+    pinned = True
+
+    def __init__(self, slots: Sequence[torch.Tensor], meter: TransferMeter, transfer_dtype: torch.dtype):
+        super().__init__(slots, meter, transfer_dtype)
+        self._workers: tuple[ThreadPoolExecutor, ThreadPoolExecutor] | None = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="distzo-narrow"),
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="distzo-delta"))
+        self._jobs: list[Future] = []
+        self._uploading: dict[int, Future] = {}  # slot -> its upload job (records the slot's upload event)
+        self._adding: dict[int, Future] = {}  # block -> the add of its last delta
+        self._delta_read: dict[int, Future] = {}  # slot -> the last add that read host_delta[slot]
+        self._stage_read: list[torch.cuda.Event | None] = [None] * len(slots)  # last upload that read host_stage[s]
+
+    def upload(self, block: HostBlock, s: int, lo: int, hi: int) -> None:
+        with self.meter.timed():
+            if self._stage_read[s] is not None:
+                # The previous upload from this staging buffer may still be queued: overwriting
+                # it now would send the wrong block (the host runs ahead of the GPU).
+                self._stage_read[s].synchronize()
+            self.host_stage[s][lo:hi].copy_(block.flat[lo:hi])  # narrow on the host (CPU work)
+            self.device_stage[s][lo:hi].copy_(self.host_stage[s][lo:hi], non_blocking=True)
+            self._stage_read[s] = torch.cuda.Event()
+            self._stage_read[s].record()
+            self.slots[s][lo:hi].copy_(self.device_stage[s][lo:hi])  # widen on the device
+            self.meter.bytes_up += (hi - lo) * self.host_stage[s].element_size()
+
+    def write_back(self, block: HostBlock, s: int, lo: int, hi: int) -> None:
+        """The narrowed delta is queued to host_delta[s]; the delta worker adds it (`written_back`)."""
+        with self.meter.timed():
+            reading = self._delta_read.pop(s, None)
+            if reading is not None:
+                reading.result()  # the add that reads this delta buffer is done with it
+            self.device_stage[s][lo:hi].copy_(self._deltas[s][lo:hi])  # narrow the delta on the device
+            self.host_delta[s][lo:hi].copy_(self.device_stage[s][lo:hi], non_blocking=True)
+            self.meter.bytes_down += (hi - lo) * self.host_delta[s].element_size()
+
+    def queue_upload(self, i: int, s: int, queue: Callable[[], None]) -> None:
+        """On the narrowing worker, after block i's last delta is in its master."""
+        adding = self._adding.get(i)
+
+        def job() -> None:
+            if adding is not None:
+                adding.result()  # the block's master holds its last delta
+            queue()
+        future = self._workers[0].submit(job)
+        self._jobs.append(future)
+        self._uploading[s] = future
+
+    def wait_queued(self, s: int) -> None:
+        job = self._uploading.pop(s, None)
+        if job is not None:
+            job.result()  # the worker has queued the upload and recorded its event
+
+    def written_back(self, done: torch.cuda.Event, i: int, block: HostBlock, s: int, lo: int, hi: int) -> None:
         """Add block i's delta once its copy to the host (`done`) has landed, on the delta worker."""
-        block = self.blocks[i]
 
         def job() -> None:
             done.synchronize()
             self._add_delta(block, s, lo, hi)
-        future = self._host[1].submit(job)
-        self._host_jobs.append(future)
+        future = self._workers[1].submit(job)
+        self._jobs.append(future)
         self._adding[i] = self._delta_read[s] = future
 
-    def _drain_host(self) -> None:
-        """Wait for the host workers' jobs (re-raising their errors): host masters and staging
-        buffers are then the Python thread's to read and write. Without workers there are none."""
-        jobs, self._host_jobs, self._uploading, self._adding, self._delta_read = self._host_jobs, [], {}, {}, {}
+    def drain(self) -> None:
+        jobs, self._jobs, self._uploading, self._adding, self._delta_read = self._jobs, [], {}, {}, {}
         errors = [job.exception() for job in jobs]  # waits for every job, failed or not
         failed = next((e for e in errors if e is not None), None)
         if failed is not None:
             raise failed
 
-    def _gather(self, block: HostBlock, s: int) -> None:
-        """Every peer's slice of the block into this slot (this rank's slice is already there)."""
-        padded = self.slots[s][:block.padded.numel()]
-        parts = list(padded.split(block.slice_len))
-        with self._timed_transfer():
-            if self.cuda:  # NCCL gathers in place into one buffer
-                dist.all_gather_into_tensor(padded, parts[self.part], group=self.node.device_group)
-            else:  # gloo takes a list of outputs; the input must not alias one of them
-                dist.all_gather(parts, parts[self.part].clone(), group=self.node.device_group)
-        self.bytes_peer += (block.parts - 1) * block.slice_len * block.flat.element_size()
-
-    # --- the ring --------------------------------------------------------------------------------------
-
-    def prefetch(self, i: int, local: bool = False) -> None:
-        if self.sliced and not local:
-            self._prefetch_sliced(i)
+    def close(self) -> None:
+        if self._workers is None:
             return
+        try:
+            self.drain()
+        finally:
+            for pool in self._workers:
+                pool.shutdown(wait=True)
+            self._workers = None
+
+
+def make_transfer(slots: Sequence[torch.Tensor], master_dtype: torch.dtype, transfer_dtype: torch.dtype | None,
+                  meter: TransferMeter) -> Transfer:
+    """The transfer for blocks of `master_dtype` moved in `transfer_dtype` (None: their own)."""
+    if transfer_dtype in (None, master_dtype):
+        return FullPrecisionTransfer(slots, meter)
+    if slots[0].device.type == "cuda":
+        return CudaReducedPrecisionTransfer(slots, meter, transfer_dtype)
+    return ReducedPrecisionTransfer(slots, meter, transfer_dtype)
+
+
+# --- streamers: which block is in which slot, and the order of the copies ----------------------------
+
+
+class BlockStreamer:
+    """Moves whole blocks between their host masters and a ring of device slots, through the
+    transfer `transfer_dtype` asks for (`make_transfer`).
+
+    prefetch(i) starts block i's upload; acquire(i) makes the compute stream wait for it and
+    returns the slot's views; release(i, write_back) returns the slot to the ring, first copying the
+    block (or, at reduced precision, its update's delta) back to the host master. On CUDA uploads
+    run on `upload_stream` and write-backs on `offload_stream`, ordered by events: `uploaded[s]`
+    (slot s's last upload), `slot_free[s]` (the last use of slot s: a compute or a write-back) and
+    `written[i]` (block i's last write-back). On CPU every copy is done when it returns."""
+
+    def __init__(self, blocks: Sequence[HostBlock], device: torch.device, slots: int,
+                 transfer_dtype: torch.dtype | None = None):
+        self.blocks, self.device = blocks, device
+        self.cuda = device.type == "cuda"
+        dtype = blocks[0].flat.dtype
+        size = max(b.padded.numel() for b in blocks)
+        n = min(slots, len(blocks))
+        self.slots = [torch.empty(size, dtype=dtype, device=device) for _ in range(n)]
+        self.owner: list[int | None] = [None] * n  # block whose current weights fill the slot
+        self.meter = TransferMeter(self.cuda)
+        self.transfer = make_transfer(self.slots, dtype, transfer_dtype, self.meter)
+        if self.cuda:
+            self.upload_stream = torch.cuda.Stream(device)
+            self.offload_stream = torch.cuda.Stream(device)
+            self.uploaded = [torch.cuda.Event() for _ in range(n)]
+            self.slot_free: list[torch.cuda.Event | None] = [None] * n
+            self.written: dict[int, torch.cuda.Event] = {}  # block -> its last write-back
+
+    def slot_of(self, i: int) -> int:
+        return i % len(self.slots)
+
+    def transfer_seconds(self) -> float:
+        self.transfer.drain()  # uploads a host worker queued have recorded their timing events
+        return self.meter.seconds()
+
+    def delta_views(self, i: int) -> dict[str, torch.Tensor] | None:
+        """Block i's parameters as views of its slot's delta buffer (reduced precision), or None."""
+        deltas = self.transfer.deltas(self.slot_of(i))
+        return None if deltas is None else self.blocks[i].views(deltas)
+
+    def prefetch(self, i: int) -> None:
         s = self.slot_of(i)
         if self.owner[s] == i:
             return
         self.owner[s] = i
         block = self.blocks[i]
         if not self.cuda:
-            self._upload(block, s, 0, block.numel)
+            self.transfer.upload(block, s, 0, block.numel)
             return
-        if self._host is not None:  # narrowing on the host worker, after this block's last delta
-            slot_free, written, adding = self.slot_free[s], self.written.get(i), self._adding.get(i)
-            job = self._host[0].submit(self._queue_upload, block, s, slot_free, written, adding)
-            self._host_jobs.append(job)
-            self._uploading[s] = job
-            return
-        self._queue_upload(block, s, self.slot_free[s], self.written.get(i))
+        # The events as they are now: the transfer may queue the upload later, on a host worker.
+        slot_free, written = self.slot_free[s], self.written.get(i)
 
-    def _queue_upload(self, block: HostBlock, s: int, slot_free, written, adding: Future | None = None) -> None:
-        if adding is not None:
-            adding.result()  # the block's master holds its last delta
-        with torch.cuda.device(self.device), torch.cuda.stream(self.upload_stream):
-            self._wait_for_slot(slot_free, written)
-            self._upload(block, s, 0, block.numel)
-            self.uploaded[s].record(self.upload_stream)
+        def queue() -> None:
+            with torch.cuda.device(self.device), torch.cuda.stream(self.upload_stream):
+                self._wait_for_slot(slot_free, written)
+                self.transfer.upload(block, s, 0, block.numel)
+                self.uploaded[s].record(self.upload_stream)
+
+        self.transfer.queue_upload(i, s, queue)
 
     def _wait_for_slot(self, slot_free: torch.cuda.Event | None, written: torch.cuda.Event | None) -> None:
         """The upload stream waits for the slot's previous block (`slot_free[s]`) and for the block's
@@ -346,76 +456,10 @@ class BlockStreamer:
         if written is not None:
             self.upload_stream.wait_event(written)  # the host master is current
 
-    def _prefetch_sliced(self, i: int) -> None:
-        """My slice up, its deferred update, my slice back, the peers' slices in."""
-        s, block = self.slot_of(i), self.blocks[i]
-        lo, hi = block.slice_range(self.part)
-        current = self.owner[s] == i
-        if current and not self.slice_owed(i):
-            # Prefetched already (acquire follows the prefetches of the next blocks): recording the
-            # upload event again would make block i's compute wait for everything queued since.
-            return
-
-        def work() -> None:
-            if not current:
-                self._upload(block, s, lo, hi)
-            delta = self.deltas[s] if self.transfer_dtype is not None else None
-            updated = self.slice_update is not None and self.slice_update(i, self.slots[s], lo, hi, delta)
-            if updated:
-                self._write_back(block, s, lo, hi)
-            if updated or not current:
-                self._gather(block, s)
-
-        self.owner[s] = i
-        if not self.cuda:
-            work()
-            return
-        self._drain_host()  # this thread narrows now: earlier deltas must be in the master
-        with torch.cuda.stream(self.upload_stream):
-            self._wait_for_slot(self.slot_free[s], self.written.get(i))
-            written_before = self.bytes_down
-            work()
-            if self.bytes_down != written_before:
-                done = torch.cuda.Event()
-                done.record(self.upload_stream)
-                self.written[i] = done
-                if self.transfer_dtype is not None:
-                    self._add_delta_when(done, i, s, lo, hi)
-            self.uploaded[s].record(self.upload_stream)
-
-    def flush_slice(self, i: int) -> None:
-        """Sliced: bring my slice of block i's host master up to date (no collective)."""
-        s, block = self.slot_of(i), self.blocks[i]
-        lo, hi = block.slice_range(self.part)
-        self.owner[s] = None  # the slot ends with only my slice current
-
-        def work() -> bool:
-            self._upload(block, s, lo, hi)
-            delta = self.deltas[s] if self.transfer_dtype is not None else None
-            updated = self.slice_update is not None and self.slice_update(i, self.slots[s], lo, hi, delta)
-            if updated:
-                self._write_back(block, s, lo, hi)
-            return updated
-
-        if not self.cuda:
-            work()
-            return
-        self._drain_host()
-        with torch.cuda.stream(self.upload_stream):
-            self._wait_for_slot(self.slot_free[s], self.written.get(i))
-            if work():
-                done = torch.cuda.Event()
-                done.record(self.upload_stream)
-                self.written[i] = self.slot_free[s] = done
-                if self.transfer_dtype is not None:
-                    self._add_delta_when(done, i, s, lo, hi)
-
-    def acquire(self, i: int, local: bool = False) -> dict[str, torch.Tensor]:
-        self.prefetch(i, local)
+    def acquire(self, i: int) -> dict[str, torch.Tensor]:
+        self.prefetch(i)
         s = self.slot_of(i)
-        job = self._uploading.pop(s, None)
-        if job is not None:
-            job.result()  # the worker has queued the upload and recorded its event
+        self.transfer.wait_queued(s)
         if self.cuda:
             compute = torch.cuda.current_stream(self.device)
             compute.wait_event(self.uploaded[s])
@@ -423,22 +467,16 @@ class BlockStreamer:
                 compute.wait_event(self.slot_free[s])
         return self.blocks[i].views(self.slots[s])
 
-    def delta_views(self, i: int) -> dict[str, torch.Tensor] | None:
-        if self.transfer_dtype is None:
-            return None
-        return self.blocks[i].views(self.deltas[self.slot_of(i)])
-
-    def release(self, i: int, write_back: bool, updated: bool = False) -> None:
-        """Done computing with block i. write_back: copy it (or its delta) to the host master.
-        updated: its update reached the master some other way (sliced) and the slot differs from it."""
+    def release(self, i: int, write_back: bool) -> None:
+        """Done computing with block i. write_back: copy it (or its delta) to the host master."""
         s, block = self.slot_of(i), self.blocks[i]
-        if (write_back or updated) and self.transfer_dtype is not None:
+        if write_back and not self.transfer.exact:
             # The slot holds the update at full precision, the host master its narrowed delta: the
             # next use must upload again to see exactly what every other path sees.
             self.owner[s] = None
         if not self.cuda:
             if write_back:
-                self._write_back(block, s, 0, block.numel)
+                self.transfer.write_back(block, s, 0, block.numel)
             return
         if not write_back:
             ev = torch.cuda.Event()
@@ -449,26 +487,134 @@ class BlockStreamer:
         computed.record(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.offload_stream):
             self.offload_stream.wait_event(computed)
-            self._write_back(block, s, 0, block.numel)
+            self.transfer.write_back(block, s, 0, block.numel)
             done = torch.cuda.Event()
             done.record(self.offload_stream)
         self.slot_free[s] = self.written[i] = done
-        if self.transfer_dtype is not None:
-            self._add_delta_when(done, i, s, 0, block.numel)
+        self.transfer.written_back(done, i, block, s, 0, block.numel)
 
     def synchronize(self) -> None:
         """Wait for every write-back: the host masters are then safe to read."""
-        self._drain_host()
+        self.transfer.drain()
         if self.cuda:
             self.offload_stream.synchronize()
             self.upload_stream.synchronize()
 
     def close(self) -> None:
-        if self._host is None:
-            return
+        self.transfer.close()
+
+
+# (block index, the slot's flat buffer, [lo, hi) of the block, the slot's float32 delta buffer or None)
+SlicePayment = Callable[[int, torch.Tensor, int, int, "torch.Tensor | None"], None]
+
+
+class SlicedBlockStreamer(BlockStreamer):
+    """DistZO2's sliced streaming over the ranks of a node sharing one host master: prefetch(i)
+    uploads this rank's slice of block i, has `pay` apply the owed update to it (when `owes(i)`),
+    writes the slice back, and all-gathers the other slices from the node's peers; `flush_slice`
+    brings this rank's slice of the master up to date with no collective. Inside `local_reads`
+    whole blocks are uploaded instead, with no collective, since ranks evaluate different numbers
+    of batches."""
+
+    def __init__(self, blocks: Sequence[HostBlock], device: torch.device, slots: int,
+                 transfer_dtype: torch.dtype | None, node: Node, *, owes: Callable[[int], bool], pay: SlicePayment):
+        super().__init__(blocks, device, slots, transfer_dtype)
+        self.node, self.part = node, node.local_rank
+        self._owes, self._pay = owes, pay
+        self._local = False
+
+    @contextmanager
+    def local_reads(self) -> Iterator[None]:
+        """Whole blocks from the (flushed) master, with no collective."""
+        self._local = True
         try:
-            self._drain_host()
+            yield
         finally:
-            for pool in self._host:
-                pool.shutdown(wait=True)
-            self._host = None
+            self._local = False
+            # Ranks ran different numbers of local reads, so which blocks sit whole in which slot now
+            # differs between them; forget it, or the next collective walk would skip the all-gather on
+            # some ranks only and deadlock.
+            self.owner = [None] * len(self.slots)
+
+    def prefetch(self, i: int) -> None:
+        """My slice up, its owed update, my slice back, the peers' slices in."""
+        if self._local:
+            super().prefetch(i)
+            return
+        s, block = self.slot_of(i), self.blocks[i]
+        lo, hi = block.slice_range(self.part)
+        current = self.owner[s] == i
+        if current and not self._owes(i):
+            # Prefetched already (acquire follows the prefetches of the next blocks): recording the
+            # upload event again would make block i's compute wait for everything queued since.
+            return
+
+        def work() -> None:
+            if not current:
+                self.transfer.upload(block, s, lo, hi)
+            updated = self._owes(i)
+            if updated:
+                self._pay(i, self.slots[s], lo, hi, self.transfer.deltas(s))
+                self.transfer.write_back(block, s, lo, hi)
+            if updated or not current:
+                self._gather(block, s)
+
+        self.owner[s] = i
+        if not self.cuda:
+            work()
+            return
+        self.transfer.drain()  # this thread narrows now: earlier deltas must be in the master
+        with torch.cuda.stream(self.upload_stream):
+            self._wait_for_slot(self.slot_free[s], self.written.get(i))
+            written_before = self.meter.bytes_down
+            work()
+            if self.meter.bytes_down != written_before:
+                done = torch.cuda.Event()
+                done.record(self.upload_stream)
+                self.written[i] = done
+                self.transfer.written_back(done, i, block, s, lo, hi)
+            self.uploaded[s].record(self.upload_stream)
+
+    def flush_slice(self, i: int) -> None:
+        """Bring my slice of block i's host master up to date (no collective)."""
+        s, block = self.slot_of(i), self.blocks[i]
+        lo, hi = block.slice_range(self.part)
+        self.owner[s] = None  # the slot ends with only my slice current
+
+        def work() -> bool:
+            self.transfer.upload(block, s, lo, hi)
+            updated = self._owes(i)
+            if updated:
+                self._pay(i, self.slots[s], lo, hi, self.transfer.deltas(s))
+                self.transfer.write_back(block, s, lo, hi)
+            return updated
+
+        if not self.cuda:
+            work()
+            return
+        self.transfer.drain()
+        with torch.cuda.stream(self.upload_stream):
+            self._wait_for_slot(self.slot_free[s], self.written.get(i))
+            if work():
+                done = torch.cuda.Event()
+                done.record(self.upload_stream)
+                self.written[i] = self.slot_free[s] = done
+                self.transfer.written_back(done, i, block, s, lo, hi)
+
+    def release(self, i: int, write_back: bool) -> None:
+        if not self._local and not self.transfer.exact:
+            # My slice may have been updated: the slot holds it at full precision, the master its
+            # narrowed delta, so the next use uploads again.
+            self.owner[self.slot_of(i)] = None
+        super().release(i, write_back)
+
+    def _gather(self, block: HostBlock, s: int) -> None:
+        """Every peer's slice of the block into this slot (this rank's slice is already there)."""
+        padded = self.slots[s][:block.padded.numel()]
+        parts = list(padded.split(block.slice_len))
+        with self.meter.timed():
+            if self.cuda:  # NCCL gathers in place into one buffer
+                dist.all_gather_into_tensor(padded, parts[self.part], group=self.node.device_group)
+            else:  # gloo takes a list of outputs; the input must not alias one of them
+                dist.all_gather(parts, parts[self.part].clone(), group=self.node.device_group)
+        self.meter.bytes_peer += (block.parts - 1) * block.slice_len * block.flat.element_size()

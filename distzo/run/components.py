@@ -66,7 +66,9 @@ def build_model_stack(cfg, mesh: Mesh, seed: int, weights: Mapping[str, torch.Te
     directions = estimator.directions(seed, str(cfg.estimator.distribution), mesh.device, kernels=kernels,
                                       clock=clock)
     adapter = adapter_for(model, str(cfg.model.adapter))
-    engine = build_engine(cfg, mesh, model, adapter, params, directions, estimator, timers, resident=resident)
+    engine = build_engine(mesh, model, adapter, params, directions, estimator, engine=cfg.engine, offload=cfg.offload,
+                          comm=cfg.comm, micro_batch_size=cfg.micro_batch_size, prge=cfg.estimator.prge,
+                          peft_method=cfg.peft.method, timers=timers, resident=resident)
     return ModelStack(model, tokenizer, params, estimator, engine,
                       estimator.activation_capture(model, params, directions))
 

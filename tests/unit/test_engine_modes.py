@@ -31,7 +31,9 @@ def engine_for(*overrides):
     apply_peft(model, cfg.peft)
     params = TrainableParams.from_model(model)
     estimator = build_estimator(cfg.estimator)
-    return build_engine(cfg, Mesh.single(), model, adapter_for(model), params, Directions(0), estimator)
+    return build_engine(Mesh.single(), model, adapter_for(model), params, Directions(0), estimator, engine=cfg.engine,
+                        offload=cfg.offload, comm=cfg.comm, micro_batch_size=cfg.micro_batch_size,
+                        prge=cfg.estimator.prge, peft_method=cfg.peft.method)
 
 
 STACKED = "resident, each rank's probes in one batched forward over stacked LoRA B copies"
@@ -57,6 +59,11 @@ def fake_mesh(shape, node_size, device="cpu"):
     return Mesh(MeshShape.parse(shape), torch.device(device), rank=0, node=Node(local_rank=0, size=node_size))
 
 
+def division(cfg, mesh):
+    return work_division(mesh, build_estimator(cfg.estimator), engine=cfg.engine, offload=cfg.offload,
+                         peft_method=cfg.peft.method)
+
+
 @pytest.mark.parametrize("overrides,shape,node,why", [
     ((), "2x1", 1, None),  # no peers on the machine: not divided, no error under auto
     (("offload=cpu",), "2x1", 2, "offloaded runs divide the update by slices already"),
@@ -67,14 +74,14 @@ def fake_mesh(shape, node_size, device="cpu"):
 def test_work_division_says_why_it_cannot_apply(overrides, shape, node, why):
     cfg = make_config("model=tiny", *overrides)
     mesh = fake_mesh(shape, node)
-    assert work_division(cfg, mesh, build_estimator(cfg.estimator)) is False
+    assert division(cfg, mesh) is False
     forced = make_config("model=tiny", *overrides, "engine.divide_work=true")
     if node > 1:
         with pytest.raises(EngineConfigError, match=why):
-            work_division(forced, mesh, build_estimator(forced.estimator))
+            division(forced, mesh)
 
 
 def test_work_division_applies_where_every_rank_has_a_perturbed_evaluation():
     cfg = make_config("model=tiny", "estimator.q=2")
-    assert work_division(cfg, fake_mesh("4x1", 4), build_estimator(cfg.estimator)) is True
-    assert work_division(cfg, fake_mesh("2x2", 4), build_estimator(cfg.estimator)) is True
+    assert division(cfg, fake_mesh("4x1", 4)) is True
+    assert division(cfg, fake_mesh("2x2", 4)) is True

@@ -32,7 +32,7 @@ def main() -> None:
     if ns.threads:
         torch.set_num_threads(ns.threads)
 
-    from distzo.config.schema import compose_config
+    from distzo.config.compose import compose_config
     from distzo.data.decoding import greedy_decode
     from distzo.data.tasks import PromptTask
     from distzo.models import load_model

@@ -25,7 +25,7 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="config overrides for both (after --)")
     ns = parser.parse_args()
 
-    from distzo.config.schema import compose_config
+    from distzo.config.compose import compose_config
     from distzo.parallel.mesh import Mesh
     from distzo.run.components import build_components
     from distzo.run.training import zo_step

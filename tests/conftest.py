@@ -25,17 +25,10 @@ def tokenizer():
 def make_config(*overrides: str):
     """A composed, validated run config, as the CLI would build it (composition errors raised as the
     ConfigError line the CLI prints)."""
-    from distzo.cli.main import explain
-    from distzo.config.schema import compose_config
-    from distzo.errors import ConfigError
+    from distzo.config.compose import compose_config
     from distzo.run.checks import validate
 
-    try:
-        cfg = compose_config(list(overrides))
-    except ConfigError:
-        raise
-    except Exception as exc:  # Hydra's and OmegaConf's composition errors
-        raise ConfigError(explain(exc)) from None
+    cfg = compose_config(list(overrides))
     validate(cfg)
     return cfg
 

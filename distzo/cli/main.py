@@ -4,12 +4,14 @@ Each command is a Hydra application over the packaged presets (distzo/config/pre
 flags (`--cfg job`, `--help`, `-m`) and `hydra.run.dir=...` work as Hydra users expect. Before
 Hydra runs, the overrides are composed and validated once, so a mistyped key, a wrong type or an
 unknown preset costs one clear line on stderr and exit status 2, not a traceback.
+
+This module handles arguments and messages only: composition, checks, run directories and the runs
+themselves are the library's (distzo.config, distzo.run), which `import distzo` also offers to Python.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import sys
 from pathlib import Path
 from typing import Callable
@@ -124,212 +126,52 @@ def overrides_only(args: list[str], command: str, usage: str, note: str = "") ->
     return overrides
 
 
-def shell_quoted_override(key: str, value: str) -> str:
-    """`key=value` with the value as one quoted string of Hydra's grammar, itself double-quoted for
-    the shell: the form to type when the bare value holds override syntax."""
-    # In Hydra's quoted strings a backslash escapes only a quote, or the backslashes before one
-    # (the closing quote included); elsewhere it is itself.
-    hydra_value = "'" + re.sub(r"(\\*)('|$)", lambda m: m.group(1) * 2 + ("\\" if m.group(2) else "") + m.group(2),
-                               value) + "'"
-    text = f"{key}={hydra_value}"
-    for ch in ("\\", '"', "$", "`"):  # what a double-quoted shell word still interprets
-        text = text.replace(ch, "\\" + ch)
-    return f'"{text}"'
-
-
-def check_override_grammar(overrides: list[str]) -> None:
-    """Each override alone through Hydra's parser, so a value that its grammar rejects (a template
-    with braces, a text with a colon or a comma) is named with the quoted form that works, instead of
-    the parser's "no viable alternative at input"."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import OverrideParseException
-
-    parser = OverridesParser.create()
-    for override in overrides:
-        try:
-            parser.parse_overrides([override])
-        except OverrideParseException:
-            key, sep, value = override.partition("=")
-            if not sep:
-                fail(f"'{override}' is not an override; write key=value (e.g. steps=100)")
-            fail(f"{key}: Hydra's override grammar cannot read the value {value!r} (braces, brackets, quotes, "
-                 f"commas, colons and some spaces are its syntax); quote the value: {shell_quoted_override(key, value)}")
-
-
-def explain(exc: BaseException) -> str:
-    """One line from Hydra's and OmegaConf's multi-line composition errors."""
-    text = str(exc)
-    if exc.__cause__ is not None:  # "Error merging override x=y" carries the reason in its cause
-        text = f"{text}\n{exc.__cause__}"
-    ambiguous = re.search(r"Ambiguous value for argument '([^=']+)=([^']*)'", text)
-    if ambiguous:
-        key, value = ambiguous.groups()
-        return (f"{key}={value}: a comma separates the values of a sweep (with -m) or of a list ([a,b]); for one "
-                f"text holding a comma, quote it: {shell_quoted_override(key, value)}")
-    missing = re.search(r"Could not find '([^/']+)/([^']+)'", text)
-    if missing:
-        group, option = missing.groups()
-        options = re.findall(r"^\t(\S+)$", text, flags=re.M)
-        hint = f"; available: {', '.join(options)}" if options else ""
-        return f"unknown {group} preset '{option}'{hint}"
-    not_in_struct = re.search(r"Key '([^']+)' is not in struct", text) or re.search(
-        r"Could not override '([^']+)'", text)
-    if not_in_struct:
-        key = not_in_struct.group(1)
-        full = re.search(r"full_key: (\S+)", text)
-        name = full.group(1) if full else key
-        return (f"unknown config key '{name}'; see `python -m distzo train --cfg job` for the valid keys "
-                f"(prefix with + only to add keys deliberately)")
-    conversion = re.search(r"Value '([^']*)' (?:of type '\w+' )?could not be converted to (\w+)", text)
-    if conversion:
-        value, kind = conversion.groups()
-        full = re.search(r"full_key: (\S+)", text)
-        where = f"{full.group(1)}=" if full else ""
-        return f"{where}{value!s}: expected {kind.lower()}"
-    choice = re.search(r"Invalid value '([^']*)', expected one of \[([^\]]*)\]", text)
-    if choice:  # a choice field's Enum
-        value, options = choice.groups()
-        full = re.search(r"full_key: (\S+)", text)
-        return f"{full.group(1) if full else 'value'}={value!r} is not supported; use one of: {options}"
-    invalid = re.search(r"Invalid value assigned: (.*)", text)
-    if invalid:
-        full = re.search(r"full_key: (\S+)", text)
-        return f"{full.group(1) if full else 'value'}: {invalid.group(1).rstrip('.')}"
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return "; ".join(lines[:2]) if lines else type(exc).__name__
-
-
-def concrete_override_sets(overrides: list[str]) -> list[list[str]]:
-    """Sweep overrides (`lr=1e-5,2e-5`, `range(...)`, `choice(...)`) expanded so that every value is
-    checked once: the first set takes each sweep's first value; each further set changes one sweep."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    parsed = OverridesParser.create().parse_overrides(overrides)
-    base = []
-    sweeps: list[tuple[int, list[str]]] = []
-    for i, o in enumerate(parsed):
-        if o.is_sweep_override():
-            values = [f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()]
-            base.append(values[0])
-            sweeps.append((i, values[1:]))
-        else:
-            base.append(o.input_line)
-    sets = [base]
-    for i, rest in sweeps:
-        for v in rest:
-            sets.append(base[:i] + [v] + base[i + 1:])
-    return sets
-
-
 def compose_and_validate(overrides: list[str], multirun: bool = False, with_hydra: bool = True,
                          check_world: bool = True):
-    """Compose the presets with the overrides and validate the result; exit with one line on any error.
-    With multirun, every value of every sweep is checked. Returns the (first) composed config."""
-    from ..config.schema import compose_config
-    from ..errors import ConfigError
+    """Compose the presets with the overrides and validate the result (distzo.config.compose,
+    distzo.run.checks); exit with one line on any error. With multirun, every value of every sweep is
+    checked. Returns the (first) composed config."""
+    from ..config.compose import compose_config, concrete_override_sets
+    from ..errors import DistzoError
     from ..run.checks import validate
 
-    check_override_grammar(overrides)
-    try:
-        sets = concrete_override_sets(overrides) if multirun else [overrides]
-    except Exception as exc:
-        fail(explain(exc))
     first = None
-    for concrete in sets:
-        try:
+    try:
+        for concrete in concrete_override_sets(overrides) if multirun else [overrides]:
             cfg = compose_config(concrete, with_hydra=with_hydra)
-        except ConfigError as exc:
-            fail(str(exc))
-        except Exception as exc:  # Hydra and OmegaConf raise many types; all are input errors here
-            fail(explain(exc))
-        try:
             validate(cfg, check_world=check_world)
-        except ConfigError as exc:
-            fail(str(exc))
-        first = first if first is not None else cfg
+            first = first if first is not None else cfg
+    except DistzoError as exc:
+        fail(str(exc))
     return first
 
 
-# Set by the rank-0 pre-check: the nearest directory above the run directory that exists already, when
-# this invocation creates the run directory (a fixed path that does not exist yet, or a timestamped
-# default), so that a failure before training can remove what it created.
-_RUN_DIR_BASE: Path | None = None
+# Set by rank 0 before Hydra runs: the run directory this command claimed (distzo.run.rundir), which
+# the Hydra task hands to the library so that a failure before training removes what it created.
+_CLAIMED = None
 
 
-def check_run_dir(cfg) -> None:
-    """Before Hydra creates the run directory and writes .hydra/ into it: the directory can be
-    created and written, it holds no other run (unless resuming), and a run it holds is one this
-    configuration may continue; resume=auto needs a directory that a restarted job finds again."""
-    global _RUN_DIR_BASE
+def claim_run_dir(cfg) -> None:
+    """Before Hydra creates the run directory and writes .hydra/ into it: the library's checks of it
+    (`RunDirectory.claim`). A timestamped default (`${now:...}`) is checked by its fixed part."""
+    global _CLAIMED
     from omegaconf import OmegaConf
+
+    from ..errors import DistzoError
+    from ..run.rundir import RunDirectory
 
     raw = str(OmegaConf.to_container(cfg.hydra.run, resolve=False)["dir"])
     if cfg.resume == "auto" and "${now:" in raw:
         fail("resume=auto needs a fixed run directory that a restarted job finds again: add "
              "hydra.run.dir=/path/to/run")
     try:
-        run_dir = Path(OmegaConf.select(cfg, "hydra.run.dir"))
-        fixed = True
+        path, fixed = Path(OmegaConf.select(cfg, "hydra.run.dir")), True
     except Exception:  # an interpolation that needs Hydra's runtime (${now:...}): check its fixed part
-        run_dir, fixed = Path(raw.split("${", 1)[0] or "."), False
-    base = check_writable_dir(run_dir, "hydra.run.dir")
-    _RUN_DIR_BASE = base.resolve() if not fixed or not run_dir.exists() else None
-    if not fixed:
-        return
-    if (run_dir / "metrics.jsonl").exists() and cfg.resume != "auto":
-        fail(f"{run_dir} already holds a run (metrics.jsonl); choose another hydra.run.dir or add resume=auto "
-             "to continue it")
-    if cfg.resume == "auto":
-        from ..errors import DistzoError
-        from ..state.resume import check_resumable
-
-        try:
-            check_resumable(cfg, run_dir)
-        except DistzoError as exc:
-            fail(str(exc))
-
-
-def check_writable_dir(path: Path, key: str) -> Path:
-    """`path` is a writable directory, or can be created as one: its nearest existing ancestor (which
-    is returned) is a writable directory."""
-    probe = path
-    while not probe.exists():
-        if probe.parent == probe:
-            break
-        probe = probe.parent
-    if not probe.is_dir():
-        fail(f"{key}={path} cannot be created: {probe} is not a directory; choose another {key}")
-    import tempfile
-
-    try:  # a real attempt: permission bits do not tell for root, read-only mounts or /proc
-        os.rmdir(tempfile.mkdtemp(prefix=".distzo-probe-", dir=probe))
-    except OSError as exc:
-        what = "written" if probe == path else "created"
-        fail(f"{key}={path} cannot be {what}: creating a directory in {probe} fails ({exc.strerror or exc}); "
-             f"choose another {key}")
-    return probe
-
-
-def remove_failed_run_dir(run_dir: Path) -> None:
-    """After an error before training started: the run directory this invocation created goes again
-    (only Hydra's own files are in it), with the empty parents it created, so a failed command leaves
-    nothing behind."""
-    if _RUN_DIR_BASE is None or int(os.environ.get("RANK", "0")) != 0 or not run_dir.is_dir():
-        return
-    if not set(os.listdir(run_dir)) <= {".hydra", "train.log"}:
-        return
-    import logging
-    import shutil
-
-    logging.shutdown()  # train.log's handler
-    shutil.rmtree(run_dir, ignore_errors=True)
-    parent = run_dir.resolve().parent
-    while parent != _RUN_DIR_BASE and _RUN_DIR_BASE in parent.parents:
-        try:
-            parent.rmdir()  # only if empty
-        except OSError:
-            break
-        parent = parent.parent
+        path, fixed = Path(raw.split("${", 1)[0] or "."), False
+    try:
+        _CLAIMED = RunDirectory.claim(cfg, path, fixed=fixed)
+    except DistzoError as exc:
+        fail(str(exc))
 
 
 def _key(override: str) -> str:
@@ -339,7 +181,12 @@ def _key(override: str) -> str:
 def run_hydra(task: Callable, command: str, args: list[str]) -> None:
     import hydra
 
-    from ..config.schema import config_dir, register_configs
+    from ..config.compose import (
+        config_dir,
+        register_configs,
+        search_path_override,
+        user_config_dirs,
+    )
     from ..errors import ConfigError
 
     register_configs()
@@ -351,15 +198,19 @@ def run_hydra(task: Callable, command: str, args: list[str]) -> None:
     if multirun and any(_key(o) == "mesh" and ("," in o or "(" in o) for o in overrides):
         fail(f"{command} -m runs every configuration in this one process, so the mesh cannot vary; sweep layouts "
              "with python -m distzo sweep mesh=1x2,2x1 ... (one torchrun job per layout)")
-    if not _SKIP_PRECHECK.intersection(flags):
-        cfg = compose_and_validate(overrides, multirun=multirun)
-        if not multirun and int(os.environ.get("RANK", "0")) == 0:
-            check_run_dir(cfg)
     try:
         conf = config_dir()
+        if not any(_key(o) == "hydra.searchpath" for o in overrides):  # your presets ($DISTZO_CONFIG_PATH)
+            overrides = search_path_override(user_config_dirs()) + overrides
     except ConfigError as exc:
         fail(str(exc))
-    sys.argv = [f"distzo {command}"] + args + worker_overrides() + [f"hydra.help.app_name={command}"]
+    if not _SKIP_PRECHECK.intersection(flags):
+        # eval deals its batches over whatever processes run (the library fits the mesh to them)
+        cfg = compose_and_validate(overrides, multirun=multirun, check_world=command != "eval")
+        if not multirun and int(os.environ.get("RANK", "0")) == 0:
+            claim_run_dir(cfg)
+    sys.argv = ([f"distzo {command}"] + flags + overrides + worker_overrides()
+                + [f"hydra.help.app_name={command}"])
     hydra.main(config_path=conf, config_name="config", version_base="1.3")(task)()
 
 
@@ -372,70 +223,63 @@ def worker_overrides() -> list[str]:
     return ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=worker", "hydra/hydra_logging=none"]
 
 
-def _train_task(cfg) -> None:
+def _run_dir():
+    """The run directory the library is handed inside Hydra: the one this command claimed (rank 0 of
+    a single run), Hydra's job directory (a multirun job: the library checks it), or None (the
+    other ranks take rank 0's)."""
     from hydra.core.hydra_config import HydraConfig
 
+    from ..run.rundir import RunDirectory
+
+    if int(os.environ.get("RANK", "0")) != 0:
+        return None
+    output = Path(HydraConfig.get().runtime.output_dir)
+    if _CLAIMED is not None:
+        return RunDirectory(output, _CLAIMED.created_from)
+    return output
+
+
+def _in_hydra(command: Callable, *args, **kwargs):
+    """A library call inside Hydra's job: any input error is one line and exit status 2 (the library
+    has removed the run directory this command created, where training had not started)."""
+    from ..errors import DistzoError
+
+    try:
+        return command(*args, **kwargs)
+    except DistzoError as exc:
+        fail(str(exc))
+
+
+def _train_task(cfg) -> float | None:
+    """Train; returns the final validation metric (what a Hydra sweeper optimises)."""
     from ..run.signals import EXIT_STOPPED, Stopped
     from ..run.training import train
 
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
-        _run_in_hydra(cfg, train)
+        summary = _in_hydra(train, cfg, _run_dir(), validate_config=_CLAIMED is None)
     except Stopped as stop:
         if int(os.environ.get("RANK", "0")) == 0:
+            from hydra.core.hydra_config import HydraConfig
+
             where = f"snapshot {stop.snapshot}" if stop.snapshot else "a snapshot"
             print(f"distzo: stopped on {stop.signame} after step {stop.step}, {where}; continue with resume=auto "
-                  f"hydra.run.dir={run_dir}", file=sys.stderr, flush=True)
+                  f"hydra.run.dir={HydraConfig.get().runtime.output_dir}", file=sys.stderr, flush=True)
         raise SystemExit(EXIT_STOPPED)
-
-
-def _run_in_hydra(cfg, command: Callable) -> None:
-    """A command inside Hydra's run directory: validated, and any input error one line (exit 2)
-    after removing the run directory this invocation created."""
-    from hydra.core.hydra_config import HydraConfig
-
-    from ..errors import DistzoError
-    from ..run.checks import validate
-
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
-    try:
-        validate(cfg)
-        command(cfg, run_dir)
-    except DistzoError as exc:
-        remove_failed_run_dir(run_dir)
-        fail(str(exc))
+    return summary.get("validation_accuracy_after")
 
 
 def _bench_task(cfg) -> None:
     from ..run.bench import bench
 
-    _run_in_hydra(cfg, bench)
+    _in_hydra(bench, cfg, _run_dir(), validate_config=_CLAIMED is None)
 
 
 def _eval_task(cfg) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
     from ..run.evaluation import evaluate
 
-    _run_in_hydra(cfg, evaluate)
-
-
-def eval_args(args: list[str]) -> list[str]:
-    """`eval`'s overrides: with `eval.run=RUN`, the run's own overrides first (its model, trainable set
-    and task), so that the command line's win (`distzo.run.evaluation.run_overrides`); under torchrun
-    without a mesh, `mesh=1xN` (evaluation deals its batches over every rank whatever the shape)."""
-    from ..errors import DistzoError
-    from ..run.evaluation import run_overrides
-
-    overrides = [a for a in args if not a.startswith("-")]
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 and not any(_key(a) == "mesh" for a in overrides):
-        args = args + [f"mesh=1x{world}"]
-    runs = [a.split("=", 1)[1] for a in overrides if _key(a) == "eval.run"]
-    if not runs or runs[-1] in ("", "null", "None"):
-        return args
-    try:
-        return run_overrides(Path(runs[-1])) + args
-    except DistzoError as exc:
-        fail(str(exc))
+    _in_hydra(evaluate, cfg, _run_dir(), overrides=list(HydraConfig.get().overrides.task))
 
 
 def prepare(args: list[str]) -> None:
@@ -443,23 +287,17 @@ def prepare(args: list[str]) -> None:
     import logging
 
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(message)s", datefmt="%H:%M:%S")
-    from .. import native
-    from ..data.tasks import PromptTask
     from ..errors import DistzoError
-    from ..models import load_model
+    from ..run.components import prepare as prepare_assets
 
     overrides = overrides_only(args, "prepare", PREPARE_USAGE)
     if overrides is None:
         return
     cfg = compose_and_validate(overrides, with_hydra=False, check_world=False)
     try:
-        _, tokenizer = load_model(cfg.model)
-        task = PromptTask(cfg.task, tokenizer, str(cfg.objective))
-        kernels = native.load(cfg.engine.native)  # compiled once into the cache
+        print(prepare_assets(cfg))
     except DistzoError as exc:
         fail(str(exc))
-    fused = f"fused kernels {kernels.path}" if kernels else "no fused kernels (torch ops)"
-    print(f"ready: model {cfg.model.name}, task {task.name} ({task.size('train')} training examples), {fused}")
 
 
 def replay_command(args: list[str]) -> None:
@@ -507,11 +345,15 @@ def sweep_command(args: list[str]) -> None:
     except DistzoError as exc:
         fail(str(exc))
     except Exception as exc:  # Hydra's override grammar
+        from ..config.compose import explain
+
         fail(explain(exc))
     cfgs = [compose_and_validate(combo + own, check_world=False) for combo, _ in combos]
     try:
         root = Path(str(OmegaConf.select(cfgs[0], "hydra.sweep.dir")))
     except Exception as exc:
+        from ..config.compose import explain
+
         fail(f"hydra.sweep.dir: {explain(exc)}")
     jobs = [Job(n, combo, swept, str(cfg.mesh), root / str(n))
             for n, ((combo, swept), cfg) in enumerate(zip(combos, cfgs))]
@@ -538,22 +380,12 @@ def main(argv: list[str] | None = None) -> None:
     command, rest = args[0], args[1:]
     if command not in COMMANDS:
         fail(f"unknown command '{command}'; commands: {', '.join(COMMANDS)} (see python -m distzo --help)")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # distzo never downloads models or data sets
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    # Before torch (and its OpenMP runtime) loads. After each parallel region libgomp's threads spin
-    # for ~300,000 iterations (milliseconds) by default, and after every block's forward that spin
-    # takes a core from the threads that build the next block's working copies (measured on the
-    # embedded default: the Gaussian perturb phase 0.67-0.71 s -> 0.54-0.57 s). 10,000 iterations
-    # still bridge the microsecond gaps between the ops of a forward. A value set by the user wins,
-    # and so does a user's OMP_WAIT_POLICY (libgomp lets an explicit GOMP_SPINCOUNT override it).
-    if "OMP_WAIT_POLICY" not in os.environ:
-        os.environ.setdefault("GOMP_SPINCOUNT", "10000")
     if command == "train":
         run_hydra(_train_task, command, rest)
     elif command == "bench":
         run_hydra(_bench_task, command, rest)
     elif command == "eval":
-        run_hydra(_eval_task, command, eval_args(rest))
+        run_hydra(_eval_task, command, rest)
     elif command == "prepare":
         prepare(rest)
     elif command == "replay":

@@ -1,6 +1,7 @@
-"""Configuration: the typed schema, the packaged presets (Hydra's config tree) and the checks types
-cannot express."""
+"""Configuration: the typed schema, the packaged presets (Hydra's config tree), composition with
+overrides, and the checks of values types cannot express."""
 
-from .schema import Config, compose_config, config_dir, register_configs
+from .compose import compose_config, config_dir, register_configs
+from .schema import Config
 
 __all__ = ["Config", "compose_config", "config_dir", "register_configs"]

@@ -1,10 +1,10 @@
 """Typed configuration: the dataclasses behind Hydra's config tree (the packaged presets, distzo/config/presets).
 
-The dataclasses are registered in Hydra's ConfigStore as schemas, so a YAML preset or a command-line
-override with an unknown key, a wrong type or a value outside a choice field's Enum fails at
-composition time, before anything loads. What types cannot express (ranges, finiteness, files that
-must exist) is checked by `distzo.config.validation.validate`. This module is a leaf: it imports nothing of
-distzo but its error type, so anything may read the schema.
+The dataclasses are registered in Hydra's ConfigStore as schemas (`distzo.config.compose`), so a
+YAML preset or a command-line override with an unknown key, a wrong type or a value outside a choice
+field's Enum fails at composition time, before anything loads. What types cannot express (ranges,
+finiteness, files that must exist) is checked by `distzo.config.validation` and `distzo.run.checks`.
+This module imports nothing of distzo, so anything may read the schema.
 
 Choice fields are Enums whose members compare equal to their value (`cfg.objective == "loss"`) and
 print as it. The three-way switches `auto | true | false` stay strings: `key=true` on a command line
@@ -15,13 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional
 
-from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
-
-from ..errors import ConfigError
 
 
 class Choice(str, Enum):
@@ -489,30 +485,3 @@ class Config:
     resume: ResumeMode = ResumeMode.never
     max_nonfinite_steps: int = 3
     objective: Objective = Objective.loss
-
-
-def register_configs() -> None:
-    """Register the schemas so that YAML presets are checked against them."""
-    # The top-level schema types every group's node, so each preset YAML merged into `model`,
-    # `task` or `estimator` is checked against its dataclass without per-group schema entries.
-    ConfigStore.instance().store(name="distzo_schema", node=Config)
-
-
-def config_dir() -> str:
-    """The packaged presets (distzo/config/presets: config.yaml and its groups)."""
-    presets = Path(__file__).resolve().parent / "presets"
-    if not (presets / "config.yaml").is_file():
-        raise ConfigError(f"the packaged presets are missing ({presets}/config.yaml); reinstall distzo")
-    return str(presets)
-
-
-def compose_config(overrides: Sequence[str] = (), with_hydra: bool = False) -> Any:
-    """The composed run configuration for command-line style overrides (Hydra's compose API).
-    with_hydra=True also applies (and so checks) `hydra.*` overrides and keeps the `hydra` node."""
-    from hydra import compose, initialize_config_dir
-
-    register_configs()
-    if not with_hydra:
-        overrides = [o for o in overrides if not o.lstrip("+~").startswith("hydra")]
-    with initialize_config_dir(config_dir=config_dir(), version_base="1.3", job_name="distzo"):
-        return compose(config_name="config", overrides=list(overrides), return_hydra_config=with_hydra)

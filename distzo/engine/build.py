@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import torch
 
-from ..config.schema import CommConfig, EngineConfig, OffloadConfig, PeftMethod, PRGEConfig
+from ..config.schema import (
+    CommConfig,
+    EngineConfig,
+    OffloadConfig,
+    PeftMethod,
+    PRGEConfig,
+)
 from ..parallel.mesh import Mesh
 from ..telemetry.timing import DISABLED, Timers
 from ..zo.estimators import Estimator

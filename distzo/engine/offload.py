@@ -39,7 +39,13 @@ from ..zo.directions import Directions
 from ..zo.params import TrainableParams
 from .base import EngineConfigError
 from .staged import StagedEngine
-from .streamer import BlockStreamer, SlicedBlockStreamer, build_host_blocks, place_resident, unpin_all
+from .streamer import (
+    BlockStreamer,
+    SlicedBlockStreamer,
+    build_host_blocks,
+    place_resident,
+    unpin_all,
+)
 from .update import Target
 
 

@@ -45,7 +45,10 @@ from ..parallel.shape import MeshShape
 from ..telemetry.metrics import peak_memory_bytes, reset_peak_memory
 from ..telemetry.timing import Timers, WorkClock
 from ..zo.estimators import CLEAN, Probe
+from .checks import validate
 from .components import Components, build_components
+from .rundir import RunDirectory
+from .session import Session
 from .training import zo_step
 
 log = logging.getLogger("distzo")
@@ -196,20 +199,22 @@ def single_rank_round(solo: Components | None, mesh: Mesh, untimed: int, step: i
     return seconds
 
 
-def bench(cfg, run_dir: Path) -> dict[str, Any]:
-    mesh = Mesh.create(cfg.mesh, str(cfg.device), cfg.dist_timeout_s)
+def bench(cfg, run_dir: str | Path | RunDirectory | None = None, *, validate_config: bool = True) -> dict[str, Any]:
+    """Time a ZO step of `cfg` against its forward passes (see the module docstring); writes
+    bench.json in the run directory and prints the report (rank 0). Returns the figures."""
+    if validate_config:
+        validate(cfg)
+    session = Session(cfg, run_dir)
     try:
-        torch.set_num_threads(cfg.threads or torch.get_num_threads())
-        run_dir = Path(mesh.broadcast_object(str(run_dir)))
-        seed = mesh.broadcast_object(cfg.seed if cfg.seed is not None else 0)
+        mesh = session.mesh
         clock = WorkClock() if mesh.device.type == "cpu" else None
-        c = build_components(cfg, mesh, seed, timers=Timers(True, mesh.device, clock), clock=clock)
+        c = build_components(cfg, mesh, session.seed(), timers=Timers(True, mesh.device, clock), clock=clock)
         try:
-            return _bench(cfg, c, run_dir)
+            return _bench(cfg, c, session.run_dir)
         finally:
             c.close()
     finally:
-        mesh.close()
+        session.close()
 
 
 def _bench(cfg, c: Components, run_dir: Path) -> dict[str, Any]:

@@ -125,3 +125,13 @@ def build_components(cfg, mesh: Mesh, seed: int, weights: Mapping[str, torch.Ten
         task = PromptTask(cfg.task, tokenizer, str(cfg.objective))
     stack = build_model_stack(cfg, mesh, seed, weights, timers, clock, model, tokenizer)
     return Components(cfg, mesh, seed, stack, task, TrainSampler(task.size("train"), cfg.batch_size, seed))
+
+
+def prepare(cfg) -> str:
+    """Convert and cache what `cfg` needs (the model's folder, the tokenizer, the task's data, the
+    fused kernels), so the first training run starts at once; a line saying what is ready."""
+    _, tokenizer = load_model(cfg.model)
+    task = PromptTask(cfg.task, tokenizer, str(cfg.objective))
+    kernels = native.load(cfg.engine.native)  # compiled once into the cache
+    fused = f"fused kernels {kernels.path}" if kernels else "no fused kernels (torch ops)"
+    return f"ready: model {cfg.model.name}, task {task.name} ({task.size('train')} training examples), {fused}"

@@ -8,14 +8,15 @@ of batches), and one all-reduce adds the counts.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
-import torch
+from omegaconf import OmegaConf, open_dict
 from safetensors.torch import load_file
 
 from ..data.answers import exact_match, f1_score
@@ -23,13 +24,14 @@ from ..data.objectives import accuracy_counts, objective_sums
 from ..engine import Engine
 from ..errors import DistzoError
 from ..parallel.mesh import Mesh
+from ..parallel.shape import launched_world_size
+from ..state.runs import FINAL_ADAPTER, FINAL_MODEL, final_weights, load_run_config
 from ..telemetry.metrics import MetricsWriter, Progress, format_duration
+from .checks import validate
+from .rundir import RunDirectory
+from .session import Session
 
 log = logging.getLogger("distzo")
-
-
-class EvalError(DistzoError):
-    """`eval` cannot evaluate what it was pointed at."""
 
 
 class Evaluator:
@@ -92,65 +94,83 @@ def headline(result: dict[str, Any]) -> str:
     return f"accuracy {result['accuracy']:.4f}"
 
 
-# --- python -m distzo eval -------------------------------------------------------------------------
+# --- evaluating a model without training (python -m distzo eval) -----------------------------------
 
-FINAL_MODEL, FINAL_ADAPTER = "model.safetensors", "adapter.safetensors"
-
-
-def run_overrides(run: Path) -> list[str]:
-    """How `eval.run=RUN` is evaluated: the overrides the run was trained with (its model, trainable
-    set, task; not its directory, mesh or resume policy), then what its `final/` holds: a whole model
-    is loaded as a local model folder, an adapter on top of the run's model (`final_adapter`)."""
-    from omegaconf import OmegaConf
-
-    saved = run / ".hydra" / "overrides.yaml"
-    final = run / "final"
-    if not saved.is_file():
-        raise EvalError(f"eval.run={run} is not a distzo run directory (no .hydra/overrides.yaml); give the "
-                        "hydra.run.dir of a training run")
-    if not (final / FINAL_MODEL).is_file() and not (final / FINAL_ADAPTER).is_file():
-        raise EvalError(f"eval.run={run} has no trained weights ({final}/{FINAL_MODEL} or {FINAL_ADAPTER}); the run "
-                        "must have finished with save_final=true")
-    skip = ("hydra", "mesh", "resume", "eval", "steps", "checkpoint", "logger", "seed")
-    kept = [o for o in OmegaConf.load(saved) if str(o).split("=", 1)[0].lstrip("+~").split(".")[0].split("/")[0] not in skip]
-    if (final / FINAL_MODEL).is_file():
-        kept += ["model.source=local", f"model.path={final.resolve()}"]
-    return kept
+# The parts of a run's configuration that say what was trained; the rest (mesh, batch sizes, the
+# split) is the evaluation's own.
+RUN_SECTIONS = ("model", "peft", "task", "estimator")
 
 
-def final_adapter(run: str | None) -> dict[str, torch.Tensor] | None:
-    """The trained adapter tensors of `eval.run` (by canonical name), or None (a whole model, or no run)."""
-    if not run:
-        return None
-    path = Path(run) / "final" / FINAL_ADAPTER
-    return load_file(str(path)) if path.is_file() else None
+def evaluation_config(run: str | Path, cfg: Any, overrides: Sequence[str] = ()) -> Any:
+    """The configuration that evaluates run `run`: `cfg` with the run's model, trainable set, task
+    and estimator settings (its saved configuration) and its final weights, except what `overrides`
+    (the command line that composed `cfg`) sets explicitly, which wins."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    run_cfg = load_run_config(run, key="eval.run")
+    weights = final_weights(run)
+    keys = [o.key_or_group for o in OverridesParser.create().parse_overrides(list(overrides))]
+    cfg = copy.deepcopy(cfg)
+    for section in RUN_SECTIONS:
+        if section in keys:  # a preset chosen on the command line (task=sst2): the command line's
+            continue
+        mine = copy.deepcopy(run_cfg[section])
+        for key in keys:
+            if key.startswith(section + "."):
+                OmegaConf.update(mine, key[len(section) + 1:], OmegaConf.select(cfg, key), merge=False)
+        with open_dict(cfg):
+            cfg[section] = mine
+    if weights.name == FINAL_MODEL and "model" not in keys and "model.path" not in keys:
+        cfg.model.source, cfg.model.path = "local", str(weights.parent.resolve())
+    return cfg
 
 
-def evaluate(cfg, run_dir: Path) -> dict[str, Any]:
-    """Score `cfg`'s model on `eval.split` of its task, every rank taking a share of the batches;
-    writes `eval.json` and a metrics line in the run directory (rank 0)."""
+def evaluate(cfg, run_dir: str | Path | RunDirectory | None = None, *, overrides: Sequence[str] = (),
+             validate_config: bool = True) -> dict[str, Any]:
+    """Score a model on `eval.split` of its task, without training, every rank taking a share of the
+    batches; writes eval.json and a metrics line in the run directory (rank 0). With `eval.run`,
+    the model is that run's trained one with its own settings (`evaluation_config`). Under torchrun
+    the default mesh 1x1 becomes 1xN (evaluation deals its batches over every rank, whatever the
+    shape)."""
     from .components import build_components
 
-    mesh = Mesh.create(cfg.mesh, str(cfg.device), cfg.dist_timeout_s)
     try:
-        run_dir = Path(mesh.broadcast_object(str(run_dir)))
-        torch.set_num_threads(cfg.threads or torch.get_num_threads())
-        c = build_components(cfg, mesh, cfg.seed or 0, weights=final_adapter(cfg.eval.run))
+        if cfg.eval.run:
+            cfg = evaluation_config(cfg.eval.run, cfg, overrides)
+        world = launched_world_size()
+        if world > 1 and str(cfg.mesh) == "1x1":
+            cfg = copy.deepcopy(cfg)
+            cfg.mesh = f"1x{world}"
+        if validate_config:
+            validate(cfg)
+    except DistzoError:
+        if isinstance(run_dir, RunDirectory):
+            run_dir.remove_if_unused()  # the command line created it for this evaluation
+        raise
+    session = Session(cfg, run_dir)
+    try:
+        mesh, run_dir = session.mesh, session.run_dir
+        weights = final_weights(cfg.eval.run) if cfg.eval.run else None
+        adapter = load_file(str(weights)) if weights is not None and weights.name == FINAL_ADAPTER else None
+        c = build_components(cfg, mesh, session.seed(), weights=adapter)
         try:
-            metrics = MetricsWriter(run_dir / "metrics.jsonl" if mesh.is_main else None, static={"mesh": str(mesh.shape)})
             log.info("%s", c.task.describe())
+            metrics = MetricsWriter(run_dir / "metrics.jsonl" if mesh.is_main else None, static={"mesh": str(mesh.shape)})
             split = str(cfg.eval.split)
             result = Evaluator(c.task, c.engine, mesh, cfg.eval_batch_size, metrics).run(split, 0)
             result = {"split": split, "model": cfg.model.name, "task": cfg.task.name, "demos": cfg.task.demos,
                       "run": cfg.eval.run, **result}
             metrics.close()
             if mesh.is_main:
-                run_dir.mkdir(parents=True, exist_ok=True)
                 (run_dir / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
                 print(f"{cfg.task.name} {split}: {headline(result)}, loss {result['loss']:.4f} "
                       f"({result['examples']} examples)", flush=True)
             return result
         finally:
             c.close()
+    except BaseException:
+        if session.mesh.is_main:
+            session.directory.remove_if_unused()
+        raise
     finally:
-        mesh.close()
+        session.close()

@@ -13,12 +13,12 @@ import logging
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
 from ..errors import DistzoError
 from ..parallel.mesh import Mesh
 from ..state.resume import catch_up
+from ..state.runs import load_run_config
 from ..state.snapshots import CorruptSnapshot, list_snapshots, read_snapshot
 from ..telemetry.jsonl import read_jsonl
 from ..zo.directions import (
@@ -42,9 +42,7 @@ def replay(run_dir: Path, step: int | None = None, out: Path | None = None, devi
     `step` updates (default: the last logged step), starting from the newest valid snapshot at or
     before `from_step` (default: at or before `step`). Returns the written path."""
     run_dir = Path(run_dir)
-    config_file = run_dir / ".hydra" / "config.yaml"
-    if not config_file.is_file():
-        raise ReplayError(f"{run_dir} is not a distzo run directory (no .hydra/config.yaml)")
+    cfg = load_run_config(run_dir)
     records = [r for r in read_jsonl(run_dir / "trajectory.jsonl")]
     if not records:
         raise ReplayError(f"{run_dir}/trajectory.jsonl is missing or empty: nothing to replay")
@@ -73,7 +71,6 @@ def replay(run_dir: Path, step: int | None = None, out: Path | None = None, devi
         raise ReplayError(f"trajectory.jsonl lacks steps {missing[:5]}{'...' if len(missing) > 5 else ''} "
                           f"between the snapshot at step {state['step']} and step {target}")
 
-    cfg = run_config(config_file)
     if not estimator_type(cfg.estimator.name).replayable:
         raise ReplayError(f"{run_dir} was trained with estimator={cfg.estimator.name}, whose directions depend on "
                           "each step's activations (not only on the seed); it cannot be replayed from the trajectory "
@@ -91,18 +88,6 @@ def replay(run_dir: Path, step: int | None = None, out: Path | None = None, devi
     save_file(result, out, metadata={"step": str(target)})
     log.info("Wrote the weights after step %d to %s", target, out)
     return out
-
-
-def run_config(path: Path):
-    """A run's saved configuration over the current schema's defaults (keys added since it was
-    written take their defaults)."""
-    from ..config.schema import Config
-
-    try:
-        return OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(path))
-    except Exception as exc:  # OmegaConf's merge errors: a key this distzo no longer has, a wrong type
-        raise ReplayError(f"{path} does not fit this distzo's configuration ({' '.join(str(exc).split())[:200]}); "
-                          "replay it with the distzo version that trained it") from None
 
 
 def _nearest_snapshot(run_dir: Path, target: int):

@@ -1,34 +1,33 @@
-"""The training driver: the step of docs/architecture.md#one-step, top to bottom.
+"""Training: the step of docs/architecture.md#one-step, and the loop around it, top to bottom.
 
     batch -> plan -> my probes on my shard -> exchange (sum, count) -> projected gradients ->
     identical update on every rank -> log -> (snapshot, evaluation)
 
-`start_run` builds everything once (resuming where an interrupted run left off, resume=auto);
-`_train` is the loop. On a PxD mesh each rank runs the probes dealt to its perturbation index on
-the shard of the global batch given to its data index; only scalars are exchanged, and every rank
-applies the same update. How the engine runs its part is fixed when `build_engine` picks its mode
-(docs/architecture.md#engines) and is not the driver's concern.
+`zo_step` is one step. `Trainer` is a run: built once from a configuration (resuming where an
+interrupted run left off, resume=auto), then driven step by step (`step`, `evaluate`, `snapshot`,
+`save`) or to the end (`fit`, the loop the command line runs). On a PxD mesh each rank runs the
+probes dealt to its perturbation index on the shard of the global batch given to its data index;
+only scalars are exchanged, and every rank applies the same update. How the engine runs its part is
+fixed when `build_engine` picks its mode (docs/architecture.md#engines) and is not the driver's concern.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import secrets
 import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
+from ..data.tasks import PromptTask
 from ..errors import DistzoError
 from ..parallel.consistency import check_replicas
-from ..parallel.mesh import Mesh
 from ..state.resume import (
     Checkpointer,
-    ResumePoint,
     catch_up,
     check_identity,
     find_resume_point,
@@ -46,8 +45,12 @@ from ..telemetry.metrics import (
 from ..telemetry.sinks import open_sinks
 from ..zo.directions import DIRECTIONS_VERSION
 from ..zo.schedule import learning_rate
+from .callbacks import Callback, CallbackList
+from .checks import validate
 from .components import Components, build_components
 from .evaluation import Evaluator, headline
+from .rundir import RunDirectory
+from .session import Session
 from .signals import Stopped, StopRequests
 
 log = logging.getLogger("distzo")
@@ -55,24 +58,6 @@ log = logging.getLogger("distzo")
 
 class TrainingError(DistzoError):
     """Training cannot continue; the message says why and what to change."""
-
-
-@dataclass
-class Run(Components):
-    """A training run: the components plus its directory, logs and resume point."""
-
-    run_dir: Path = Path(".")
-    start_step: int = 0  # updates already done (0, or where a resumed run continues)
-    nonfinite_in_a_row: int = 0  # consecutive skipped steps before start_step
-    metrics: MetricsWriter | None = None
-    trajectory: JsonlWriter | None = None
-    checkpoints: Checkpointer | None = None
-    evaluator: Evaluator | None = None
-
-    def close(self) -> None:
-        self.metrics.close()
-        self.trajectory.close()
-        super().close()
 
 
 @dataclass
@@ -108,204 +93,335 @@ def zo_step(c: Components, step: int) -> StepOutcome:
     return StepOutcome(batch, losses, result, lr)
 
 
-_DEFAULT_THREADS = torch.get_num_threads()
+@dataclass(frozen=True)
+class StepRecord:
+    """What a step did (the same on every rank). step: steps done after it; skipped: its losses were
+    not finite and the weights did not change."""
+
+    step: int
+    loss: float
+    projected_grads: tuple[float, ...]
+    lr: float
+    tokens: int
+    step_time_s: float
+    skipped: bool = False
 
 
-def prepare_run_dir(run_dir: Path, resume: str) -> None:
-    """Never mix two runs in one directory: a used directory is refused unless resuming."""
-    if (run_dir / "metrics.jsonl").exists() and resume == "never":
-        raise TrainingError(f"{run_dir} already holds a run (metrics.jsonl); choose another hydra.run.dir "
-                            "or add resume=auto to continue it")
+class Summary(dict):
+    """A finished run's result: the `summary` line of metrics.jsonl (docs/configuration.md#what-a-run-writes),
+    readable as a dict or by attribute (`summary.test_accuracy`)."""
+
+    def __getattr__(self, key: str) -> Any:
+        try:
+            return self[key]
+        except KeyError:
+            raise AttributeError(key) from None
 
 
-def start_run(cfg, run_dir: Path, mesh: Mesh) -> Run:
-    """Everything the loop needs; with resume=auto, the weights and logs of the step an interrupted
-    run reached (its newest snapshot, then the steps logged after it, re-applied)."""
-    torch.set_num_threads(cfg.threads or _DEFAULT_THREADS)  # set (or restored) per run: a sweep runs several
-    point: ResumePoint | None = find_resume_point(cfg, run_dir, mesh)
-    if point is not None:
-        seed = check_identity(cfg, point.snapshot or str(run_dir), point.identity)
-    else:  # rank 0 fixes the run seed (the configured one, or one it draws); every direction derives from it
-        seed = mesh.broadcast_object(cfg.seed if cfg.seed is not None else secrets.randbits(63))
-    c = build_components(cfg, mesh, seed, weights=point.weights() if point is not None else None)
-    start, nonfinite = 0, 0
-    if point is not None:
-        if point.snapshot is not None:
-            log.info("Resuming from %s (step %d of %d)", point.snapshot, point.snapshot_step, cfg.steps)
-        if point.records:
-            log.info("Re-applying the %d step(s) logged after %s (trajectory.jsonl), no forward passes",
-                     len(point.records), "it" if point.snapshot else "the initial weights")
-        nonfinite = catch_up(c.engine, point.records, point.nonfinite_in_a_row, mesh.is_main)
-        start = point.step
-        if mesh.is_main:
-            truncate_logs(run_dir, start)
-    sinks = open_sinks(cfg, run_dir, {"world_size": mesh.world_size, "pert": mesh.shape.pert, "data": mesh.shape.data,
-                                      "nodes": mesh.world_size // mesh.node.size, "seed": seed}) if mesh.is_main else []
-    metrics = MetricsWriter(run_dir / "metrics.jsonl" if mesh.is_main else None, static={"mesh": str(mesh.shape)},
-                            sinks=sinks)
-    trajectory = JsonlWriter(run_dir / "trajectory.jsonl" if mesh.is_main else None)
-    checkpoints = Checkpointer(cfg, run_dir, mesh, seed, trajectory)
-    if point is None:
-        checkpoints.start()
-    evaluator = Evaluator(c.task, c.engine, mesh, cfg.eval_batch_size, metrics)
-    run = Run(**vars(c), run_dir=run_dir, start_step=start, nonfinite_in_a_row=nonfinite, metrics=metrics,
-              trajectory=trajectory, checkpoints=checkpoints, evaluator=evaluator)
-    describe_run(run)
-    return run
+class Trainer:
+    """A training run of a configuration (`distzo.compose`), built once; every rank of a mesh builds
+    its own with the same configuration (under torchrun or srun the mesh comes from the environment).
 
+    run_dir: where the run writes (default outputs/<date>/<time>; rank 0's is every rank's).
+    model / tokenizer / task: your own transformers model and tokenizer, and a task built on them
+    (`distzo.PromptTask`), instead of those the configuration names. callbacks: `distzo.Callback`s.
+    validate: check the configuration first (the command line has checked it already).
 
-def describe_run(run: Run) -> None:
-    cfg, mesh, task, params, estimator = run.cfg, run.mesh, run.task, run.params, run.estimator
-    n_evals = len(estimator.dealt_plan())
-    log.info("%s", task.describe())
-    log.info("Model %s: %s", cfg.model.name, run.engine.adapter.describe())
-    log.info("Training %.2fM parameters (peft=%s) with %s (q=%d, eps=%g, %s directions), seed %d, mesh %s "
-             "(%d probes per step over %d perturbation ranks, batch %d over %d data ranks), engine: %s, "
-             "run dir %s", params.numel() / 1e6, cfg.peft.method, cfg.estimator.name, cfg.estimator.q,
-             cfg.estimator.eps, cfg.estimator.distribution, run.seed, mesh.shape, n_evals, mesh.shape.pert,
-             cfg.batch_size, mesh.shape.data, run.engine.describe(), run.run_dir)
-    if mesh.shape.pert > n_evals:
-        log.warning("mesh P=%d exceeds the %d probes a step needs: %d perturbation ranks idle; raise "
-                    "estimator.q to use them", mesh.shape.pert, n_evals, mesh.shape.pert - n_evals)
+    `fit()` runs the loop to `cfg.steps` (evaluations, snapshots, replica checks on their cadences,
+    a graceful stop on SIGTERM / SIGUSR1 / SIGINT; a callback may end it early by setting
+    `trainer.should_stop`, on every rank alike) and returns the Summary; or drive it yourself
+    with `step()`, `evaluate()`, `snapshot()` and `save()`. Close it (or use `with`) to release the
+    mesh, threads and buffers."""
 
+    def __init__(self, cfg, run_dir: str | Path | RunDirectory | None = None, *,
+                 model: torch.nn.Module | None = None, tokenizer: Any = None, task: PromptTask | None = None,
+                 callbacks: Sequence[Callback] = (), validate_config: bool = True):
+        if validate_config:
+            validate(cfg)
+        self.cfg = cfg
+        self.callbacks = CallbackList(callbacks)
+        self.session = Session(cfg, run_dir)
+        self.mesh, self.run_dir = self.session.mesh, self.session.run_dir
+        self.components: Components | None = None
+        try:
+            self._start(model, tokenizer, task)
+        except BaseException:
+            self._abandon()
+            raise
 
-def train(cfg, run_dir: Path) -> dict[str, Any]:
-    mesh = Mesh.create(cfg.mesh, str(cfg.device), cfg.dist_timeout_s)
-    try:
-        run_dir = Path(mesh.broadcast_object(str(run_dir)))  # rank 0's directory (see __main__)
-        if mesh.is_main:
-            prepare_run_dir(run_dir, cfg.resume)
-        with StopRequests() as stop:
-            run = start_run(cfg, run_dir, mesh)
-            try:
-                return _train(run, stop)
-            finally:
-                run.close()
-    finally:
-        mesh.close()
-
-
-def _train(run: Run, stop: StopRequests) -> dict[str, Any]:
-    cfg, mesh = run.cfg, run.mesh
-    first = run.evaluator.run("validation", 0) if run.start_step == 0 else None
-    progress = Progress("train step", cfg.steps, every_s=15.0, enabled=mesh.is_main)
-    wall_start, step_times, loss_ema, nonfinite = time.time(), [], None, run.nonfinite_in_a_row
-    for step in range(run.start_step, cfg.steps):
-        moved_before = run.engine.transfer_stats()
-        started = time.perf_counter()
-        out = zo_step(run, step)                     # batch, plan, forwards, exchange, update
-        if out.result is None:                       # non-finite losses: skipped, weights unchanged
-            nonfinite = skip_nonfinite_step(run, step, out.losses, nonfinite)
-        else:
-            nonfinite = 0
-            step_time = time.perf_counter() - started
-            step_times.append(step_time)
-            loss_ema = log_step(run, step, out, step_time, moved_before, loss_ema, progress)
-        done = step + 1
-        if stop.agreed(mesh):                        # SIGTERM / SIGUSR1 / SIGINT on any rank
-            with stop.holding():
-                path = run.checkpoints.save(run.engine, done, nonfinite)
-            raise Stopped(done, stop.name, str(path) if path else None)
-        if cfg.replica_check_every and done % cfg.replica_check_every == 0 and done < cfg.steps:
-            with run.engine.materialized() as weights:  # compare current masters
-                check_replicas(mesh, [p.tensor for p in weights.params], done)
-        if run.checkpoints.due(done):
-            with stop.holding():
-                run.checkpoints.save(run.engine, done, nonfinite)
-        if cfg.eval_every and done % cfg.eval_every == 0 and done < cfg.steps:
-            run.evaluator.run("validation", done)
-
-    with run.engine.materialized() as weights:      # owed updates reach the master before it is checked
-        replica_checksums = check_replicas(mesh, [p.tensor for p in weights.params], cfg.steps)
-    if cfg.checkpoint.every and not run.checkpoints.due(cfg.steps) and cfg.steps > run.start_step:
-        run.checkpoints.save(run.engine, cfg.steps, nonfinite)  # the end of the run, if not on the cadence
-    last = run.evaluator.run("validation", cfg.steps)
-    test = run.evaluator.run("test", cfg.steps)
-    summary = {
-        "steps": cfg.steps, "resumed_from_step": run.start_step, "seed": run.seed, "mesh": str(mesh.shape),
-        "directions_version": DIRECTIONS_VERSION,
-        "validation_accuracy_before": first["accuracy"] if first else None,
-        "validation_accuracy_after": last["accuracy"], "test_accuracy": test["accuracy"],
-        "train_time_s": round(sum(step_times), 1),
-        "step_time_s": round(statistics.median(step_times), 3) if step_times else math.nan,
-        "wall_time_s": round(time.time() - wall_start, 1),
-        "peak_rss_bytes": peak_rss_bytes(), "peak_mem_bytes": peak_memory_bytes(mesh.device),
-        "trainable_parameters": run.params.numel(), "offload": str(cfg.offload.mode),
-        **host_master_summary(run), "engine": run.engine.mode, "engine_description": run.engine.describe(),
-        "replica_checksums": replica_checksums,  # every rank's, in rank order: identical (checked)
-    }
-    for key in ("f1", "perplexity"):  # generation: accuracy is the exact match (None for whole texts)
-        if key in last:
-            summary.update({f"validation_{key}_before": first[key] if first else None,
-                            f"validation_{key}_after": last[key], f"test_{key}": test[key]})
-    if cfg.save_final:
-        with run.engine.materialized() as weights:
+    def _start(self, model, tokenizer, task) -> None:
+        """Everything the loop needs; with resume=auto, the weights and logs of the step an
+        interrupted run reached (its newest snapshot, then the steps logged after it, re-applied)."""
+        cfg, mesh, run_dir = self.cfg, self.mesh, self.run_dir
+        point = find_resume_point(cfg, run_dir, mesh)
+        self.seed = self.session.seed(check_identity(cfg, point.snapshot or str(run_dir), point.identity)
+                                      if point is not None else None)
+        self.components = c = build_components(cfg, mesh, self.seed, point.weights() if point is not None else None,
+                                               model=model, tokenizer=tokenizer, task=task)
+        self.start_step, self._nonfinite = 0, 0
+        if point is not None:
+            if point.snapshot is not None:
+                log.info("Resuming from %s (step %d of %d)", point.snapshot, point.snapshot_step, cfg.steps)
+            if point.records:
+                log.info("Re-applying the %d step(s) logged after %s (trajectory.jsonl), no forward passes",
+                         len(point.records), "it" if point.snapshot else "the initial weights")
+            self._nonfinite = catch_up(c.engine, point.records, point.nonfinite_in_a_row, mesh.is_main)
+            self.start_step = point.step
             if mesh.is_main:
-                path = save_final(weights.model, run.tokenizer, run.run_dir / "final", weights.params, cfg)
+                truncate_logs(run_dir, self.start_step)
+        sinks = open_sinks(cfg, run_dir, {"world_size": mesh.world_size, "pert": mesh.shape.pert,
+                                          "data": mesh.shape.data, "nodes": mesh.world_size // mesh.node.size,
+                                          "seed": self.seed}) if mesh.is_main else []
+        self.metrics = MetricsWriter(run_dir / "metrics.jsonl" if mesh.is_main else None,
+                                     static={"mesh": str(mesh.shape)}, sinks=sinks)
+        self.trajectory = JsonlWriter(run_dir / "trajectory.jsonl" if mesh.is_main else None)
+        self.checkpoints = Checkpointer(cfg, run_dir, mesh, self.seed, self.trajectory)
+        if point is None:
+            self.checkpoints.start()
+        self.evaluator = Evaluator(c.task, c.engine, mesh, cfg.eval_batch_size, self.metrics)
+        self.step_count = self.start_step  # updates done
+        self.should_stop = False  # set by a callback, on every rank alike, to end `fit` after this step
+        self._progress = Progress("train step", cfg.steps, every_s=15.0, enabled=mesh.is_main)
+        self._step_times: list[float] = []
+        self._loss_ema: float | None = None
+        self._describe()
+
+    # --- what a run is made of ----------------------------------------------------------------------
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The stock transformers model being trained (read its weights inside `materialized()`)."""
+        return self.components.model
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.components.tokenizer
+
+    @property
+    def task(self) -> PromptTask:
+        return self.components.task
+
+    @property
+    def is_main(self) -> bool:
+        """Whether this is rank 0, the rank that writes the run directory."""
+        return self.mesh.is_main
+
+    def materialized(self):
+        """A context in which the weights are current (owed updates applied, peers in step): read
+        `trainer.model` or the trainable tensors inside. Collective."""
+        return self.components.engine.materialized()
+
+    # --- driving it ----------------------------------------------------------------------------------
+
+    def step(self) -> StepRecord:
+        """One ZO step on the mesh, logged to metrics.jsonl and trajectory.jsonl. A step whose losses
+        are not finite changes nothing (`skipped`); `max_nonfinite_steps` in a row raise TrainingError."""
+        c, step = self.components, self.step_count
+        moved_before = c.engine.transfer_stats()
+        started = time.perf_counter()
+        out = zo_step(c, step)                        # batch, plan, forwards, exchange, update
+        step_time = time.perf_counter() - started
+        self.step_count = step + 1
+        if out.result is None:                        # non-finite losses: skipped, weights unchanged
+            self._nonfinite = self._skip_nonfinite(step, out.losses)
+            record = StepRecord(step + 1, math.nan, (), out.lr, out.batch.tokens, step_time, skipped=True)
+        else:
+            self._nonfinite = 0
+            self._step_times.append(step_time)
+            self._log_step(step, out, step_time, moved_before)
+            record = StepRecord(step + 1, out.result.loss, tuple(out.result.grads), out.lr, out.batch.tokens,
+                                step_time)
+        self.callbacks.on_step_end(self, record)
+        return record
+
+    def evaluate(self, split: str = "validation") -> dict[str, Any]:
+        """The current weights' metrics on `split` (every rank together), also written to metrics.jsonl."""
+        result = self.evaluator.run(split, self.step_count)
+        self.callbacks.on_evaluate(self, split, result)
+        return result
+
+    def snapshot(self) -> Path | None:
+        """A snapshot of the weights after the steps done (what resume=auto continues from); its path
+        on rank 0. Collective."""
+        path = self.checkpoints.save(self.components.engine, self.step_count, self._nonfinite)
+        self.callbacks.on_snapshot(self, self.step_count, path)
+        return path
+
+    def save(self, folder: str | Path | None = None) -> Path | None:
+        """The trained model as a Hugging Face folder (or with peft the adapter, also in the PEFT
+        format) in `folder` (default <run_dir>/final); the weights file's path on rank 0. Collective."""
+        folder = Path(folder) if folder is not None else self.run_dir / "final"
+        with self.materialized() as weights:
+            if not self.mesh.is_main:
+                return None
+            path = save_final(weights.model, self.tokenizer, folder, weights.params, self.cfg)
+        log.info("Saved trained weights to %s", path)
+        return path
+
+    def fit(self) -> Summary:
+        """Train to `cfg.steps`: the loop the command line runs (see the class docstring). Raises
+        `Stopped` after the snapshot of the step reached when a stop signal arrived."""
+        cfg, mesh = self.cfg, self.mesh
+        with StopRequests() as stop:
+            first = self.evaluate("validation") if self.step_count == 0 else None
+            self.callbacks.on_train_begin(self)
+            wall_start = time.time()
+            while self.step_count < cfg.steps and not self.should_stop:
+                self.step()
+                done = self.step_count
+                if stop.agreed(mesh):                        # SIGTERM / SIGUSR1 / SIGINT on any rank
+                    with stop.holding():
+                        path = self.snapshot()
+                    raise Stopped(done, stop.name, str(path) if path else None)
+                if cfg.replica_check_every and done % cfg.replica_check_every == 0 and done < cfg.steps:
+                    with self.materialized() as weights:  # compare current masters
+                        check_replicas(mesh, [p.tensor for p in weights.params], done)
+                if self.checkpoints.due(done):
+                    with stop.holding():
+                        self.snapshot()
+                if cfg.eval_every and done % cfg.eval_every == 0 and done < cfg.steps:
+                    self.evaluate("validation")
+            summary = self._finish(first, wall_start)
+        self.callbacks.on_train_end(self, summary)
+        return summary
+
+    def _finish(self, first: dict[str, Any] | None, wall_start: float) -> Summary:
+        """The end of a run: replica check, last snapshot, final evaluations, the saved model, the summary."""
+        cfg, mesh, c, steps = self.cfg, self.mesh, self.components, self.step_count
+        with self.materialized() as weights:      # owed updates reach the master before it is checked
+            replica_checksums = check_replicas(mesh, [p.tensor for p in weights.params], steps)
+        if cfg.checkpoint.every and not self.checkpoints.due(steps) and steps > self.start_step:
+            self.snapshot()  # the end of the run, if not on the cadence
+        last = self.evaluate("validation")
+        test = self.evaluate("test")
+        step_times = self._step_times
+        summary = Summary({
+            "steps": steps, "resumed_from_step": self.start_step, "seed": self.seed, "mesh": str(mesh.shape),
+            "directions_version": DIRECTIONS_VERSION,
+            "validation_accuracy_before": first["accuracy"] if first else None,
+            "validation_accuracy_after": last["accuracy"], "test_accuracy": test["accuracy"],
+            "train_time_s": round(sum(step_times), 1),
+            "step_time_s": round(statistics.median(step_times), 3) if step_times else math.nan,
+            "wall_time_s": round(time.time() - wall_start, 1),
+            "peak_rss_bytes": peak_rss_bytes(), "peak_mem_bytes": peak_memory_bytes(mesh.device),
+            "trainable_parameters": c.params.numel(), "offload": str(cfg.offload.mode),
+            **self._host_master_summary(), "engine": c.engine.mode, "engine_description": c.engine.describe(),
+            "replica_checksums": replica_checksums,  # every rank's, in rank order: identical (checked)
+        })
+        for key in ("f1", "perplexity"):  # generation: accuracy is the exact match (None for whole texts)
+            if key in last:
+                summary.update({f"validation_{key}_before": first[key] if first else None,
+                                f"validation_{key}_after": last[key], f"test_{key}": test[key]})
+        if cfg.save_final:
+            path = self.save()
+            if path is not None:
                 summary["final_weights"] = str(path)
-                log.info("Saved trained weights to %s", path)
-    if mesh.is_main:
-        atomic_write_json(run.run_dir / "summary.json", summary)
-    run.metrics.write("summary", **summary)
-    log.info("Validation %s -> %s after %d steps (%s training, median %.2f s/step); test %s",
-             headline(first) if first else f"(resumed at step {run.start_step})", headline(last), cfg.steps,
-             format_duration(summary["train_time_s"]), summary["step_time_s"] if step_times else float("nan"),
-             headline(test))
-    return summary
+        if mesh.is_main:
+            atomic_write_json(self.run_dir / "summary.json", dict(summary))
+        self.metrics.write("summary", **summary)
+        log.info("Validation %s -> %s after %d steps (%s training, median %.2f s/step); test %s",
+                 headline(first) if first else f"(resumed at step {self.start_step})", headline(last), steps,
+                 format_duration(summary["train_time_s"]), summary["step_time_s"] if step_times else float("nan"),
+                 headline(test))
+        return summary
+
+    def close(self) -> None:
+        """Release the engine's threads and buffers, the logs and the mesh (every rank together)."""
+        if self.components is not None:
+            self.metrics.close()
+            self.trajectory.close()
+            self.components.close()
+            self.components = None
+        self.session.close()
+
+    def _abandon(self) -> None:
+        """After a failure before training started: close, and take away the run directory if this
+        run created it and nothing but start-up files is in it."""
+        try:
+            self.close()
+        finally:
+            if self.mesh.is_main:
+                self.session.directory.remove_if_unused()
+
+    def __enter__(self) -> "Trainer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --- logging -------------------------------------------------------------------------------------
+
+    def _describe(self) -> None:
+        cfg, mesh, c = self.cfg, self.mesh, self.components
+        n_probes = len(c.estimator.dealt_plan())
+        log.info("%s", c.task.describe())
+        log.info("Model %s: %s", cfg.model.name, c.engine.adapter.describe())
+        log.info("Training %.2fM parameters (peft=%s) with %s (q=%d, eps=%g, %s directions), seed %d, mesh %s "
+                 "(%d probes per step over %d perturbation ranks, batch %d over %d data ranks), engine: %s, "
+                 "run dir %s", c.params.numel() / 1e6, cfg.peft.method, cfg.estimator.name, cfg.estimator.q,
+                 cfg.estimator.eps, cfg.estimator.distribution, self.seed, mesh.shape, n_probes, mesh.shape.pert,
+                 cfg.batch_size, mesh.shape.data, c.engine.describe(), self.run_dir)
+        if mesh.shape.pert > n_probes:
+            log.warning("mesh P=%d exceeds the %d probes a step needs: %d perturbation ranks idle; raise "
+                        "estimator.q to use them", mesh.shape.pert, n_probes, mesh.shape.pert - n_probes)
+
+    def _log_step(self, step: int, out: StepOutcome, step_time: float, moved_before: dict[str, float]) -> None:
+        """The step's trajectory record (what resume and replay re-apply), metrics line and progress."""
+        cfg, result, lr, batch = self.cfg, out.result, out.lr, out.batch
+        self.trajectory.append({"step": step + 1, "update": step,
+                                "coefficients": [list(c) for c in result.coefficients], "lr": lr,
+                                "weight_decay": cfg.optim.weight_decay, "grads": list(result.grads)})
+        transfers = self._step_transfers(moved_before) if cfg.offload.mode != "none" else {}
+        self.metrics.write("train", step=step + 1, loss=result.loss, projected_grad=result.grads[0],
+                           projected_grads=list(result.grads), lr=lr, tokens=batch.tokens,
+                           step_time_s=round(step_time, 4), tokens_per_s=round(batch.tokens / step_time, 1),
+                           **transfers, peak_mem_bytes=peak_memory_bytes(self.mesh.device))
+        ema = self._loss_ema
+        self._loss_ema = result.loss if ema is None else 0.9 * ema + 0.1 * result.loss
+        self._progress.update(step + 1, f"loss {self._loss_ema:.4f} lr {lr:.2e} {step_time:.2f}s/step",
+                              force=(step + 1) % cfg.log_every == 0)
+
+    def _host_master_summary(self) -> dict[str, Any]:
+        """The offloaded master's host memory: one copy's size, and what the node holds resident of
+        it (summed over the node's ranks: one copy when node-shared, one per rank when not)."""
+        if self.cfg.offload.mode == "none":
+            return {}
+        engine, node = self.components.engine, self.mesh.node
+        mem = engine.host_master_bytes()
+        (node_resident,) = node.all_sum([mem["resident"]])
+        return {"host_master_copy_bytes": mem["copy"], "host_master_node_bytes": int(node_resident),
+                "node_ranks": node.size, "comm_sliced": engine.mode == "offload-sliced"}
+
+    def _step_transfers(self, before: dict[str, float]) -> dict[str, Any]:
+        """This step's offloading traffic: this rank's bytes per link and transfer time, and the bytes
+        its whole node moved over the host link (one collective over the node's ranks)."""
+        now = self.components.engine.transfer_stats()
+        mine = {k: now[k] - before[k] for k in now}
+        h2d_node, d2h_node = self.mesh.node.all_sum([mine["h2d_bytes"], mine["d2h_bytes"]])
+        return {"h2d_bytes_per_rank": int(mine["h2d_bytes"]), "d2h_bytes_per_rank": int(mine["d2h_bytes"]),
+                "peer_bytes_per_rank": int(mine["peer_bytes"]), "h2d_bytes_node": int(h2d_node),
+                "d2h_bytes_node": int(d2h_node), "transfer_s": round(mine["transfer_s"], 4)}
+
+    def _skip_nonfinite(self, step: int, losses: torch.Tensor) -> int:
+        """A step whose losses are not finite changes nothing; too many in a row stop the run with a
+        valid snapshot of the (unchanged) weights."""
+        in_a_row, cfg = self._nonfinite + 1, self.cfg
+        self.metrics.write("train", step=step + 1, skipped=True, losses=[float(x) for x in losses])
+        self.trajectory.append({"step": step + 1, "update": step, "skipped": True})
+        log.warning("step %d: non-finite loss %s; step skipped (%d in a row, limit %d)", step + 1,
+                    [float(x) for x in losses], in_a_row, cfg.max_nonfinite_steps)
+        if in_a_row >= cfg.max_nonfinite_steps:
+            if cfg.checkpoint.every:
+                self.checkpoints.save(self.components.engine, step + 1, in_a_row)
+            raise TrainingError(f"{in_a_row} steps in a row had non-finite losses (last at step {step + 1}); the "
+                                f"weights were left unchanged{' and snapshotted' if cfg.checkpoint.every else ''}. "
+                                f"Lower optim.lr (now {cfg.optim.lr:g}) or estimator.eps (now "
+                                f"{cfg.estimator.eps:g}), then resume=auto")
+        return in_a_row
 
 
-def log_step(run: Run, step: int, out: StepOutcome, step_time: float, moved_before: dict[str, float],
-             loss_ema: float | None, progress: Progress) -> float:
-    """The step's trajectory record (what resume and replay re-apply), metrics line and progress."""
-    cfg, result, lr, batch = run.cfg, out.result, out.lr, out.batch
-    run.trajectory.append({"step": step + 1, "update": step, "coefficients": [list(c) for c in result.coefficients],
-                           "lr": lr, "weight_decay": cfg.optim.weight_decay, "grads": list(result.grads)})
-    transfers = step_transfers(run, moved_before) if cfg.offload.mode != "none" else {}
-    run.metrics.write("train", step=step + 1, loss=result.loss, projected_grad=result.grads[0],
-                      projected_grads=list(result.grads), lr=lr, tokens=batch.tokens,
-                      step_time_s=round(step_time, 4), tokens_per_s=round(batch.tokens / step_time, 1),
-                      **transfers, peak_mem_bytes=peak_memory_bytes(run.mesh.device))
-    loss_ema = result.loss if loss_ema is None else 0.9 * loss_ema + 0.1 * result.loss
-    progress.update(step + 1, f"loss {loss_ema:.4f} lr {lr:.2e} {step_time:.2f}s/step",
-                    force=(step + 1) % cfg.log_every == 0)
-    return loss_ema
-
-
-def host_master_summary(run: Run) -> dict[str, Any]:
-    """The offloaded master's host memory: one copy's size, and what the node holds resident of it
-    (summed over the node's ranks: one copy when node-shared, one per rank when not)."""
-    if run.cfg.offload.mode == "none":
-        return {}
-    mem = run.engine.host_master_bytes()
-    (node_resident,) = run.mesh.node.all_sum([mem["resident"]])
-    return {"host_master_copy_bytes": mem["copy"], "host_master_node_bytes": int(node_resident),
-            "node_ranks": run.mesh.node.size, "comm_sliced": run.engine.mode == "offload-sliced"}
-
-
-def step_transfers(run: Run, before: dict[str, float]) -> dict[str, Any]:
-    """This step's offloading traffic: this rank's bytes per link and transfer time, and the bytes
-    its whole node moved over the host link (one collective over the node's ranks)."""
-    now = run.engine.transfer_stats()
-    mine = {k: now[k] - before[k] for k in now}
-    h2d_node, d2h_node = run.mesh.node.all_sum([mine["h2d_bytes"], mine["d2h_bytes"]])
-    return {"h2d_bytes_per_rank": int(mine["h2d_bytes"]), "d2h_bytes_per_rank": int(mine["d2h_bytes"]),
-            "peer_bytes_per_rank": int(mine["peer_bytes"]), "h2d_bytes_node": int(h2d_node),
-            "d2h_bytes_node": int(d2h_node), "transfer_s": round(mine["transfer_s"], 4)}
-
-
-def skip_nonfinite_step(run: Run, step: int, losses: torch.Tensor, in_a_row: int) -> int:
-    """A step whose losses are not finite changes nothing; too many in a row stop the run with a
-    valid snapshot of the (unchanged) weights."""
-    in_a_row += 1
-    cfg = run.cfg
-    run.metrics.write("train", step=step + 1, skipped=True, losses=[float(x) for x in losses])
-    run.trajectory.append({"step": step + 1, "update": step, "skipped": True})
-    log.warning("step %d: non-finite loss %s; step skipped (%d in a row, limit %d)", step + 1,
-                [float(x) for x in losses], in_a_row, cfg.max_nonfinite_steps)
-    if in_a_row >= cfg.max_nonfinite_steps:
-        if cfg.checkpoint.every:
-            run.checkpoints.save(run.engine, step + 1, in_a_row)
-        raise TrainingError(f"{in_a_row} steps in a row had non-finite losses (last at step {step + 1}); the weights "
-                            f"were left unchanged{' and snapshotted' if cfg.checkpoint.every else ''}. Lower optim.lr "
-                            f"(now {cfg.optim.lr:g}) or estimator.eps (now {cfg.estimator.eps:g}), then resume=auto")
-    return in_a_row
+def train(cfg, run_dir: str | Path | RunDirectory | None = None, *, callbacks: Sequence[Callback] = (),
+          validate_config: bool = True, **kwargs: Any) -> Summary:
+    """Train a configuration to the end: `Trainer(cfg, run_dir, ...).fit()`, closed afterwards."""
+    with Trainer(cfg, run_dir, callbacks=callbacks, validate_config=validate_config, **kwargs) as trainer:
+        return trainer.fit()

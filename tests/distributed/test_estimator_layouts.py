@@ -61,7 +61,7 @@ JOBS = [(name, mesh) for name in RUNS for mesh in MESHES if mesh == "2x2" or nam
 
 
 def _config(name: str, mesh: str, root: Path):
-    from distzo.config.schema import compose_config
+    from distzo.config.compose import compose_config
     from distzo.run.checks import validate
 
     run = [o for r in RUNS[name] for o in ([*QA, f"task.path={root / 'qa.jsonl'}"] if r == "{qa}" else [r])]
@@ -112,7 +112,7 @@ def write_qa(root: Path) -> None:
 
 
 def compose_config_for_model():
-    from distzo.config.schema import compose_config
+    from distzo.config.compose import compose_config
 
     return compose_config(["model=tiny", "model.dtype=float64"])
 

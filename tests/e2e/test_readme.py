@@ -76,7 +76,7 @@ def test_every_readme_command_composes(argv):
         return
     overrides = [a for a in rest if "=" in a and not a.startswith(("eval.run=", "-"))]
     names_a_path = any(o.split("=", 1)[0].endswith("path") for o in overrides)
-    from distzo.config.schema import compose_config
+    from distzo.config.compose import compose_config
     from distzo.run.checks import validate
 
     cfg = compose_config(overrides)

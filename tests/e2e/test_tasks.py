@@ -130,11 +130,13 @@ def peft_adapter_gives_distzos_logits(run_dir, *settings):
 
     from distzo.models.loading import load_model
     from distzo.parallel.mesh import Mesh
+    from safetensors.torch import load_file
+
     from distzo.run.components import build_components
-    from distzo.run.evaluation import final_adapter
+    from distzo.state.runs import final_weights
 
     cfg = make_config(*FAST, *settings, "task.val_size=16", "task.test_size=16")
-    c = build_components(cfg, Mesh.single(), 0, weights=final_adapter(str(run_dir)))
+    c = build_components(cfg, Mesh.single(), 0, weights=load_file(str(final_weights(run_dir))))
     batch = c.task.batch("validation", list(range(8)))
     with c.engine.materialized() as weights:
         ours = weights.score(batch).logits

@@ -116,7 +116,12 @@ def test_reduced_precision_streaming_keeps_blocks_and_deltas_apart():
     synchronisation but the streamer's own): every slot holds exactly its block when computed on, and
     every delta written back reaches its own block's host master (the host worker adds it) before
     that block is uploaded again. Block j holds the value j, and each pass adds 0.5 to every block."""
-    from distzo.engine.streamer import BlockStreamer, CudaReducedPrecisionTransfer, HostBlock, host_buffer
+    from distzo.engine.streamer import (
+        BlockStreamer,
+        CudaReducedPrecisionTransfer,
+        HostBlock,
+        host_buffer,
+    )
 
     n, numel = 8, 1 << 23
     blocks = []

@@ -10,7 +10,8 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from distzo.config.schema import Choice, Config, compose_config
+from distzo.config.compose import compose_config
+from distzo.config.schema import Choice, Config
 from distzo.config.validation import RANGES, check_numbers
 from distzo.errors import ConfigError
 

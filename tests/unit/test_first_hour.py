@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from distzo.cli.main import shell_quoted_override
+from distzo.config.compose import shell_quoted_override
 from distzo.data.examples import Example
 from distzo.data.sources import DataError
 from distzo.data.splits import make_splits, split_pool

@@ -1,0 +1,177 @@
+"""Composing a run configuration: the packaged presets (plus your own config directories) with
+command-line style overrides, through Hydra's compose API. Every composition mistake becomes one
+ConfigError line naming the key and the fix (`explain`), including values Hydra's override grammar
+cannot read, for which the quoted form to type is shown."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any, Sequence
+
+from hydra.core.config_store import ConfigStore
+
+from ..errors import ConfigError
+from .schema import Config
+
+CONFIG_PATH_ENV = "DISTZO_CONFIG_PATH"  # your own config directories, searched before the presets
+GROUPS = ("model", "task", "estimator", "offload", "logger", "peft")
+
+
+def register_configs() -> None:
+    """Register the schemas so that YAML presets are checked against them."""
+    # The top-level schema types every group's node, so each preset YAML merged into `model`,
+    # `task` or `estimator` is checked against its dataclass without per-group schema entries.
+    ConfigStore.instance().store(name="distzo_schema", node=Config)
+
+
+def config_dir() -> str:
+    """The packaged presets (distzo/config/presets: config.yaml and its groups)."""
+    presets = Path(__file__).resolve().parent / "presets"
+    if not (presets / "config.yaml").is_file():
+        raise ConfigError(f"the packaged presets are missing ({presets}/config.yaml); reinstall distzo")
+    return str(presets)
+
+
+def user_config_dirs(extra: Sequence[str | os.PathLike] = ()) -> list[Path]:
+    """Your own config directories: `extra`, then those of $DISTZO_CONFIG_PATH (colon-separated).
+    Each holds preset groups laid out as the packaged ones (`task/mytask.yaml`, `model/mine.yaml`)."""
+    dirs = [Path(os.path.expanduser(str(d))) for d in extra]
+    dirs += [Path(os.path.expanduser(d)) for d in os.environ.get(CONFIG_PATH_ENV, "").split(":") if d]
+    for d in dirs:
+        if not d.is_dir():
+            raise ConfigError(f"config directory {d} does not exist; create it with your presets in group folders "
+                              f"(e.g. {d}/task/mytask.yaml), or fix {CONFIG_PATH_ENV}")
+    return [d.resolve() for d in dirs]
+
+
+def search_path_override(dirs: Sequence[Path]) -> list[str]:
+    """The `hydra.searchpath` override that adds `dirs` to Hydra's config search path ([] for none)."""
+    if not dirs:
+        return []
+    return ["hydra.searchpath=[" + ",".join(f"'file://{d}'" for d in dirs) + "]"]
+
+
+def compose_config(overrides: Sequence[str] = (), with_hydra: bool = False,
+                   config_dirs: Sequence[str | os.PathLike] = ()) -> Any:
+    """The composed run configuration for command-line style overrides (Hydra's compose API), one
+    ConfigError for any mistake. with_hydra=True also applies (and so checks) `hydra.*` overrides
+    and keeps the `hydra` node. config_dirs: your own config directories (and $DISTZO_CONFIG_PATH)."""
+    from hydra import compose, initialize_config_dir
+
+    register_configs()
+    overrides = list(overrides)
+    check_override_grammar(overrides)
+    if not with_hydra:  # the search path stays: it decides which presets exist
+        overrides = [o for o in overrides if not o.lstrip("+~").startswith("hydra") or _key(o) == "hydra.searchpath"]
+    if not any(_key(o) == "hydra.searchpath" for o in overrides):
+        overrides = search_path_override(user_config_dirs(config_dirs)) + overrides
+    try:
+        with initialize_config_dir(config_dir=config_dir(), version_base="1.3", job_name="distzo"):
+            return compose(config_name="config", overrides=overrides, return_hydra_config=with_hydra)
+    except ConfigError:
+        raise
+    except Exception as exc:  # Hydra and OmegaConf raise many types; all are input errors here
+        raise ConfigError(explain(exc)) from None
+
+
+def _key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def shell_quoted_override(key: str, value: str) -> str:
+    """`key=value` with the value as one quoted string of Hydra's grammar, itself double-quoted for
+    the shell: the form to type when the bare value holds override syntax."""
+    # In Hydra's quoted strings a backslash escapes only a quote, or the backslashes before one
+    # (the closing quote included); elsewhere it is itself.
+    hydra_value = "'" + re.sub(r"(\\*)('|$)", lambda m: m.group(1) * 2 + ("\\" if m.group(2) else "") + m.group(2),
+                               value) + "'"
+    text = f"{key}={hydra_value}"
+    for ch in ("\\", '"', "$", "`"):  # what a double-quoted shell word still interprets
+        text = text.replace(ch, "\\" + ch)
+    return f'"{text}"'
+
+
+def check_override_grammar(overrides: list[str]) -> None:
+    """Each override alone through Hydra's parser, so a value that its grammar rejects (a template
+    with braces, a text with a colon or a comma) is named with the quoted form that works, instead of
+    the parser's "no viable alternative at input"."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    parser = OverridesParser.create()
+    for override in overrides:
+        try:
+            parser.parse_overrides([override])
+        except OverrideParseException:
+            key, sep, value = override.partition("=")
+            if not sep:
+                raise ConfigError(f"'{override}' is not an override; write key=value (e.g. steps=100)") from None
+            raise ConfigError(f"{key}: Hydra's override grammar cannot read the value {value!r} (braces, brackets, quotes, "
+                 f"commas, colons and some spaces are its syntax); quote the value: {shell_quoted_override(key, value)}") from None
+
+
+def explain(exc: BaseException) -> str:
+    """One line from Hydra's and OmegaConf's multi-line composition errors."""
+    text = str(exc)
+    if exc.__cause__ is not None:  # "Error merging override x=y" carries the reason in its cause
+        text = f"{text}\n{exc.__cause__}"
+    ambiguous = re.search(r"Ambiguous value for argument '([^=']+)=([^']*)'", text)
+    if ambiguous:
+        key, value = ambiguous.groups()
+        return (f"{key}={value}: a comma separates the values of a sweep (with -m) or of a list ([a,b]); for one "
+                f"text holding a comma, quote it: {shell_quoted_override(key, value)}")
+    missing = re.search(r"Could not find '([^/']+)/([^']+)'", text)
+    if missing:
+        group, option = missing.groups()
+        options = re.findall(r"^\t(\S+)$", text, flags=re.M)
+        hint = f"; available: {', '.join(options)}" if options else ""
+        return f"unknown {group} preset '{option}'{hint}"
+    not_in_struct = re.search(r"Key '([^']+)' is not in struct", text) or re.search(
+        r"Could not override '([^']+)'", text)
+    if not_in_struct:
+        key = not_in_struct.group(1)
+        full = re.search(r"full_key: (\S+)", text)
+        name = full.group(1) if full else key
+        return (f"unknown config key '{name}'; see `python -m distzo train --cfg job` for the valid keys "
+                f"(prefix with + only to add keys deliberately)")
+    conversion = re.search(r"Value '([^']*)' (?:of type '\w+' )?could not be converted to (\w+)", text)
+    if conversion:
+        value, kind = conversion.groups()
+        full = re.search(r"full_key: (\S+)", text)
+        where = f"{full.group(1)}=" if full else ""
+        return f"{where}{value!s}: expected {kind.lower()}"
+    choice = re.search(r"Invalid value '([^']*)', expected one of \[([^\]]*)\]", text)
+    if choice:  # a choice field's Enum
+        value, options = choice.groups()
+        full = re.search(r"full_key: (\S+)", text)
+        return f"{full.group(1) if full else 'value'}={value!r} is not supported; use one of: {options}"
+    invalid = re.search(r"Invalid value assigned: (.*)", text)
+    if invalid:
+        full = re.search(r"full_key: (\S+)", text)
+        return f"{full.group(1) if full else 'value'}: {invalid.group(1).rstrip('.')}"
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return "; ".join(lines[:2]) if lines else type(exc).__name__
+
+
+def concrete_override_sets(overrides: list[str]) -> list[list[str]]:
+    """Sweep overrides (`lr=1e-5,2e-5`, `range(...)`, `choice(...)`) expanded so that every value is
+    checked once: the first set takes each sweep's first value; each further set changes one sweep."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    base = []
+    sweeps: list[tuple[int, list[str]]] = []
+    for i, o in enumerate(parsed):
+        if o.is_sweep_override():
+            values = [f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()]
+            base.append(values[0])
+            sweeps.append((i, values[1:]))
+        else:
+            base.append(o.input_line)
+    sets = [base]
+    for i, rest in sweeps:
+        for v in rest:
+            sets.append(base[:i] + [v] + base[i + 1:])
+    return sets

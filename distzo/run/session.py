@@ -1,0 +1,113 @@
+"""What every run starts with, set up one way for training, evaluation and the benchmark: the thread
+count, the mesh of the launched processes, the run directory (claimed by rank 0 and shared with every
+rank), its log file and saved configuration when no Hydra app has set them up, and the run seed.
+
+The command line runs inside Hydra, which creates the directory, writes `.hydra/` and configures the
+log before the run starts; a run started from Python (or a notebook) gets the same files from here.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import OmegaConf
+
+from ..errors import DistzoError
+from ..parallel.mesh import Mesh
+from .rundir import RunDirectory
+
+log = logging.getLogger("distzo")
+
+_DEFAULT_THREADS = torch.get_num_threads()  # torch's own default, before any run changes it
+
+
+def under_hydra() -> bool:
+    """Whether this process runs inside a Hydra app (the command line), which owns the log and `.hydra/`."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return HydraConfig.initialized()
+
+
+class Session:
+    """A run's mesh and directory (see the module docstring). Collective: every rank constructs it
+    with the same configuration. run_dir: a claimed RunDirectory (the command line claims it before
+    Hydra writes), a path, or None (outputs/<date>/<time>); rank 0's is every rank's."""
+
+    def __init__(self, cfg: Any, run_dir: RunDirectory | str | Path | None = None):
+        self.cfg = cfg
+        self._handlers: list[logging.Handler] = []
+        torch.set_num_threads(cfg.threads or _DEFAULT_THREADS)  # set (or restored) per run: a sweep runs several
+        try:
+            self.mesh = Mesh.create(cfg.mesh, str(cfg.device), cfg.dist_timeout_s)
+        except DistzoError:
+            if isinstance(run_dir, RunDirectory):  # handed over by the command line, which created it
+                run_dir.remove_if_unused()
+            raise
+        try:
+            self.directory = self._claim(run_dir)
+            self.run_dir = self.directory.path
+            if self.mesh.is_main:
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+                if not under_hydra():
+                    self._log_to_run_dir()
+                    self._save_config()
+        except BaseException:
+            self.close()
+            raise
+
+    def _claim(self, run_dir: RunDirectory | str | Path | None) -> RunDirectory:
+        """Rank 0 claims the directory and tells every rank which it is, or what is wrong with it
+        (so every rank fails with the same line instead of waiting for rank 0)."""
+        claimed, error = None, None
+        if self.mesh.is_main:
+            try:
+                claimed = run_dir if isinstance(run_dir, RunDirectory) else RunDirectory.claim(
+                    self.cfg, run_dir, key="run_dir")
+            except DistzoError as exc:
+                error = exc
+        claimed, error = self.mesh.broadcast_object((claimed, error))
+        if error is not None:
+            raise error
+        return claimed
+
+    def _log_to_run_dir(self) -> None:
+        """The run's log in <run_dir>/train.log, and on the console when nothing else prints it."""
+        fmt = logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] %(message)s")
+        handler = logging.FileHandler(self.run_dir / "train.log")
+        handler.setFormatter(fmt)
+        self._handlers.append(handler)
+        if not logging.getLogger().handlers and not log.handlers:
+            console = logging.StreamHandler(sys.stdout)
+            console.setFormatter(logging.Formatter("[%(asctime)s] %(message)s", "%H:%M:%S"))
+            self._handlers.append(console)
+        for h in self._handlers:
+            log.addHandler(h)
+        if log.level == logging.NOTSET or log.level > logging.INFO:
+            log.setLevel(logging.INFO)
+
+    def _save_config(self) -> None:
+        """<run_dir>/.hydra/config.yaml, as the command line's runs have it (`eval.run` and `replay`
+        read it)."""
+        folder = self.run_dir / ".hydra"
+        folder.mkdir(exist_ok=True)
+        cfg = OmegaConf.masked_copy(self.cfg, [k for k in self.cfg if k != "hydra"])
+        (folder / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+
+    def seed(self, fixed: int | None = None) -> int:
+        """The run seed every direction derives from: `fixed` (a resumed run's), the configured one,
+        or one rank 0 draws; every rank receives rank 0's."""
+        if fixed is not None:
+            return int(fixed)
+        return int(self.mesh.broadcast_object(self.cfg.seed if self.cfg.seed is not None else secrets.randbits(63)))
+
+    def close(self) -> None:
+        for h in self._handlers:
+            log.removeHandler(h)
+            h.close()
+        self._handlers.clear()
+        self.mesh.close()

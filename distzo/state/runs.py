@@ -1,0 +1,42 @@
+"""What a run directory says about the run that wrote it: its saved configuration and trained weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from ..config.schema import Config
+from ..errors import DistzoError
+
+CONFIG_FILE = Path(".hydra") / "config.yaml"  # written by Hydra on the command line, by the library otherwise
+FINAL_MODEL, FINAL_ADAPTER = "model.safetensors", "adapter.safetensors"  # in <run>/final/
+
+
+class RunFilesError(DistzoError):
+    """A directory that is not the run it was given as."""
+
+
+def load_run_config(run_dir: str | Path, key: str = "") -> Any:
+    """A run's saved configuration over the current schema's defaults (keys added since it was
+    written take their defaults). key: the setting that named the directory, for messages."""
+    path = Path(run_dir) / CONFIG_FILE
+    if not path.is_file():
+        raise RunFilesError(f"{f'{key}=' if key else ''}{run_dir} is not a distzo run directory (no {CONFIG_FILE}); give the directory "
+                            "a training run wrote (its hydra.run.dir)")
+    try:
+        return OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(path))
+    except Exception as exc:  # OmegaConf's merge errors: a key this distzo no longer has, a wrong type
+        raise RunFilesError(f"{path} does not fit this distzo's configuration ({' '.join(str(exc).split())[:200]}); "
+                            "use the distzo version that trained it") from None
+
+
+def final_weights(run_dir: str | Path, key: str = "eval.run") -> Path:
+    """<run>/final/model.safetensors or <run>/final/adapter.safetensors, whichever the run saved."""
+    final = Path(run_dir) / "final"
+    for name in (FINAL_MODEL, FINAL_ADAPTER):
+        if (final / name).is_file():
+            return final / name
+    raise RunFilesError(f"{key}={run_dir} has no trained weights ({final}/{FINAL_MODEL} or {FINAL_ADAPTER}); the run "
+                        "must have finished with save_final=true")

@@ -26,11 +26,12 @@ import torch
 from ..data.tasks import PromptTask
 from ..errors import DistzoError
 from ..parallel.consistency import check_replicas
+from ..state.checkpointer import Checkpointer
 from ..state.resume import (
-    Checkpointer,
     catch_up,
     check_identity,
     find_resume_point,
+    run_identity,
     truncate_logs,
 )
 from ..state.snapshots import atomic_write_json, save_final
@@ -175,7 +176,8 @@ class Trainer:
         self.metrics = MetricsWriter(run_dir / "metrics.jsonl" if mesh.is_main else None,
                                      static={"mesh": str(mesh.shape)}, sinks=sinks)
         self.trajectory = JsonlWriter(run_dir / "trajectory.jsonl" if mesh.is_main else None)
-        self.checkpoints = Checkpointer(cfg, run_dir, mesh, self.seed, self.trajectory)
+        self.checkpoints = Checkpointer(cfg.checkpoint, run_identity(cfg, self.seed, mesh), run_dir, mesh,
+                                        self.trajectory)
         if point is None:
             self.checkpoints.start()
         self.evaluator = Evaluator(c.task, c.engine, mesh, cfg.eval_batch_size, self.metrics)

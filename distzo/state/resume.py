@@ -1,6 +1,6 @@
 """Snapshots of a running job and resuming it (docs/checkpoints.md).
 
-`Checkpointer` writes a run's snapshots (rank 0 writes, every rank first enters the engine's
+`distzo.state.checkpointer` writes a run's snapshots (rank 0 writes, every rank first enters the engine's
 `materialized` context together) and `run.json`, the run's identity (seed, configuration fingerprint,
 direction scheme) written when it starts. `find_resume_point` finds where an interrupted run
 continues: the newest valid snapshot, then every step after it that `trajectory.jsonl` records
@@ -28,17 +28,15 @@ from omegaconf import OmegaConf
 from ..engine import Engine
 from ..errors import DistzoError
 from ..parallel.mesh import Mesh
-from ..telemetry.jsonl import JsonlWriter, read_jsonl, truncate_after
+from ..telemetry.jsonl import read_jsonl, truncate_after
 from ..telemetry.metrics import Progress
 from ..zo.directions import DIRECTIONS_VERSION, gaussian_generator_id, same_directions
 from ..zo.estimators import estimator_type
 from .snapshots import (
-    atomic_write_json,
     list_snapshots,
     newest_valid_snapshot,
     read_snapshot,
     snapshots_dir,
-    write_snapshot,
 )
 
 log = logging.getLogger("distzo")
@@ -217,33 +215,3 @@ def catch_up(engine: Engine, records: list[dict[str, Any]], nonfinite_in_a_row: 
             engine.apply(r["update"], [tuple(c) for c in r["coefficients"]], r["lr"], r["weight_decay"])
         progress.update(i + 1)
     return nonfinite_in_a_row
-
-
-class Checkpointer:
-    """Writes a run's snapshots (rank 0) and its identity file."""
-
-    def __init__(self, cfg, run_dir: Path, mesh: Mesh, seed: int, trajectory: JsonlWriter):
-        self.cfg, self.run_dir, self.mesh, self.trajectory = cfg, run_dir, mesh, trajectory
-        self.identity = run_identity(cfg, seed, mesh)
-
-    def start(self) -> None:
-        """Record the run's identity (a fresh run), so it can be resumed before its first snapshot."""
-        if self.mesh.is_main:
-            atomic_write_json(self.run_dir / RUN_FILE, self.identity)
-
-    def due(self, step: int) -> bool:
-        every = self.cfg.checkpoint.every
-        return bool(every) and step % every == 0
-
-    def save(self, engine: Engine, step: int, nonfinite_in_a_row: int) -> Path | None:
-        """A snapshot of the weights after `step` (every rank calls it: the engine materialises them
-        together); returns its path on rank 0."""
-        with engine.materialized() as weights:
-            if not self.mesh.is_main:
-                return None
-            self.trajectory.sync()
-            state = dict(self.identity, nonfinite_in_a_row=nonfinite_in_a_row, pending_update=None)
-            path = write_snapshot(self.run_dir, step, {p.name: p.tensor for p in weights.params}, state,
-                                  self.cfg.checkpoint.keep)
-        log.info("Snapshot at step %d: %s", step, path)
-        return path

@@ -1,0 +1,46 @@
+"""Snapshots of a running job: every rank enters the engine's `materialized` context together, rank
+0 writes the snapshot (docs/checkpoints.md); and the run's identity file, written when it starts."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from ..engine import Engine
+from ..parallel.mesh import Mesh
+from ..telemetry.jsonl import JsonlWriter
+from .resume import RUN_FILE
+from .snapshots import atomic_write_json, write_snapshot
+
+log = logging.getLogger("distzo")
+
+
+class Checkpointer:
+    """Writes a run's snapshots (rank 0) on the `checkpoint` settings' cadence, and its identity file.
+    identity: what every snapshot records of the run (`distzo.state.resume.run_identity`)."""
+
+    def __init__(self, checkpoint, identity: dict[str, Any], run_dir: Path, mesh: Mesh, trajectory: JsonlWriter):
+        self.every, self.keep = int(checkpoint.every), int(checkpoint.keep)
+        self.identity, self.run_dir, self.mesh, self.trajectory = identity, run_dir, mesh, trajectory
+
+    def start(self) -> None:
+        """Record the run's identity (a fresh run), so it can be resumed before its first snapshot."""
+        if self.mesh.is_main:
+            atomic_write_json(self.run_dir / RUN_FILE, self.identity)
+
+    def due(self, step: int) -> bool:
+        return bool(self.every) and step % self.every == 0
+
+    def save(self, engine: Engine, step: int, nonfinite_in_a_row: int) -> Path | None:
+        """A snapshot of the weights after `step` (every rank calls it: the engine materialises them
+        together); returns its path on rank 0."""
+        with engine.materialized() as weights:
+            if not self.mesh.is_main:
+                return None
+            self.trajectory.sync()
+            state = dict(self.identity, nonfinite_in_a_row=nonfinite_in_a_row, pending_update=None)
+            path = write_snapshot(self.run_dir, step, {p.name: p.tensor for p in weights.params}, state,
+                                  self.keep)
+        log.info("Snapshot at step %d: %s", step, path)
+        return path

@@ -441,13 +441,22 @@ class SweepConfig:
 
 @dataclass
 class OptimConfig:
-    """ZO-SGD: theta -= lr * (sum_k c_k z_k + weight_decay * theta), with c_k the estimator's
-    coefficients (for SPSA, c_k = g_k / q)."""
+    """The ZO optimizer (docs/optimizers.md). name: sgd (ZO-SGD: theta -= lr * (sum_k c_k z_k +
+    weight_decay * theta), with c_k the estimator's coefficients, for SPSA c_k = g_k / q), momentum
+    (heavy ball, `momentum` = mu), adam (ZO-Adam, `beta1`, `beta2`, `adam_eps`; decoupled weight
+    decay), sign (ZO-SignSGD: lr * sign of the estimate, element-wise) or fzoo (FZOO: the step
+    normalised by the spread of the step's one-sided losses; needs estimator.difference=forward and
+    estimator.q >= 2). The name is a plain string (checked by distzo.config.validation)."""
 
     lr: float = 2e-5
     weight_decay: float = 0.0
     schedule: Schedule = Schedule.constant
     warmup_steps: int = 0
+    name: str = "sgd"
+    momentum: float = 0.9
+    beta1: float = 0.9
+    beta2: float = 0.999
+    adam_eps: float = 1e-8
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The engine interface: the three things a driver asks of an engine (docs/architecture.md#engines).
 
     scores = engine.run_probes(shard, plan, step)   # this rank's share of the plan: {index: Scores}
-    engine.apply(step, coefficients, lr, wd)      # the step's update, identical on every rank
+    engine.apply(step, coefficients, lr, wd)      # the step's update (the optimizer's rule), identical on every rank
     with engine.materialized() as weights:        # owed work done, peers in step: read the weights
         weights.score(batch); weights.params; weights.model
 
@@ -105,6 +105,19 @@ class Engine(ABC):
     def host_master_bytes(self) -> dict[str, int]:
         """Host memory of an offloaded master: `copy` (one copy of it) and `resident` (what this rank
         holds resident of it: its share of a node-shared master); zeros when not offloading."""
+        return {"copy": 0, "resident": 0}
+
+    def optimizer_state(self) -> dict:
+        """The optimizer's per-element state by `<slot>/<parameter>` (read it inside `materialized`;
+        empty for sgd). Snapshots write it."""
+        return {}
+
+    def load_optimizer_state(self, tensors) -> None:
+        """Restore a snapshot's optimizer state before the first step (every rank calls it)."""
+
+    def optimizer_state_bytes(self) -> dict[str, int]:
+        """`copy`: bytes of one copy of the optimizer's state; `resident`: what this rank holds of it
+        (its share where the node's ranks share one copy)."""
         return {"copy": 0, "resident": 0}
 
     def describe(self) -> str:

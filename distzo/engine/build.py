@@ -15,6 +15,7 @@ from ..config.schema import (
 from ..parallel.mesh import Mesh
 from ..telemetry.timing import DISABLED, Timers
 from ..zo.estimators import Estimator
+from ..zo.optimizers import Optimizer
 from .base import Engine, EngineConfigError
 from .divided import DividedEngine, division_applies
 from .offload import OffloadEngine, SlicedOffloadEngine
@@ -47,10 +48,12 @@ def work_division(mesh: Mesh, estimator: Estimator, *, engine: EngineConfig, off
 
 def build_engine(mesh: Mesh, model, adapter, params, directions, estimator: Estimator, *, engine: EngineConfig,
                  offload: OffloadConfig, comm: CommConfig, micro_batch_size: int | None, prge: PRGEConfig,
-                 peft_method: PeftMethod, timers: Timers = DISABLED, resident: bool = False) -> Engine:
+                 peft_method: PeftMethod, timers: Timers = DISABLED, resident: bool = False,
+                 optimizer: Optimizer | None = None) -> Engine:
     """The engine the run's sub-configs ask for (`engine`, `offload`, `comm`, the estimator's `prge`,
     the `peft` method), with the model placed accordingly. resident: the resident engine whatever the
-    configuration (replay)."""
+    configuration (replay). optimizer: the update rule and its state (sgd when None), which every
+    mode holds where it holds the master."""
     compute = str(engine.compute)
     if compute == "tf32":
         if directions.device.type != "cuda":
@@ -60,7 +63,7 @@ def build_engine(mesh: Mesh, model, adapter, params, directions, estimator: Esti
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     common = dict(eps=estimator.eps, mesh=mesh, row_tokens=engine.row_tokens,
                   fuse_update=str(engine.fuse_update).lower() != "false", micro_batch_size=micro_batch_size,
-                  compute=compute, timers=timers)
+                  compute=compute, timers=timers, optimizer=optimizer)
     if not adapter.blocks and offload.mode == "cpu":
         raise EngineConfigError(f"{adapter.arch} runs on the whole-model fallback, which has no decoder blocks to "
                                 "stream; use offload=none")

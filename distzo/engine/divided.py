@@ -38,13 +38,14 @@ import torch
 import torch.distributed as dist
 
 from ..parallel.mesh import Mesh
-from ..parallel.node import Node
+from ..parallel.node import Node, mapped_resident_bytes
 from ..zo.estimators import Probe
 from ..zo.params import TrainableParam, TrainableParams
 from .chunkpass import PendingUpdate
+from .optstate import StateBuffers
 from .staged import OUTER, ResidentEngine
 from .update import Target, apply_update
-from .weights import StageNoise
+from .weights import StageNoise, StateOf
 
 T = TypeVar("T")
 
@@ -153,7 +154,7 @@ class DividedStageNoise(StageNoise):
             self._arrival = None
 
     def prepare(self, entries: Sequence[TrainableParam], source: Callable[[TrainableParam], torch.Tensor],
-                pending: PendingUpdate | None = None) -> None:
+                pending: PendingUpdate | None = None, state: StateOf | None = None) -> None:
         todo = list(entries)
         # Node-shared layout, per dtype: for each node probe in turn, the stage's parameters end to end.
         offset: dict[str, int] = {}
@@ -171,7 +172,7 @@ class DividedStageNoise(StageNoise):
         with self.timers("perturb"):  # the chunks I own: their update, then every node copy of them
             self._perturb_chunks(todo, source, pending, {
                 p.name: [(q, sign, copy_of(p, e)) for e, (q, sign) in enumerate(self.node_evals)] for p in todo},
-                mine=self.division.mine)
+                mine=self.division.mine, state=state)
         self._arrival = self.division.arrive()  # `ready` waits for the peers' shares
         for i, ev in enumerate(self.plan):
             if ev.perturbed:
@@ -187,6 +188,7 @@ class DividedEngine(ResidentEngine):
     mode = "divided"
 
     def __init__(self, model, adapter, params: TrainableParams, directions, *, node: Node, **kwargs):
+        self.node = node
         super().__init__(model, adapter, params, directions, **kwargs)
         share_master(params, node)
         self.division = WorkDivision(node)
@@ -209,9 +211,21 @@ class DividedEngine(ResidentEngine):
             u = None
         if noise is not None:
             masters = {t.param.name: t.tensor for t in targets}
-            noise.prepare([t.param for t in targets], lambda p: masters[p.name], u)
+            states = {t.param.name: t.state for t in targets}
+            noise.prepare([t.param for t in targets], lambda p: masters[p.name], u, lambda p: states[p.name])
         if stage == OUTER:
             self.division.barrier()
+
+    def _build_state(self) -> StateBuffers:
+        """The optimizer's state in node-shared memory, like the master: one copy per node, each
+        chunk's state read and written only by the rank that owns the chunk (`WorkDivision.mine`)."""
+        return StateBuffers(self.optimizer.slots, list(self.params), self.device, node=self.node)
+
+    def optimizer_state_bytes(self) -> dict[str, int]:
+        out = super().optimizer_state_bytes()
+        if self.state.flat:
+            out["resident"] = sum(mapped_resident_bytes(buf)["pss"] for buf in self.state.flat)
+        return out
 
     def _before_write(self) -> None:
         """Before this rank changes the shared master, every peer has finished the probe that read

@@ -23,6 +23,10 @@ and all-gathers the other slices from its peers over the node group (NCCL, so NV
 gloo on CPU). Per block and step a rank moves 1/n of the block over the host link each way instead
 of all of it; the rest crosses the peer links. Every element still receives exactly the
 operations of the resident update, so the weights stay bitwise the same.
+
+An optimizer with state keeps the blocks' state beside their host master (node-shared with it on
+the sliced path) and streams it with the blocks that owe an update (`streamer`); the outer stage's
+state stays on the device with the outer stage.
 """
 
 from __future__ import annotations
@@ -36,8 +40,10 @@ from torch import nn
 from ..models.adapters import DecoderAdapter
 from ..parallel.node import Node, mapped_resident_bytes
 from ..zo.directions import Directions
+from ..zo.optimizers import SGD
 from ..zo.params import TrainableParams
 from .base import EngineConfigError
+from .optstate import StateBuffers, state_key
 from .staged import StagedEngine
 from .streamer import (
     BlockStreamer,
@@ -57,7 +63,9 @@ class OffloadEngine(StagedEngine):
     def __init__(self, model: nn.Module, adapter: DecoderAdapter, params: TrainableParams, directions: Directions,
                  *, slots: int = 3, transfer_dtype: torch.dtype | None = None, **kwargs):
         device = directions.device
-        self.host_blocks = build_host_blocks(adapter, pin_memory=device.type == "cuda", node=self._shared_node())
+        state_slots = len((kwargs.get("optimizer") or SGD()).slots)
+        self.host_blocks = build_host_blocks(adapter, pin_memory=device.type == "cuda", node=self._shared_node(),
+                                             state_slots=state_slots)
         place_resident(model, device, self.host_blocks)
         super().__init__(model, adapter, params, directions, **kwargs)
         self.streamer = self._build_streamer(slots, transfer_dtype)
@@ -67,7 +75,43 @@ class OffloadEngine(StagedEngine):
         return None
 
     def _build_streamer(self, slots: int, transfer_dtype: torch.dtype | None) -> BlockStreamer:
-        return BlockStreamer(self.host_blocks, self.device, slots, transfer_dtype)
+        return BlockStreamer(self.host_blocks, self.device, slots, transfer_dtype, owes=self.owes)
+
+    # --- the optimizer's state: the outer stage's on the device, the blocks' beside their host masters
+
+    def _build_state(self) -> StateBuffers:
+        return StateBuffers(self.optimizer.slots, self.outer_params, self.device)
+
+    def _block_state(self) -> dict[str, torch.Tensor]:
+        """Views of the blocks' host state by `<slot>/<parameter>` (current after a flush)."""
+        out = {}
+        for block, params in zip(self.host_blocks, self.block_params):
+            trained = {p.name for p in params}
+            for slot, flat in zip(self.optimizer.slots, block.state):
+                out.update({state_key(slot, name): v for name, v in block.views(flat).items() if name in trained})
+        return out
+
+    def optimizer_state(self) -> dict[str, torch.Tensor]:
+        return {**self.state.export(), **self._block_state()}
+
+    def load_optimizer_state(self, tensors) -> None:
+        self.state.load(tensors)
+        node = self._shared_node()
+        if node is None or node.local_rank == 0:
+            with torch.no_grad():
+                for key, view in self._block_state().items():
+                    view.copy_(tensors[key])
+        if node is not None and self.optimizer.slots:
+            node.barrier()
+        self.streamer.forget_state()
+
+    def optimizer_state_bytes(self) -> dict[str, int]:
+        host = sum(t.numel() * t.element_size() for b in self.host_blocks for t in b.state)
+        copy = self.optimizer.state_bytes(self.params.numel())
+        return {"copy": copy, "resident": self.state.nbytes() + self._host_state_resident(host)}
+
+    def _host_state_resident(self, host: int) -> int:
+        return host  # a private copy, every page written (zeroed)
 
     def describe(self) -> str:
         dtype = self.streamer.transfer.transfer_dtype
@@ -92,8 +136,9 @@ class OffloadEngine(StagedEngine):
         """Block i's masters in its slot; at reduced precision each records the update's change in
         the slot's delta buffer, which goes back to the host master."""
         deltas = self.streamer.delta_views(i)
-        return [Target(p, sources[p.name], delta=None if deltas is None else deltas[p.name])
-                for p in self.block_params[i]]
+        states = self.streamer.state_views(i) if self.optimizer.slots and self.owes(i) else {}
+        return [Target(p, sources[p.name], delta=None if deltas is None else deltas[p.name],
+                       state=states.get(p.name, ())) for p in self.block_params[i]]
 
     def _after_flush(self) -> None:
         self.streamer.synchronize()
@@ -167,12 +212,13 @@ class SlicedOffloadEngine(OffloadEngine):
         block = self.host_blocks[i]
         views = block.views(slot)
         deltas = block.views(delta) if delta is not None else {}
+        states = self.streamer.state_views(i) if self.optimizer.slots else {}
         targets = []
         for p in self.block_params[i]:
             start = block.offsets[block.names.index(p.name)]
             a, b = max(lo, start) - start, min(hi, start + p.numel()) - start
             if a < b:
-                targets.append(Target(p, views[p.name], (a, b), deltas.get(p.name)))
+                targets.append(Target(p, views[p.name], (a, b), deltas.get(p.name), states.get(p.name, ())))
         self._pay(i, targets)
 
     def _flush_block(self, i: int) -> None:
@@ -192,3 +238,6 @@ class SlicedOffloadEngine(OffloadEngine):
         copy = sum(b.numel * b.flat.element_size() for b in self.host_blocks)
         # the proportional share of the shared mapping actually resident
         return {"copy": copy, "resident": mapped_resident_bytes(self.host_blocks[0].flat)["pss"]}
+
+    def _host_state_resident(self, host: int) -> int:
+        return sum(mapped_resident_bytes(t)["pss"] for t in self.host_blocks[0].state)  # this rank's share

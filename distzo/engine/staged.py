@@ -31,9 +31,11 @@ from ..parallel.mesh import Mesh
 from ..telemetry.timing import DISABLED, Timers
 from ..zo.directions import Directions
 from ..zo.estimators import CLEAN, Probe
-from ..zo.params import TrainableParams
+from ..zo.optimizers import SGD, Optimizer
+from ..zo.params import TrainableParam, TrainableParams
 from .base import Engine, Materialized
 from .chunkpass import PendingUpdate
+from .optstate import StateBuffers
 from .update import Target, apply_update
 from .weights import CleanWeights, PerturbedWeights, StageNoise, Workspace
 
@@ -48,7 +50,9 @@ class StagedEngine(Engine):
     eps: the perturbation scale; mesh: which probes of a plan this rank runs (a 1x1 mesh when
     None); fuse_update: apply an owed update inside the next perturbation pass (False: in a pass of
     its own, for comparison); micro_batch_size: examples of a rank's shard per forward (None: the
-    whole shard at once; see `_run`); timers: phase timers (`bench`)."""
+    whole shard at once; see `_run`); timers: phase timers (`bench`); optimizer: the update rule and
+    its state (`distzo.zo.optimizers`; sgd when None), held where the mode holds the master
+    (`_build_state`)."""
 
     # Streaming a block involves collectives over the node (sliced offloading): a rank dealt no
     # probe must still walk every block with its peers.
@@ -56,7 +60,8 @@ class StagedEngine(Engine):
 
     def __init__(self, model: nn.Module, adapter: DecoderAdapter, params: TrainableParams, directions: Directions,
                  *, eps: float = 1e-3, mesh: Mesh | None = None, row_tokens: int = 1024, fuse_update: bool = True,
-                 micro_batch_size: int | None = None, compute: str = "fp32", timers: Timers = DISABLED):
+                 micro_batch_size: int | None = None, compute: str = "fp32", timers: Timers = DISABLED,
+                 optimizer: Optimizer | None = None):
         for p in params:
             if not p.tensor.is_contiguous():
                 raise ValueError(f"parameter {p.name} is not contiguous; the chunked update needs flat views")
@@ -71,6 +76,8 @@ class StagedEngine(Engine):
         in_blocks = {p.name for ps in self.block_params for p in ps}
         self.outer_params = [p for p in params if p.name not in in_blocks]
         self.pending: PendingUpdate | None = None
+        self.optimizer = optimizer if optimizer is not None else SGD()
+        self.state = self._build_state()
 
     def describe(self) -> str:
         return "resident"
@@ -93,7 +100,8 @@ class StagedEngine(Engine):
         """Records the update as owed by every stage; `_pay` pays it (docs/architecture.md#engines)."""
         self.flush()  # a rank without probes never streamed the previous update
         stages = {OUTER, *range(len(self.block_params))}
-        self.pending = PendingUpdate(step, tuple(coefficients), lr, weight_decay, stages)
+        self.pending = PendingUpdate(step, tuple(coefficients), lr, weight_decay, stages,
+                                     self.optimizer.rule(step, lr, weight_decay))
 
     @contextmanager
     def materialized(self) -> Iterator[Materialized]:
@@ -163,7 +171,8 @@ class StagedEngine(Engine):
             u = None
         if noise is not None:  # an owed update still in hand is fused into this stage's perturbation
             masters = {t.param.name: t.tensor for t in targets}
-            noise.prepare([t.param for t in targets], lambda p: masters[p.name], u)
+            states = {t.param.name: t.state for t in targets}
+            noise.prepare([t.param for t in targets], lambda p: masters[p.name], u, lambda p: states[p.name])
 
     @torch.inference_mode()
     def flush(self) -> None:
@@ -186,7 +195,28 @@ class StagedEngine(Engine):
                 self._pay(OUTER, self._outer_targets())
 
     def _outer_targets(self) -> list[Target]:
-        return [Target(p, p.tensor) for p in self.outer_params]
+        return [Target(p, p.tensor, state=self.state.of(p)) for p in self.outer_params]
+
+    # --- the optimizer's state ----------------------------------------------------------------------
+
+    def _build_state(self) -> StateBuffers:
+        """The optimizer's state of the parameters this mode holds on the compute device (all of
+        them here), zeros at the start."""
+        return StateBuffers(self.optimizer.slots, list(self.params), self.device)
+
+    def optimizer_state(self) -> dict[str, torch.Tensor]:
+        """The optimizer's state by `<slot>/<parameter>` (read inside `materialized`: current)."""
+        return self.state.export()
+
+    def load_optimizer_state(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Restore a snapshot's optimizer state (every rank calls it, before the first step)."""
+        self.state.load(tensors)
+
+    def optimizer_state_bytes(self) -> dict[str, int]:
+        """`copy`: one copy of the optimizer's state; `resident`: what this rank holds of it (its
+        share of a node-shared one)."""
+        copy = self.optimizer.state_bytes(self.params.numel())
+        return {"copy": copy, "resident": self.state.nbytes()}
 
     # --- hooks of the modes -------------------------------------------------------------------------
 
@@ -200,7 +230,7 @@ class StagedEngine(Engine):
         """Where a payment reaches block i: its masters on the compute device (`sources` from
         `block_sources`)."""
         sources = sources or {}
-        return [Target(p, sources.get(p.name, p.tensor)) for p in self.block_params[i]]
+        return [Target(p, sources.get(p.name, p.tensor), state=self.state.of(p)) for p in self.block_params[i]]
 
     def _flush_block(self, i: int) -> None:
         """A flush reaches block i, which owes the update."""

@@ -11,6 +11,13 @@ streams ordered by events. Two choices compose:
 - the transfer, which moves a range of a block: `FullPrecisionTransfer` copies it as it is;
   `ReducedPrecisionTransfer` narrows it for the trip and returns an update as a narrowed delta
   (`CudaReducedPrecisionTransfer`: the host's share of that on worker threads).
+
+An optimizer with state (momentum, adam) keeps each block's state beside its host master, in the
+same layout (`HostBlock.state`, node-shared when the master is), and the streamer moves it with the
+block: up into the slot's state buffers before a block that owes an update is paid, back after it,
+always at full precision (the state is exact whatever `transfer_dtype` does to the weights), on the
+same streams and events as the block's own copies. A rank of the sliced path moves the state of its
+slice only. Blocks that owe nothing (evaluation) move no state.
 """
 
 from __future__ import annotations
@@ -38,7 +45,8 @@ class HostBlock:
     """One block's parameters laid end to end in a flat host buffer (the master copy).
 
     `padded` is `flat` plus tail padding to `parts * slice_len` elements; slice j of the block is
-    padded[j * slice_len:(j + 1) * slice_len] (parts = 1 when not sliced)."""
+    padded[j * slice_len:(j + 1) * slice_len] (parts = 1 when not sliced). `state`: the optimizer's
+    state of the block, one float32 buffer per slot laid out like `flat` (none for sgd)."""
 
     prefix: str
     names: list[str]
@@ -48,6 +56,7 @@ class HostBlock:
     padded: torch.Tensor
     slice_len: int
     parts: int
+    state: tuple[torch.Tensor, ...] = ()
 
     @property
     def numel(self) -> int:
@@ -92,12 +101,15 @@ def host_buffer(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     return t
 
 
-def build_host_blocks(adapter: DecoderAdapter, pin_memory: bool, node: Node | None = None) -> list[HostBlock]:
+def build_host_blocks(adapter: DecoderAdapter, pin_memory: bool, node: Node | None = None,
+                      state_slots: int = 0) -> list[HostBlock]:
     """Move every block's parameters into a flat host buffer per block. The Parameter objects stay
     the same (only `.data` is re-pointed), so anything holding them keeps working.
 
     node: lay the blocks out in one buffer shared by the node's ranks, each block padded into
-    node.size aligned slices. Local rank 0 fills it; every rank holds the same weights (I1)."""
+    node.size aligned slices. Local rank 0 fills it; every rank holds the same weights (I1).
+    state_slots: float32 buffers of optimizer state per block, in the same layout (node-shared
+    with the master), zeros at the start."""
     parts = node.size if node is not None else 1
     layout = []
     for prefix, module in adapter.blocks:
@@ -137,9 +149,33 @@ def build_host_blocks(adapter: DecoderAdapter, pin_memory: bool, node: Node | No
             offsets.append(offset)
             offset += p.numel()
         blocks.append(HostBlock(prefix, names, shapes, offsets, flat, padded, slice_len, parts))
+    if state_slots:
+        _attach_state(blocks, state_slots, pin_memory, node)
     if node is not None:
-        node.barrier()  # local rank 0 has filled the master
+        node.barrier()  # local rank 0 has filled the master (and zeroed the state)
     return blocks
+
+
+def _attach_state(blocks: list[HostBlock], slots: int, pin_memory: bool, node: Node | None) -> None:
+    """Each block's optimizer state: `slots` float32 buffers laid out like its padded master, in one
+    node-shared buffer per slot when the master is node-shared, zeroed by local rank 0."""
+    total = sum(b.padded.numel() for b in blocks)
+    per_slot = []
+    for k in range(slots):
+        if node is not None:
+            buf = node.shared_tensor(total, torch.float32, f"optim-state{k}")
+            if pin_memory:
+                _pin(buf)
+        else:
+            buf = host_buffer(total, torch.float32, pin_memory)
+        if node is None or node.local_rank == 0:
+            buf.zero_()
+        per_slot.append(buf)
+    start = 0
+    for b in blocks:
+        n = b.padded.numel()
+        b.state = tuple(buf[start:start + n] for buf in per_slot)
+        start += n
 
 
 def place_resident(model: nn.Module, device: torch.device, host_blocks: Sequence[HostBlock]) -> None:
@@ -396,10 +432,13 @@ class BlockStreamer:
     block (or, at reduced precision, its update's delta) back to the host master. On CUDA uploads
     run on `upload_stream` and write-backs on `offload_stream`, ordered by events: `uploaded[s]`
     (slot s's last upload), `slot_free[s]` (the last use of slot s: a compute or a write-back) and
-    `written[i]` (block i's last write-back). On CPU every copy is done when it returns."""
+    `written[i]` (block i's last write-back). On CPU every copy is done when it returns.
+
+    With optimizer state (`HostBlock.state`), each slot has state buffers too: a block that owes an
+    update (`owes(i)`) has its state uploaded with it and written back with it."""
 
     def __init__(self, blocks: Sequence[HostBlock], device: torch.device, slots: int,
-                 transfer_dtype: torch.dtype | None = None):
+                 transfer_dtype: torch.dtype | None = None, owes: Callable[[int], bool] | None = None):
         self.blocks, self.device = blocks, device
         self.cuda = device.type == "cuda"
         dtype = blocks[0].flat.dtype
@@ -407,6 +446,10 @@ class BlockStreamer:
         n = min(slots, len(blocks))
         self.slots = [torch.empty(size, dtype=dtype, device=device) for _ in range(n)]
         self.owner: list[int | None] = [None] * n  # block whose current weights fill the slot
+        self._owes = owes or (lambda i: False)
+        self.state_slots = [tuple(torch.empty(size, dtype=torch.float32, device=device) for _ in blocks[0].state)
+                            for _ in range(n)]
+        self.state_owner: list[int | None] = [None] * n  # block whose current state fills the slot's state buffers
         self.meter = TransferMeter(self.cuda)
         self.transfer = make_transfer(self.slots, dtype, transfer_dtype, self.meter)
         if self.cuda:
@@ -423,6 +466,32 @@ class BlockStreamer:
         self.transfer.drain()  # uploads a host worker queued have recorded their timing events
         return self.meter.seconds()
 
+    def state_views(self, i: int) -> dict[str, tuple[torch.Tensor, ...]]:
+        """Block i's optimizer state in its slot, by parameter (the block must have been prefetched
+        owing an update)."""
+        s = self.slot_of(i)
+        if self.state_owner[s] != i:
+            raise RuntimeError(f"internal error: block {i}'s optimizer state is not in its slot")
+        per_slot = [self.blocks[i].views(buf) for buf in self.state_slots[s]]
+        return {name: tuple(v[name] for v in per_slot) for name in self.blocks[i].names}
+
+    def forget_state(self) -> None:
+        """The host state changed (a snapshot's was loaded): no slot holds a current copy."""
+        self.state_owner = [None] * len(self.slots)
+
+    def _upload_state(self, block: HostBlock, s: int, lo: int, hi: int) -> None:
+        """Elements [lo, hi) of the block's optimizer state into slot s's state buffers (full precision)."""
+        with self.meter.timed():
+            for host, dev in zip(block.state, self.state_slots[s]):
+                dev[lo:hi].copy_(host[lo:hi], non_blocking=True)
+                self.meter.bytes_up += (hi - lo) * host.element_size()
+
+    def _write_back_state(self, block: HostBlock, s: int, lo: int, hi: int) -> None:
+        with self.meter.timed():
+            for host, dev in zip(block.state, self.state_slots[s]):
+                host[lo:hi].copy_(dev[lo:hi], non_blocking=True)
+                self.meter.bytes_down += (hi - lo) * host.element_size()
+
     def delta_views(self, i: int) -> dict[str, torch.Tensor] | None:
         """Block i's parameters as views of its slot's delta buffer (reduced precision), or None."""
         deltas = self.transfer.deltas(self.slot_of(i))
@@ -430,12 +499,19 @@ class BlockStreamer:
 
     def prefetch(self, i: int) -> None:
         s = self.slot_of(i)
-        if self.owner[s] == i:
+        state = bool(self.state_slots[s]) and self.state_owner[s] != i and self._owes(i)
+        if self.owner[s] == i and not state:
             return
+        weights = self.owner[s] != i
         self.owner[s] = i
+        if state:
+            self.state_owner[s] = i
         block = self.blocks[i]
         if not self.cuda:
-            self.transfer.upload(block, s, 0, block.numel)
+            if weights:
+                self.transfer.upload(block, s, 0, block.numel)
+            if state:
+                self._upload_state(block, s, 0, block.numel)
             return
         # The events as they are now: the transfer may queue the upload later, on a host worker.
         slot_free, written = self.slot_free[s], self.written.get(i)
@@ -443,7 +519,10 @@ class BlockStreamer:
         def queue() -> None:
             with torch.cuda.device(self.device), torch.cuda.stream(self.upload_stream):
                 self._wait_for_slot(slot_free, written)
-                self.transfer.upload(block, s, 0, block.numel)
+                if weights:
+                    self.transfer.upload(block, s, 0, block.numel)
+                if state:
+                    self._upload_state(block, s, 0, block.numel)
                 self.uploaded[s].record(self.upload_stream)
 
         self.transfer.queue_upload(i, s, queue)
@@ -474,9 +553,12 @@ class BlockStreamer:
             # The slot holds the update at full precision, the host master its narrowed delta: the
             # next use must upload again to see exactly what every other path sees.
             self.owner[s] = None
+        state = write_back and self.state_owner[s] == i and bool(self.state_slots[s])
         if not self.cuda:
             if write_back:
                 self.transfer.write_back(block, s, 0, block.numel)
+            if state:
+                self._write_back_state(block, s, 0, block.numel)
             return
         if not write_back:
             ev = torch.cuda.Event()
@@ -488,6 +570,8 @@ class BlockStreamer:
         with torch.cuda.stream(self.offload_stream):
             self.offload_stream.wait_event(computed)
             self.transfer.write_back(block, s, 0, block.numel)
+            if state:
+                self._write_back_state(block, s, 0, block.numel)
             done = torch.cuda.Event()
             done.record(self.offload_stream)
         self.slot_free[s] = self.written[i] = done
@@ -518,9 +602,9 @@ class SlicedBlockStreamer(BlockStreamer):
 
     def __init__(self, blocks: Sequence[HostBlock], device: torch.device, slots: int,
                  transfer_dtype: torch.dtype | None, node: Node, *, owes: Callable[[int], bool], pay: SlicePayment):
-        super().__init__(blocks, device, slots, transfer_dtype)
+        super().__init__(blocks, device, slots, transfer_dtype, owes=owes)
         self.node, self.part = node, node.local_rank
-        self._owes, self._pay = owes, pay
+        self._pay = pay
         self._local = False
 
     @contextmanager
@@ -554,8 +638,7 @@ class SlicedBlockStreamer(BlockStreamer):
                 self.transfer.upload(block, s, lo, hi)
             updated = self._owes(i)
             if updated:
-                self._pay(i, self.slots[s], lo, hi, self.transfer.deltas(s))
-                self.transfer.write_back(block, s, lo, hi)
+                self._pay_own_slice(i, s, lo, hi)
             if updated or not current:
                 self._gather(block, s)
 
@@ -585,8 +668,7 @@ class SlicedBlockStreamer(BlockStreamer):
             self.transfer.upload(block, s, lo, hi)
             updated = self._owes(i)
             if updated:
-                self._pay(i, self.slots[s], lo, hi, self.transfer.deltas(s))
-                self.transfer.write_back(block, s, lo, hi)
+                self._pay_own_slice(i, s, lo, hi)
             return updated
 
         if not self.cuda:
@@ -600,6 +682,19 @@ class SlicedBlockStreamer(BlockStreamer):
                 done.record(self.upload_stream)
                 self.written[i] = self.slot_free[s] = done
                 self.transfer.written_back(done, i, block, s, lo, hi)
+
+    def _pay_own_slice(self, i: int, s: int, lo: int, hi: int) -> None:
+        """The owed update of my slice of block i, in slot s (its optimizer state up before it and
+        back after it), and the slice back to the host master."""
+        block = self.blocks[i]
+        if self.state_slots[s]:
+            self._upload_state(block, s, lo, hi)
+            self.state_owner[s] = i  # my slice's state is current in the slot (the rest is not)
+        self._pay(i, self.slots[s], lo, hi, self.transfer.deltas(s))
+        self.transfer.write_back(block, s, lo, hi)
+        if self.state_slots[s]:
+            self._write_back_state(block, s, lo, hi)
+            self.state_owner[s] = None
 
     def release(self, i: int, write_back: bool) -> None:
         if not self._local and not self.transfer.exact:

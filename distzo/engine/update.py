@@ -1,4 +1,5 @@
-"""The ZO-SGD update: theta <- theta * (1 - lr wd) - sum_k (lr c_k) z_k, deferred and applied chunk by chunk.
+"""The update: theta <- theta * (1 - lr wd) - sum_k (lr c_k) z_k (or the optimizer's rule, with its
+state), deferred and applied chunk by chunk.
 
 The per-chunk arithmetic is `chunkpass.chunk_pass`, shared with the perturbation that the update
 is usually fused into, so every path performs the same floating-point operations on every element.
@@ -23,12 +24,14 @@ class Target(NamedTuple):
     window: only flat elements [lo, hi) are updated (a rank's slice of an offloaded block); where it
     cuts a Gaussian chunk, the whole chunk is drawn. delta: a float32 tensor shaped like the master
     that receives the change made to each element (an update transferred at reduced precision to a
-    full-precision master)."""
+    full-precision master). state: the optimizer's state tensors of the parameter where they are
+    now (float32, shaped like the master; one per slot of the optimizer, none for sgd)."""
 
     param: TrainableParam
     tensor: torch.Tensor
     window: tuple[int, int] | None = None
     delta: torch.Tensor | None = None
+    state: tuple[torch.Tensor, ...] = ()
 
 
 def apply_update(directions: Directions, targets: Sequence[Target], u: PendingUpdate,
@@ -52,7 +55,7 @@ def apply_update(directions: Directions, targets: Sequence[Target], u: PendingUp
         t, ref, a, b, part = item
         flat = t.tensor.view(-1)[a:b]
         before = None if t.delta is None else flat.to(torch.float32, copy=True)
-        chunk_pass(directions, t.param, ref, flat, u, part=part)
+        chunk_pass(directions, t.param, ref, flat, u, part=part, state=[s.view(-1)[a:b] for s in t.state])
         if t.delta is not None:
             torch.sub(flat, before, out=t.delta.view(-1)[a:b])
 

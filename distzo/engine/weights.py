@@ -20,6 +20,9 @@ from ..zo.estimators import Probe
 from ..zo.params import TrainableParam, TrainableParams
 from .chunkpass import PendingUpdate, chunk_pass
 
+# Where a parameter's optimizer state is now: one float32 tensor per slot, shaped like the master.
+StateOf = Callable[[TrainableParam], Sequence[torch.Tensor]]
+
 
 class Workspace:
     """Flat buffers reused across stages and steps. Fresh multi-MB tensors would page-fault on every
@@ -83,27 +86,30 @@ class StageNoise:
         return {p.name: self._copies[(p.name, index)] for p in entries}
 
     def prepare(self, entries: Sequence[TrainableParam], source: Callable[[TrainableParam], torch.Tensor],
-                pending: PendingUpdate | None = None) -> None:
+                pending: PendingUpdate | None = None, state: StateOf | None = None) -> None:
         """Build every probe's working copies of `entries` in one pass over their chunks, first
         applying `pending` (the previous step's update) to each master chunk: the deferred update
-        fused with the next perturbation, while the chunk is in cache."""
+        fused with the next perturbation, while the chunk is in cache. state: where each parameter's
+        optimizer state is (an optimizer with a rule updates it in the same pass)."""
         with self.timers("perturb"):
             todo = list(entries)
             out = self._outputs(todo)
             copies = {p.name: [(ev.query, ev.sign, out[(p.name, i)].view(-1)) for i, ev in enumerate(self.plan)
                                if ev.perturbed] for p in todo}
-            self._perturb_chunks(todo, source, pending, copies)
+            self._perturb_chunks(todo, source, pending, copies, state=state)
             self._copies.update(out)
 
     def _perturb_chunks(self, todo: Sequence[TrainableParam], source: Callable[[TrainableParam], torch.Tensor],
                         pending: PendingUpdate | None,
                         copies: Mapping[str, Sequence[tuple[int, int, torch.Tensor]]],
-                        mine: Callable[[list, Callable], list] | None = None) -> None:
+                        mine: Callable[[list, Callable], list] | None = None, state: StateOf | None = None) -> None:
         """`chunk_pass` over every chunk of `todo` (those `mine` keeps, when given), largest first on
         the noise threads. copies: parameter -> [(query, sign, flat copy)]."""
         targets = {name: {q: [(sign, flat) for qq, sign, flat in entries if qq == q]
                           for q in sorted({q for q, _, _ in entries})} for name, entries in copies.items()}
         masters = {p.name: source(p).view(-1) for p in todo}
+        states = {p.name: [t.view(-1) for t in state(p)] if state is not None and pending is not None else []
+                  for p in todo}
         # All queries of a chunk (on CUDA a span of chunks) are one item.
         work = [(p, ref) for p in todo for ref, _ in self.directions.units(p.key, p.shape)]
         size = lambda item: item[1].stop - item[1].start  # noqa: E731
@@ -114,7 +120,8 @@ class StageNoise:
             p, ref = item
             chunk = slice(ref.start, ref.stop)
             chunk_pass(self.directions, p, ref, masters[p.name][chunk], pending, self.step, self.eps,
-                       {q: [(sign, flat[chunk]) for sign, flat in outs] for q, outs in targets[p.name].items()})
+                       {q: [(sign, flat[chunk]) for sign, flat in outs] for q, outs in targets[p.name].items()},
+                       state=[t[chunk] for t in states[p.name]])
 
         self.directions.map(one, work, size)
 

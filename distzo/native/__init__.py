@@ -30,12 +30,13 @@ import os
 import platform
 import subprocess
 from pathlib import Path
-from typing import Sequence, Union
+from typing import NamedTuple, Sequence, Union
 
 import torch
 
 from ..cache import cache_dir
 from ..errors import DistzoError
+from ..zo.optimizers import Adam, Momentum, Sign  # the update rules' definitions, which the kernels reproduce
 from ..zo.rademacher import (  # the stream's definition, which the kernels reproduce
     Stream,
     stream_signs,
@@ -80,7 +81,9 @@ class Kernels:
         lib.distzo_rademacher_fill.argtypes = [ptr, i64, ctypes.c_uint64, i64, f32]
         lib.distzo_rademacher_rows.argtypes = [ptr, i64, i64, ptr, ptr, f32]
         lib.distzo_chunk.argtypes = [ptr, i64, i64, i32, f32, i32, ptr, ptr, i32, ptr, i32, ptr, ptr, ptr]
-        for fn in (lib.distzo_rademacher_fill, lib.distzo_rademacher_rows, lib.distzo_chunk):
+        lib.distzo_chunk_rule.argtypes = [ptr, i64, i64, i32, ptr, ptr, ptr, i32, f32, i32, ptr, ptr, i32, ptr, i32,
+                                          ptr, ptr, ptr]
+        for fn in (lib.distzo_rademacher_fill, lib.distzo_rademacher_rows, lib.distzo_chunk, lib.distzo_chunk_rule):
             fn.restype = None
         self._lib = lib
 
@@ -109,6 +112,33 @@ class Kernels:
         Update (when decay is not None or there are terms): x = master * decay, then for each term
         (z, add) in order, x = x + z if add else x - z; master = x. Copies: for each (out, q, sign)
         of outs, out = x + z_q if sign > 0 else x - z_q, with z_q = queries[q]."""
+        a = self._arguments(master, offset, terms, queries, outs)
+        self._lib.distzo_chunk(master.data_ptr(), master.numel(), offset, int(decay is not None),
+                               1.0 if decay is None else decay, *a.terms, *a.copies)
+
+    def chunk_rule(self, master: torch.Tensor, rule: int, constants: Sequence[float], state: Sequence[torch.Tensor],
+                   offset: int = 0, decay: float | None = None, terms: Sequence[tuple[Source, bool]] = (),
+                   queries: Sequence[Source] = (), outs: Sequence[tuple[torch.Tensor, int, int]] = ()) -> None:
+        """An optimizer's update with state (`distzo.zo.optimizers.UpdateRule`: rule id, float32
+        constants, its state tensors over the same elements as `master`), then the copies as in
+        `chunk`, in one pass. Every term of the update must be given in this one call."""
+        n = master.numel()
+        for t in state:
+            _check_f32(t, "optimizer state", n)
+            if t.numel() != n:
+                raise ValueError(f"optimizer state of {t.numel()} elements for a master of {n}")
+        expected = {1: (1, 1), 2: (7, 2), 3: (1, 0)}.get(rule)
+        if expected is None or (len(constants), len(state)) != expected:
+            raise ValueError(f"rule {rule} with {len(constants)} constants and {len(state)} state tensors")
+        a = self._arguments(master, offset, terms, queries, outs)
+        c_consts = (ctypes.c_float * len(constants))(*constants)
+        ptrs = [t.data_ptr() for t in state] + [None] * (2 - len(state))
+        self._lib.distzo_chunk_rule(master.data_ptr(), n, offset, rule, c_consts, ptrs[0], ptrs[1],
+                                    int(decay is not None), 1.0 if decay is None else decay, *a.terms, *a.copies)
+
+    def _arguments(self, master: torch.Tensor, offset: int, terms: Sequence[tuple[Source, bool]],
+                   queries: Sequence[Source], outs: Sequence[tuple[torch.Tensor, int, int]]) -> "_Arguments":
+        """The ctypes arguments of a chunk call's terms and copies, every tensor checked first."""
         n = master.numel()
         _check_f32(master, "master", 0)
         keep = []  # tensors whose pointers the call uses
@@ -131,9 +161,14 @@ class Kernels:
         c_outs = (ctypes.c_void_p * max(1, len(outs)))(*[out.data_ptr() for out, _, _ in outs])
         c_query = (ctypes.c_int * max(1, len(outs)))(*[q for _, q, _ in outs])
         c_sign = (ctypes.c_int * max(1, len(outs)))(*[1 if sign > 0 else -1 for _, _, sign in outs])
-        self._lib.distzo_chunk(master.data_ptr(), n, offset, int(decay is not None),
-                               1.0 if decay is None else decay, len(terms), c_terms, c_add,
-                               len(queries), c_queries, len(outs), c_outs, c_query, c_sign)
+        return _Arguments((len(terms), c_terms, c_add), (len(queries), c_queries, len(outs), c_outs, c_query, c_sign),
+                          keep)
+
+
+class _Arguments(NamedTuple):
+    terms: tuple
+    copies: tuple
+    keep: list  # the tensors whose pointers the call passes, alive until it returns
 
 
 def compiler() -> str:
@@ -219,6 +254,15 @@ def self_check(kernels: Kernels) -> None:
                   queries=[Stream(9, 0.25)], outs=[(plus, 0, 1)])
     if not (torch.equal(got, expect) and torch.equal(plus, expect + stream_signs(9, 7, 513, 0.25))):
         raise NativeUnavailable(f"{kernels.path} disagrees with the torch reference; delete it to rebuild")
+    for rule in (Momentum(0.9).rule(2, 1e-3, 0.0), Adam().rule(2, 1e-3, 0.0), Sign().rule(2, 1e-3, 0.0)):
+        state = [torch.linspace(0.5, 1.5, 513) for _ in range(rule.slots)]
+        got, got_state = master.clone(), [t.clone() for t in state]
+        kernels.chunk_rule(got, rule.kind, rule.constants, got_state, offset=7, decay=0.75,
+                           terms=[(values, False), (Stream(3, 1e-3), True)])
+        want = master.clone()
+        rule.apply(want, state, [(values[7:520], False), (stream_signs(3, 7, 513, 1e-3), True)], 0.75)
+        if not (torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(got_state, state))):
+            raise NativeUnavailable(f"{kernels.path} disagrees with the torch reference; delete it to rebuild")
 
 
 _loaded: dict[str, Kernels | NativeUnavailable] = {}  # "kernels": this process's outcome of loading them

@@ -13,6 +13,7 @@
  * the chunk's seed (zo/directions.py implements the same stream with torch ops).
  */
 #include <stdint.h>
+#include <math.h>
 #include <string.h>
 
 /* torch.utils.cpp_extension compiles this file with the C++ compiler: keep C linkage (unmangled
@@ -124,6 +125,90 @@ void distzo_chunk(float *master, int64_t n, int64_t offset, int has_decay, float
                     for (int64_t i = 0; i < m; i++) dst[i] = x[i] - z[i];
             }
         }
+    }
+}
+
+/* Copies of one tile: for each output o, outs[o][i] = x + z_q or x - z_q (shared by both entry points). */
+static void write_copies(const float *x, int64_t i0, int64_t m, int64_t offset, int n_queries,
+                         const distzo_source *queries, int n_outs, float *const *outs, const int *out_query,
+                         const int *out_sign, float *buf) {
+    for (int q = 0; q < n_queries; q++) {
+        const float *z = 0;
+        for (int o = 0; o < n_outs; o++) {
+            if (out_query[o] != q) continue;
+            if (!z) z = source_tile(&queries[q], offset + i0, m, buf);
+            float *dst = outs[o] + i0;
+            if (out_sign[o] > 0)
+                for (int64_t i = 0; i < m; i++) dst[i] = x[i] + z[i];
+            else
+                for (int64_t i = 0; i < m; i++) dst[i] = x[i] - z[i];
+        }
+    }
+}
+
+/* An optimizer's update with state (distzo/zo/optimizers.py, UpdateRule.apply: the same float32
+ * operations in the same order), then the copies, in one pass over the chunk range.
+ *
+ * Terms t are (z_t, term_add[t]): z_t = |a_t| z, term_add when a_t < 0, so a_t z = add ? -z_t : z_t.
+ *   rule 1 (momentum; consts mu; state0 d):
+ *     x = x * decay; if mu != 0: x = x - mu * d; d = d * mu; per term: x = x -+ z_t, d = d +- z_t
+ *   rule 2 (adam; consts b1, 1-b1, b2, 1-b2, alpha, 1/sqrt(1-b2^t), eps; state0 m, state1 v):
+ *     g = sum_t a_t z; m = m * b1 + g * (1-b1); v = v * b2 + (g * g) * (1-b2); x = x * decay;
+ *     x = x - (m * alpha) / (sqrt(v) * inv_bc2s + eps)
+ *   rule 3 (sign; consts lr): g as above; x = x * decay; x = g > 0 ? x - lr : g < 0 ? x + lr : x */
+void distzo_chunk_rule(float *master, int64_t n, int64_t offset, int rule, const float *consts,
+                       float *state0, float *state1, int has_decay, float decay,
+                       int n_terms, const distzo_source *terms, const int *term_add,
+                       int n_queries, const distzo_source *queries,
+                       int n_outs, float *const *outs, const int *out_query, const int *out_sign) {
+    float x[TILE], buf[TILE], g[TILE];
+    for (int64_t i0 = 0; i0 < n; i0 += TILE) {
+        const int64_t m = n - i0 < TILE ? n - i0 : TILE;
+        memcpy(x, master + i0, (size_t)m * sizeof(float));
+        if (rule == 1) {
+            float *d = state0 + i0;
+            const float mu = consts[0];
+            if (has_decay)
+                for (int64_t i = 0; i < m; i++) x[i] = x[i] * decay;
+            if (mu != 0.0f)
+                for (int64_t i = 0; i < m; i++) x[i] = x[i] - mu * d[i];
+            for (int64_t i = 0; i < m; i++) d[i] = d[i] * mu;
+            for (int t = 0; t < n_terms; t++) {
+                const float *z = source_tile(&terms[t], offset + i0, m, buf);
+                if (term_add[t])
+                    for (int64_t i = 0; i < m; i++) { x[i] = x[i] + z[i]; d[i] = d[i] - z[i]; }
+                else
+                    for (int64_t i = 0; i < m; i++) { x[i] = x[i] - z[i]; d[i] = d[i] + z[i]; }
+            }
+        } else {
+            for (int64_t i = 0; i < m; i++) g[i] = 0.0f;
+            for (int t = 0; t < n_terms; t++) {
+                const float *z = source_tile(&terms[t], offset + i0, m, buf);
+                if (term_add[t])
+                    for (int64_t i = 0; i < m; i++) g[i] = g[i] - z[i];
+                else
+                    for (int64_t i = 0; i < m; i++) g[i] = g[i] + z[i];
+            }
+            if (rule == 2) {
+                float *mm = state0 + i0, *vv = state1 + i0;
+                const float b1 = consts[0], omb1 = consts[1], b2 = consts[2], omb2 = consts[3];
+                const float alpha = consts[4], inv_bc2s = consts[5], eps = consts[6];
+                for (int64_t i = 0; i < m; i++) {
+                    mm[i] = mm[i] * b1 + g[i] * omb1;
+                    vv[i] = vv[i] * b2 + (g[i] * g[i]) * omb2;
+                }
+                if (has_decay)
+                    for (int64_t i = 0; i < m; i++) x[i] = x[i] * decay;
+                for (int64_t i = 0; i < m; i++) x[i] = x[i] - (mm[i] * alpha) / (sqrtf(vv[i]) * inv_bc2s + eps);
+            } else { /* rule 3 */
+                const float lr = consts[0];
+                if (has_decay)
+                    for (int64_t i = 0; i < m; i++) x[i] = x[i] * decay;
+                for (int64_t i = 0; i < m; i++) x[i] = g[i] > 0.0f ? x[i] - lr : (g[i] < 0.0f ? x[i] + lr : x[i]);
+            }
+        }
+        memcpy(master + i0, x, (size_t)m * sizeof(float));
+        write_copies(x, i0, m, offset, n_queries, queries, n_outs, outs, out_query, out_sign, buf);
     }
 }
 

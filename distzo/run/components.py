@@ -19,6 +19,7 @@ from ..parallel.mesh import Mesh
 from ..peft import apply_peft
 from ..telemetry.timing import DISABLED, Timers, WorkClock
 from ..zo.estimators import Estimator, build_estimator
+from ..zo.optimizers import Optimizer, build_optimizer
 from ..zo.params import TrainableParams
 from ..zo.subspace import ActivationCapture
 
@@ -31,7 +32,8 @@ class NothingToTrain(DistzoError):
 
 @dataclass
 class ModelStack:
-    """The model, its trainable set, the estimator and the engine that runs its probes and updates."""
+    """The model, its trainable set, the estimator, the optimizer and the engine that runs its probes
+    and updates (holding the optimizer's state)."""
 
     model: torch.nn.Module
     tokenizer: Any
@@ -39,6 +41,7 @@ class ModelStack:
     estimator: Estimator
     engine: Engine
     capture: ActivationCapture | None = None  # what the step's directions read of the activations (AGZO)
+    optimizer: Optimizer | None = None
 
     def close(self) -> None:
         self.engine.close()
@@ -47,15 +50,18 @@ class ModelStack:
 
 def build_model_stack(cfg, mesh: Mesh, seed: int, weights: Mapping[str, torch.Tensor] | None = None,
                       timers: Timers = DISABLED, clock: WorkClock | None = None, model: torch.nn.Module | None = None,
-                      tokenizer: Any = None, resident: bool = False) -> ModelStack:
+                      tokenizer: Any = None, resident: bool = False,
+                      optimizer_state: Mapping[str, torch.Tensor] | None = None) -> ModelStack:
     """The trainable model of `cfg` on `mesh`. weights: trainable tensors to start from (a
     snapshot's), by canonical name. timers / clock: phase timers and the noise threads' work clock
     (`bench`). model / tokenizer: your own, instead of loading `cfg.model`. resident: a resident
-    engine whatever the configuration's offloading and division (replay)."""
+    engine whatever the configuration's offloading and division (replay). optimizer_state: the
+    optimizer's state to start from (a snapshot's; zeros when None)."""
     kernels = native.load(cfg.engine.native, mesh.device)  # None: torch ops (same values); first, it may fail
     if model is None:
         model, tokenizer = load_model(cfg.model)
     estimator = build_estimator(cfg.estimator)
+    optimizer = build_optimizer(cfg.optim)
     apply_peft(model, cfg.peft)  # freezes the model and adds the adapter's parameters (peft != none)
     estimator.prepare_model(model)
     params = TrainableParams.from_model(model)
@@ -68,9 +74,24 @@ def build_model_stack(cfg, mesh: Mesh, seed: int, weights: Mapping[str, torch.Te
     adapter = adapter_for(model, str(cfg.model.adapter))
     engine = build_engine(mesh, model, adapter, params, directions, estimator, engine=cfg.engine, offload=cfg.offload,
                           comm=cfg.comm, micro_batch_size=cfg.micro_batch_size, prge=cfg.estimator.prge,
-                          peft_method=cfg.peft.method, timers=timers, resident=resident)
+                          peft_method=cfg.peft.method, timers=timers, resident=resident, optimizer=optimizer)
+    if optimizer.slots and optimizer_state is not None:  # a snapshot's (the engine starts from zeros)
+        engine.load_optimizer_state(check_optimizer_state(optimizer, params, optimizer_state))
     return ModelStack(model, tokenizer, params, estimator, engine,
-                      estimator.activation_capture(model, params, directions))
+                      estimator.activation_capture(model, params, directions), optimizer)
+
+
+def check_optimizer_state(optimizer: Optimizer, params: TrainableParams,
+                          tensors: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+    """A snapshot's optimizer state: exactly the tensors the optimizer keeps for this trainable set."""
+    from ..engine.optstate import state_key
+
+    want = {state_key(slot, p.name): p.shape for p in params for slot in optimizer.slots}
+    if set(tensors) != set(want) or any(tuple(tensors[k].shape) != tuple(shape) for k, shape in want.items()):
+        raise DistzoError(f"the snapshot's optimizer state does not match optim.name={optimizer.name} on this "
+                          f"trainable set (missing {sorted(set(want) - set(tensors))[:2]}, extra "
+                          f"{sorted(set(tensors) - set(want))[:2]}); resume with the settings it was written with")
+    return tensors
 
 
 @dataclass
@@ -83,6 +104,10 @@ class Components:
     stack: ModelStack
     task: PromptTask
     sampler: TrainSampler
+
+    @property
+    def optimizer(self) -> Optimizer:
+        return self.stack.optimizer
 
     @property
     def model(self) -> torch.nn.Module:
@@ -114,7 +139,8 @@ class Components:
 
 def build_components(cfg, mesh: Mesh, seed: int, weights: Mapping[str, torch.Tensor] | None = None,
                      timers: Timers = DISABLED, clock: WorkClock | None = None, model: torch.nn.Module | None = None,
-                     tokenizer: Any = None, task: PromptTask | None = None) -> Components:
+                     tokenizer: Any = None, task: PromptTask | None = None,
+                     optimizer_state: Mapping[str, torch.Tensor] | None = None) -> Components:
     """The task (`cfg.task`, or your own), the model stack (`build_model_stack`) and the sampler.
     The task is read first, right after the model and tokenizer load, so a mistake in the data costs
     no engine set-up."""
@@ -123,7 +149,8 @@ def build_components(cfg, mesh: Mesh, seed: int, weights: Mapping[str, torch.Ten
         model, tokenizer = load_model(cfg.model)
     if task is None:
         task = PromptTask(cfg.task, tokenizer, str(cfg.objective))
-    stack = build_model_stack(cfg, mesh, seed, weights, timers, clock, model, tokenizer)
+    stack = build_model_stack(cfg, mesh, seed, weights, timers, clock, model, tokenizer,
+                              optimizer_state=optimizer_state)
     return Components(cfg, mesh, seed, stack, task, TrainSampler(task.size("train"), cfg.batch_size, seed))
 
 

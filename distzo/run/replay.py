@@ -5,6 +5,11 @@ seed the directions z_k are regenerated, so the weights move exactly as they did
 no data and no forward pass. Replay drives a resident engine through the interface training uses
 (`apply`, then `materialized`), the same catch-up `resume=auto` runs, so on the same device type the
 result is bitwise the trained weights.
+
+An optimizer with state (momentum, adam) starts from the snapshot's state and updates it step by
+step as training did. Its state is a function of the trajectory (zeros at step 0), so `--from-step 0`
+rebuilds weights and state from the initial weights (a function of the configuration; `run.json`
+holds the seed) and the whole trajectory, with no snapshot at all.
 """
 
 from __future__ import annotations
@@ -19,7 +24,8 @@ from ..errors import DistzoError
 from ..parallel.mesh import Mesh
 from ..state.resume import catch_up
 from ..state.runs import load_run_config
-from ..state.snapshots import CorruptSnapshot, list_snapshots, read_snapshot
+from ..state.resume import RUN_FILE
+from ..state.snapshots import CorruptSnapshot, list_snapshots, read_optimizer_state, read_snapshot
 from ..telemetry.jsonl import read_jsonl
 from ..zo.directions import (
     DIRECTIONS_VERSION,
@@ -49,7 +55,8 @@ def replay(run_dir: Path, step: int | None = None, out: Path | None = None, devi
     target = step if step is not None else records[-1]["step"]
     if from_step is not None and from_step > target:
         raise ReplayError(f"--from-step {from_step} is after --step {target}")
-    base, tensors, state = _nearest_snapshot(run_dir, target if from_step is None else from_step)
+    base, tensors, state = _nearest_snapshot(run_dir, target if from_step is None else from_step,
+                                             initial=from_step == 0)
     if not same_directions(state.get("directions_version"), state["distribution"]):
         raise ReplayError(f"{base} drew its {state['distribution']} directions with scheme "
                           f"{state.get('directions_version')}; this distzo draws scheme {DIRECTIONS_VERSION}, so "
@@ -76,9 +83,12 @@ def replay(run_dir: Path, step: int | None = None, out: Path | None = None, devi
                           "each step's activations (not only on the seed); it cannot be replayed from the trajectory "
                           "log, resume it from its snapshots instead")
     # The same trainable set, built the same seeded way, on a resident engine of this process.
-    stack = build_model_stack(cfg, Mesh.single(device), state["seed"], weights=tensors, resident=True)
+    optimizer_state = read_optimizer_state(base) if tensors is not None else None
+    stack = build_model_stack(cfg, Mesh.single(device), state["seed"], weights=tensors, resident=True,
+                              optimizer_state=optimizer_state)
     engine = stack.engine
-    log.info("Replaying steps %d..%d of %s from %s", state["step"] + 1, target, run_dir, base.name)
+    log.info("Replaying steps %d..%d of %s from %s", state["step"] + 1, target, run_dir,
+             base.name if tensors is not None else "the initial weights")
     catch_up(engine, todo, 0, show=True)
     with engine.materialized() as weights:
         result = {p.name: p.tensor.detach().cpu().contiguous() for p in weights.params}
@@ -90,7 +100,18 @@ def replay(run_dir: Path, step: int | None = None, out: Path | None = None, devi
     return out
 
 
-def _nearest_snapshot(run_dir: Path, target: int):
+def _nearest_snapshot(run_dir: Path, target: int, initial: bool = False):
+    """(path, tensors, state) of the newest valid snapshot at or before `target`; with `initial`
+    (--from-step 0), (run.json, None, its identity at step 0): the initial weights."""
+    if initial:
+        import json
+
+        try:
+            identity = json.loads((run_dir / RUN_FILE).read_text())
+        except (OSError, ValueError) as exc:
+            raise ReplayError(f"--from-step 0 starts from the initial weights, which {run_dir}/{RUN_FILE} identifies, "
+                              f"and it is unreadable ({exc})") from None
+        return run_dir / RUN_FILE, None, dict(identity, step=0)
     candidates = [p for p in list_snapshots(run_dir) if int(p.name.split("-")[1]) <= target]
     for path in reversed(candidates):
         try:
@@ -99,4 +120,4 @@ def _nearest_snapshot(run_dir: Path, target: int):
         except CorruptSnapshot as exc:
             log.warning("Skipping a corrupt snapshot: %s", exc)
     raise ReplayError(f"no valid snapshot at or before step {target} in {run_dir}/checkpoints "
-                      "(train with checkpoint.every > 0)")
+                      "(train with checkpoint.every > 0, or replay from the initial weights with --from-step 0)")

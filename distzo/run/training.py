@@ -67,10 +67,11 @@ class StepOutcome:
     losses: torch.Tensor  # mean loss of every probe over the global batch
     result: Any  # the estimator's StepResult, or None when the step was skipped
     lr: float
+    coefficients: tuple = ()  # what the update applied (the optimizer's view of the estimate)
 
 
 def zo_step(c: Components, step: int) -> StepOutcome:
-    """One ZO-SGD step on the mesh; every rank returns the same outcome."""
+    """One ZO step on the mesh; every rank returns the same outcome."""
     cfg, mesh, engine, estimator = c.cfg, c.mesh, c.engine, c.estimator
     batch = c.task.train_batch(c.sampler.indices(step))                     # the global batch
     shard = batch.shard(mesh.data_rank, mesh.shape.data)                     # my data shard
@@ -90,8 +91,9 @@ def zo_step(c: Components, step: int) -> StepOutcome:
     if not torch.isfinite(losses).all():                                     # skip, never update
         return StepOutcome(batch, losses, None, lr)
     result = estimator.combine(losses)                                       # projected gradients
-    engine.apply(step, result.coefficients, lr, cfg.optim.weight_decay)      # same on every rank
-    return StepOutcome(batch, losses, result, lr)
+    coefficients = c.optimizer.coefficients(result)                         # FZOO: normalised by their spread
+    engine.apply(step, coefficients, lr, cfg.optim.weight_decay)             # same on every rank (the
+    return StepOutcome(batch, losses, result, lr, coefficients)              # optimizer's rule and state)
 
 
 @dataclass(frozen=True)
@@ -158,7 +160,8 @@ class Trainer:
         self.seed = self.session.seed(check_identity(cfg, point.snapshot or str(run_dir), point.identity)
                                       if point is not None else None)
         self.components = c = build_components(cfg, mesh, self.seed, point.weights() if point is not None else None,
-                                               model=model, tokenizer=tokenizer, task=task)
+                                               model=model, tokenizer=tokenizer, task=task,
+                                               optimizer_state=point.optimizer_state() if point is not None else None)
         self.start_step, self._nonfinite = 0, 0
         if point is not None:
             if point.snapshot is not None:
@@ -307,7 +310,8 @@ class Trainer:
             "wall_time_s": round(time.time() - wall_start, 1),
             "peak_rss_bytes": peak_rss_bytes(), "peak_mem_bytes": peak_memory_bytes(mesh.device),
             "trainable_parameters": c.params.numel(), "offload": str(cfg.offload.mode),
-            **self._host_master_summary(), "engine": c.engine.mode, "engine_description": c.engine.describe(),
+            **self._host_master_summary(), **self._optimizer_summary(),
+            "engine": c.engine.mode, "engine_description": c.engine.describe(),
             "replica_checksums": replica_checksums,  # every rank's, in rank order: identical (checked)
         })
         for key in ("f1", "perplexity"):  # generation: accuracy is the exact match (None for whole texts)
@@ -358,11 +362,12 @@ class Trainer:
         n_probes = len(c.estimator.dealt_plan())
         log.info("%s", c.task.describe())
         log.info("Model %s: %s", cfg.model.name, c.engine.adapter.describe())
-        log.info("Training %.2fM parameters (peft=%s) with %s (q=%d, eps=%g, %s directions), seed %d, mesh %s "
+        optimizer = "" if c.optimizer.name == "sgd" else f" and optimizer {c.optimizer.describe()}"
+        log.info("Training %.2fM parameters (peft=%s) with %s (q=%d, eps=%g, %s directions)%s, seed %d, mesh %s "
                  "(%d probes per step over %d perturbation ranks, batch %d over %d data ranks), engine: %s, "
                  "run dir %s", c.params.numel() / 1e6, cfg.peft.method, cfg.estimator.name, cfg.estimator.q,
-                 cfg.estimator.eps, cfg.estimator.distribution, self.seed, mesh.shape, n_probes, mesh.shape.pert,
-                 cfg.batch_size, mesh.shape.data, c.engine.describe(), self.run_dir)
+                 cfg.estimator.eps, cfg.estimator.distribution, optimizer, self.seed, mesh.shape, n_probes,
+                 mesh.shape.pert, cfg.batch_size, mesh.shape.data, c.engine.describe(), self.run_dir)
         if mesh.shape.pert > n_probes:
             log.warning("mesh P=%d exceeds the %d probes a step needs: %d perturbation ranks idle; raise "
                         "estimator.q to use them", mesh.shape.pert, n_probes, mesh.shape.pert - n_probes)
@@ -371,7 +376,7 @@ class Trainer:
         """The step's trajectory record (what resume and replay re-apply), metrics line and progress."""
         cfg, result, lr, batch = self.cfg, out.result, out.lr, out.batch
         self.trajectory.append({"step": step + 1, "update": step,
-                                "coefficients": [list(c) for c in result.coefficients], "lr": lr,
+                                "coefficients": [list(c) for c in out.coefficients], "lr": lr,
                                 "weight_decay": cfg.optim.weight_decay, "grads": list(result.grads)})
         transfers = self._step_transfers(moved_before) if cfg.offload.mode != "none" else {}
         self.metrics.write("train", step=step + 1, loss=result.loss, projected_grad=result.grads[0],
@@ -382,6 +387,15 @@ class Trainer:
         self._loss_ema = result.loss if ema is None else 0.9 * ema + 0.1 * result.loss
         self._progress.update(step + 1, f"loss {self._loss_ema:.4f} lr {lr:.2e} {step_time:.2f}s/step",
                               force=(step + 1) % cfg.log_every == 0)
+
+    def _optimizer_summary(self) -> dict[str, Any]:
+        """The optimizer and its state's memory: one copy's bytes, and what the node holds of it
+        (summed over the node's ranks: one copy where they share it, one per rank where not)."""
+        engine, node = self.components.engine, self.mesh.node
+        mem = engine.optimizer_state_bytes()
+        (node_resident,) = node.all_sum([mem["resident"]])
+        return {"optimizer": self.components.optimizer.name, "optimizer_state_bytes": mem["copy"],
+                "optimizer_state_node_bytes": int(node_resident)}
 
     def _host_master_summary(self) -> dict[str, Any]:
         """The offloaded master's host memory: one copy's size, and what the node holds resident of

@@ -33,14 +33,14 @@ class Checkpointer:
         return bool(self.every) and step % self.every == 0
 
     def save(self, engine: Engine, step: int, nonfinite_in_a_row: int) -> Path | None:
-        """A snapshot of the weights after `step` (every rank calls it: the engine materialises them
-        together); returns its path on rank 0."""
+        """A snapshot of the weights (and the optimizer's state) after `step` (every rank calls it:
+        the engine materialises them together); returns its path on rank 0."""
         with engine.materialized() as weights:
             if not self.mesh.is_main:
                 return None
             self.trajectory.sync()
             state = dict(self.identity, nonfinite_in_a_row=nonfinite_in_a_row, pending_update=None)
             path = write_snapshot(self.run_dir, step, {p.name: p.tensor for p in weights.params}, state,
-                                  self.keep)
+                                  self.keep, optimizer_state=engine.optimizer_state())
         log.info("Snapshot at step %d: %s", step, path)
         return path

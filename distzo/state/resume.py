@@ -32,9 +32,11 @@ from ..telemetry.jsonl import read_jsonl, truncate_after
 from ..telemetry.metrics import Progress
 from ..zo.directions import DIRECTIONS_VERSION, gaussian_generator_id, same_directions
 from ..zo.estimators import estimator_type
+from ..zo.optimizers import OPTIMIZER_TYPES, optimizer_type
 from .snapshots import (
     list_snapshots,
     newest_valid_snapshot,
+    read_optimizer_state,
     read_snapshot,
     snapshots_dir,
 )
@@ -54,6 +56,11 @@ def config_fingerprint(cfg) -> str:
     keys = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "task", "estimator", "optim", "peft")}
     if keys["model"].get("adapter", "auto") == "auto":
         keys["model"].pop("adapter", None)  # the default: fingerprints of runs from before the option stay valid
+    # The optimizer's name and its own keys count; sgd's fingerprint is what it was before optimizers had names.
+    optimizer = optimizer_type(keys["optim"].get("name", "sgd"))
+    for key in ("name", *(k for t in OPTIMIZER_TYPES.values() for k in t.keys)):
+        if optimizer.name == "sgd" or (key != "name" and key not in optimizer.keys):
+            keys["optim"].pop(key, None)
     if str(cfg.engine.compute) != "fp32":
         keys["compute"] = str(cfg.engine.compute)  # the forward's arithmetic shapes the losses
     keys["batch_size"] = cfg.batch_size
@@ -89,6 +96,10 @@ class ResumePoint:
     def weights(self) -> dict[str, torch.Tensor] | None:
         """The snapshot's trainable tensors (verified again on this rank), or None."""
         return read_snapshot(Path(self.snapshot))[0] if self.snapshot is not None else None
+
+    def optimizer_state(self) -> dict[str, torch.Tensor] | None:
+        """The snapshot's optimizer state, or None (no snapshot: the state starts from zeros)."""
+        return read_optimizer_state(Path(self.snapshot)) if self.snapshot is not None else None
 
 
 def check_identity(cfg, where: str, identity: dict[str, Any]) -> int:

@@ -1,8 +1,9 @@
 """Run state on disk: snapshots, the trajectory log, and the final model. Nothing here unpickles.
 
 - A **snapshot** is `checkpoints/step-NNNNNNNN/` holding `weights.safetensors` (the trainable
-  parameters under their canonical names) and `state.json` (step, seed, direction scheme, mesh,
-  config fingerprint, the weights' sha256). It is written as a hidden temporary folder, fsynced and
+  parameters under their canonical names), with an optimizer that keeps state (momentum, adam)
+  `optimizer.safetensors` (its state tensors, `<slot>/<parameter>`), and `state.json` (step, seed,
+  direction scheme, mesh, config fingerprint, the optimizer, the files' sha256). It is written as a hidden temporary folder, fsynced and
   renamed into place, so a crash leaves either a complete snapshot or an ignored temporary. Deferred
   (offloaded) updates are flushed before a snapshot, so none is ever pending in one.
 - The **trajectory log** `trajectory.jsonl` (written by the driver) has one line per step with
@@ -88,9 +89,13 @@ def list_snapshots(run_dir: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.is_dir() and _SNAPSHOT_RE.match(p.name))
 
 
+OPTIMIZER_FILE = "optimizer.safetensors"
+
+
 def write_snapshot(run_dir: Path, step: int, tensors: dict[str, torch.Tensor], state: dict[str, Any],
-                   keep: int) -> Path:
-    """Write a snapshot atomically and prune to the newest `keep`."""
+                   keep: int, optimizer_state: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write a snapshot atomically and prune to the newest `keep`. optimizer_state: the optimizer's
+    state tensors (none for sgd), in `optimizer.safetensors`."""
     root = snapshots_dir(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:08d}"
@@ -102,6 +107,11 @@ def write_snapshot(run_dir: Path, step: int, tensors: dict[str, torch.Tensor], s
     _fsync_file(tmp / "weights.safetensors")
     full_state = dict(state, step=step, format=SNAPSHOT_FORMAT,
                       weights_sha256=sha256_of(tmp / "weights.safetensors"))
+    if optimizer_state:
+        cpu = {k: v.detach().to("cpu").contiguous() for k, v in optimizer_state.items()}
+        save_file(cpu, tmp / OPTIMIZER_FILE, metadata={"step": str(step), "format": str(SNAPSHOT_FORMAT)})
+        _fsync_file(tmp / OPTIMIZER_FILE)
+        full_state["optimizer_sha256"] = sha256_of(tmp / OPTIMIZER_FILE)
     with open(tmp / "state.json", "w", encoding="utf-8") as fh:
         json.dump(full_state, fh, indent=2, sort_keys=True)
         fh.flush()
@@ -139,10 +149,25 @@ def read_snapshot(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         raise CorruptSnapshot(f"{path}: weights.safetensors is missing")
     if sha256_of(weights) != state.get("weights_sha256"):
         raise CorruptSnapshot(f"{path}: weights.safetensors does not match its sha256 (truncated or corrupted)")
+    if state.get("optimizer_sha256") is not None:
+        optimizer = path / OPTIMIZER_FILE
+        if not optimizer.is_file() or sha256_of(optimizer) != state["optimizer_sha256"]:
+            raise CorruptSnapshot(f"{path}: {OPTIMIZER_FILE} is missing or does not match its sha256")
     try:
         return load_file(weights), state
     except Exception as exc:  # safetensors raises its own error types
         raise CorruptSnapshot(f"{path}: weights.safetensors unreadable ({exc})") from None
+
+
+def read_optimizer_state(path: Path) -> dict[str, torch.Tensor] | None:
+    """A snapshot's optimizer state (verified by `read_snapshot` before), or None (sgd's: none)."""
+    file = Path(path) / OPTIMIZER_FILE
+    if not file.is_file():
+        return None
+    try:
+        return load_file(file)
+    except Exception as exc:  # safetensors raises its own error types
+        raise CorruptSnapshot(f"{path}: {OPTIMIZER_FILE} unreadable ({exc})") from None
 
 
 def newest_valid_snapshot(run_dir: Path) -> tuple[Path, dict[str, torch.Tensor], dict[str, Any]] | None:

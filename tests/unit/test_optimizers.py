@@ -1,0 +1,364 @@
+"""The ZO optimizers (docs/optimizers.md): each update rule against its formula computed in float64
+by a plain loop; the fused kernels and the torch ops bitwise alike; momentum at 0 is sgd bitwise;
+FZOO's normalisation; offloaded = resident with state (every slot count, reduced precision within
+its tolerance); the state in snapshots, resume and replay; configuration errors; sgd's fingerprint."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from distzo import native
+from distzo.data.objectives import objective_sums
+from distzo.engine import OffloadEngine, ResidentEngine
+from distzo.engine.chunkpass import PendingUpdate, chunk_pass
+from distzo.engine.optstate import state_key
+from distzo.engine.update import Target, apply_update
+from distzo.models.loading import random_model
+from distzo.models.selection import adapter_for
+from distzo.zo.directions import Directions, chunks_of, param_key
+from distzo.zo.estimators import SPSA, StepResult
+from distzo.zo.optimizers import FZOO, OPTIMIZERS, SGD, Adam, Momentum, Sign, build_optimizer
+from distzo.zo.params import TrainableParam
+from tests.unit.test_offload import batches
+
+STATEFUL = {"momentum": lambda: Momentum(0.9), "adam": lambda: Adam(0.9, 0.999, 1e-8), "sign": Sign}
+# (step, coefficients, lr, weight decay) of three updates: two queries, signs of both kinds
+STEPS = [(0, ((0, 0.83), (1, -1.7)), 3e-3, 0.1), (1, ((0, -0.4), (1, 2.2)), 3e-3, 0.1),
+         (2, ((0, 1.1), (1, 0.05)), 2e-3, 0.1)]
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    k = native.load("true")
+    assert k is not None
+    return k
+
+
+def small_params(seed: int = 0) -> list[TrainableParam]:
+    g = torch.Generator().manual_seed(seed)
+    return [TrainableParam("a.weight", torch.randn(9, 13, generator=g) * 0.1, param_key("a.weight"), True),
+            TrainableParam("a.bias", torch.randn(31, generator=g) * 0.1, param_key("a.bias"), False)]
+
+
+def reference(name: str, params, directions: Directions) -> tuple[list[list[float]], list[list[list[float]]]]:
+    """The optimizer's three updates in float64, element by element, from the z the directions
+    draw (float32 values, read exactly): ZO-Bench's / torch's definitions with decoupled weight decay."""
+    xs = [[float(v) for v in p.tensor.view(-1)] for p in params]
+    slots = {"momentum": 1, "adam": 2}.get(name, 0)
+    state = [[[0.0] * len(x) for _ in range(slots)] for x in xs]
+    for step, coefficients, lr, wd in STEPS:
+        if name == "fzoo":
+            g = [c * 2 for _, c in coefficients]  # grads of a q = 2 estimate (c_k = g_k / q)
+            spread = math.sqrt(sum((v - sum(g) / 2) ** 2 for v in g) / 2)
+            coefficients = tuple((k, c / spread) for k, c in coefficients)
+        zs = [[[float(v) for v in directions.generate(p.shape, p.key, step, k).view(-1)] for k, _ in coefficients]
+              for p in params]
+        for x, st, z, p in zip(xs, state, zs, params):
+            decay = 1 - lr * wd if p.decay else 1.0
+            t = step + 1
+            for i in range(len(x)):
+                g = sum(c * z[j][i] for j, (_, c) in enumerate(coefficients))  # sum_k c_k z_k
+                if name in ("sgd", "fzoo"):
+                    x[i] = x[i] * decay - lr * g
+                elif name == "momentum":
+                    st[0][i] = 0.9 * st[0][i] + lr * g
+                    x[i] = x[i] * decay - st[0][i]
+                elif name == "adam":
+                    st[0][i] = 0.9 * st[0][i] + 0.1 * g
+                    st[1][i] = 0.999 * st[1][i] + 0.001 * g * g
+                    m_hat, v_hat = st[0][i] / (1 - 0.9 ** t), st[1][i] / (1 - 0.999 ** t)
+                    x[i] = x[i] * decay - lr * m_hat / (math.sqrt(v_hat) + 1e-8)
+                elif name == "sign":
+                    x[i] = x[i] * decay - lr * ((g > 0) - (g < 0))
+    return xs, state
+
+
+def run_engine_updates(name: str, params, directions: Directions) -> tuple[list, list]:
+    """The same three updates through the engine's update pass (`apply_update`), float32."""
+    opt = build_optimizer_by_name(name)
+    state = {p.name: tuple(torch.zeros_like(p.tensor) for _ in opt.slots) for p in params}
+    for step, coefficients, lr, wd in STEPS:
+        if name == "fzoo":
+            coefficients = opt.coefficients(StepResult(0.0, tuple(c * 2 for _, c in coefficients), coefficients))
+        u = PendingUpdate(step, coefficients, lr, wd, rule=opt.rule(step, lr, wd))
+        apply_update(directions, [Target(p, p.tensor, state=state[p.name]) for p in params], u)
+    return [p.tensor.view(-1).tolist() for p in params], [[t.view(-1).tolist() for t in state[p.name]] for p in params]
+
+
+def build_optimizer_by_name(name: str):
+    return {"sgd": SGD, "fzoo": FZOO, **STATEFUL}[name]()
+
+
+@pytest.mark.parametrize("native_kernels", [False, True])
+@pytest.mark.parametrize("name", ["sgd", "momentum", "adam", "sign", "fzoo"])
+def test_each_update_is_its_formula_in_float64(name, native_kernels, kernels):
+    """Three steps of two queries with weight decay (the bias exempt): weights and state within
+    float32 rounding of the float64 loop (relative 1e-5 of what the updates moved; measured: a few
+    1e-7). Sign's update is lr times +-1, so its weights agree to rounding exactly as well."""
+    directions = Directions(5, "gaussian", threads=1, kernels=kernels if native_kernels else None)
+    start = small_params()
+    want_x, want_state = reference(name, small_params(), directions)
+    got_x, got_state = run_engine_updates(name, small_params(), directions)
+    for x0, w, g in zip(start, want_x, got_x):
+        moved = max(abs(a - b) for a, b in zip(w, x0.tensor.view(-1).tolist()))
+        assert moved > 1e-3
+        assert max(abs(a - b) for a, b in zip(w, g)) < 1e-5 * moved + 1e-7
+    for ws, gs in zip(want_state, got_state):
+        for w, g in zip(ws, gs):
+            scale = max(abs(v) for v in w)
+            assert scale > 0 and max(abs(a - b) for a, b in zip(w, g)) < 1e-5 * scale
+
+
+RULE_CASES = {  # terms, decay, queries written, part of the chunk
+    "one term, one query": (((0, 0.83),), 0.0, (0,), None),
+    "two terms, decay, two queries": (((0, -1.7), (1, 0.4)), 0.1, (0, 1), None),
+    "three terms, no copies": (((0, 0.5), (1, -0.25), (2, 1.5)), 0.01, (), None),
+    "no terms (zero coefficients)": (((0, 0.0),), 0.2, (0,), None),
+    "a slice inside the chunk": (((0, 0.9), (1, -0.3)), 0.05, (1,), (37, 4099)),
+}
+
+
+@pytest.mark.parametrize("distribution", ["gaussian", "rademacher"])
+@pytest.mark.parametrize("name", list(STATEFUL))
+@pytest.mark.parametrize("case", list(RULE_CASES))
+def test_fused_rule_is_bitwise_the_torch_ops(kernels, name, distribution, case, monkeypatch):
+    terms, wd, queries, part = RULE_CASES[case]
+    calls = []
+    original = kernels.chunk_rule
+    monkeypatch.setattr(kernels, "chunk_rule", lambda *a, **kw: (calls.append(1), original(*a, **kw))[1])
+    opt = STATEFUL[name]()
+    numel = 5003
+    results = []
+    for k in (None, kernels):
+        d = Directions(11, distribution, threads=1, kernels=k)
+        g = torch.Generator().manual_seed(1)
+        p = TrainableParam("layer.weight", torch.randn(numel, generator=g), param_key("layer.weight"), True)
+        ref = chunks_of(p.key, p.shape)[0]
+        lo, hi = part or (0, numel)
+        state = [torch.randn(hi - lo, generator=g).abs() for _ in opt.slots]
+        copies = {q: [(+1, torch.empty(hi - lo)), (-1, torch.empty(hi - lo))] for q in queries}
+        for step in (4, 5):  # twice: the state of one pass feeds the next
+            u = PendingUpdate(step, terms, 3e-3, wd, rule=opt.rule(step, 3e-3, wd))
+            chunk_pass(d, p, ref, p.tensor[lo:hi], u, step=step + 1, eps=1e-3, copies=copies, part=part, state=state)
+        results.append([p.tensor, *state, *(out for outs in copies.values() for _, out in outs)])
+    assert calls  # the second run really ran in the kernels
+    for torch_ops, fused in zip(*results):
+        assert torch.equal(torch_ops, fused)
+
+
+def test_a_gaussian_rule_step_with_many_copies_spans_two_calls(kernels, monkeypatch):
+    """The rule's call holds every term; copies whose z no longer fits in the value slots follow in
+    the plain kernel, reading the updated master."""
+    rule_calls, plain_calls = [], []
+    for attr, log in (("chunk_rule", rule_calls), ("chunk", plain_calls)):
+        original = getattr(kernels, attr)
+        monkeypatch.setattr(kernels, attr, lambda *a, _o=original, _l=log, **kw: (_l.append(1), _o(*a, **kw))[1])
+    d = Directions(2, "gaussian", threads=1, kernels=kernels)
+    p = TrainableParam("w", torch.randn(3000), param_key("w"), True)
+    u = PendingUpdate(1, ((0, 1.0), (1, 2.0)), 1e-3, 0.0, rule=Adam().rule(1, 1e-3, 0.0))
+    state = [torch.zeros(3000), torch.zeros(3000)]
+    chunk_pass(d, p, chunks_of(p.key, p.shape)[0], p.tensor, u, step=2, eps=1e-3, state=state,
+               copies={0: [(1, torch.empty(3000))], 1: [(-1, torch.empty(3000))], 2: [(1, torch.empty(3000))]})
+    assert len(rule_calls) == 1 and len(plain_calls) == 1
+
+
+def tiny_run(tmp_path, name, *overrides):
+    import distzo
+
+    cfg = distzo.compose("model=tiny", "task=synthetic-cue", "steps=4", "eval_every=0", "task.val_size=8",
+                         "task.test_size=8", "batch_size=8", "optim.lr=1e-3", "checkpoint.every=2",
+                         "threads=1", "log_every=1000", *overrides)
+    return distzo.train(cfg, tmp_path / name)
+
+
+@pytest.mark.parametrize("distribution", ["gaussian", "rademacher"])
+def test_momentum_at_zero_is_sgd_bitwise(tmp_path, distribution):
+    """mu = 0 leaves the momentum buffer holding only this step's terms and x receiving exactly sgd's
+    operations: the weights are sgd's, bitwise (q = 2, weight decay, the fused pass and the outer stage)."""
+    from safetensors.torch import load_file
+
+    common = ["estimator.q=2", f"estimator.distribution={distribution}", "optim.weight_decay=0.1"]
+    tiny_run(tmp_path, "sgd", *common)
+    tiny_run(tmp_path, "momentum", *common, "optim.name=momentum", "optim.momentum=0")
+    a = load_file(tmp_path / "sgd" / "final" / "model.safetensors")
+    b = load_file(tmp_path / "momentum" / "final" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    state = load_file(tmp_path / "momentum" / "checkpoints" / "step-00000004" / "optimizer.safetensors")
+    assert state and all(k.startswith("momentum/") for k in state)
+
+
+def test_fzoo_divides_by_the_spread_of_the_one_sided_losses():
+    est = SPSA(eps=1e-3, q=4, difference="forward")
+    losses = torch.tensor([0.70, 0.7021, 0.6990, 0.7003, 0.7040], dtype=torch.float64)
+    coefficients = FZOO().coefficients(est.combine(losses))
+    perturbed = losses[1:]
+    spread = float(perturbed.std(unbiased=False))  # FZOO's sigma: the losses' population std
+    want = [float(lk - losses[0]) / (4 * spread) for lk in perturbed]  # (l_k - l_0) / (N sigma)
+    assert [k for k, _ in coefficients] == [0, 1, 2, 3]
+    assert all(abs(c - w) < 1e-9 * abs(w) for (_, c), w in zip(coefficients, want))
+    tied = FZOO().coefficients(est.combine(torch.full((5,), 0.7, dtype=torch.float64)))
+    assert tied == ((0, 0.0), (1, 0.0), (2, 0.0), (3, 0.0))  # no spread: no step
+
+
+def test_the_optimizer_lists_agree():
+    from distzo.config import validation
+
+    assert validation.OPTIMIZERS == OPTIMIZERS
+
+
+def test_sgd_keeps_its_resume_fingerprint():
+    """Runs from before optimizers had names resume: sgd's fingerprint leaves the new keys out
+    (values recorded at the commit before them); the other optimizers' include their own keys only."""
+    import distzo
+    from distzo.state.resume import config_fingerprint
+
+    assert config_fingerprint(distzo.compose(validate=False)) == "b2b1e3f36e13a274"
+    assert config_fingerprint(distzo.compose("optim.name=sgd", "optim.beta2=0.5", validate=False)) == "b2b1e3f36e13a274"
+    adam = config_fingerprint(distzo.compose("optim.name=adam", validate=False))
+    assert adam != "b2b1e3f36e13a274"
+    assert config_fingerprint(distzo.compose("optim.name=adam", "optim.momentum=0.1", validate=False)) == adam
+    assert config_fingerprint(distzo.compose("optim.name=adam", "optim.beta2=0.99", validate=False)) != adam
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["optim.name=adamw"], "optim.name=adamw is not an optimizer; use one of: sgd, momentum, adam, sign, fzoo"),
+    (["optim.name=momentum", "optim.momentum=1"], "optim.momentum=1.0 is out of range; it must be >= 0 and < 1"),
+    (["optim.name=fzoo"], "add estimator.difference=forward estimator.q=8"),
+    (["optim.name=fzoo", "estimator.difference=forward"], "use estimator.q >= 2 (FZOO uses 8)"),
+    (["optim.name=fzoo", "estimator=prge", "peft=lora_fa"], "use estimator=mezo estimator.difference=forward"),
+])
+def test_configuration_errors(overrides, message):
+    import distzo
+
+    with pytest.raises(distzo.ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        distzo.compose("model=tiny", *overrides)
+
+
+def offload_engine(name: str, offload: bool, slots: int = 3, transfer_dtype=None):
+    model = random_model("llama", 400, {"num_hidden_layers": 4}, 0, torch.float32)
+    from distzo.zo.params import TrainableParams
+
+    params = TrainableParams.from_model(model)
+    kwargs = dict(eps=1e-3, optimizer=build_optimizer_by_name(name))
+    if offload:
+        return model, OffloadEngine(model, adapter_for(model), params, Directions(11), slots=slots,
+                                    transfer_dtype=transfer_dtype, **kwargs)
+    return model, ResidentEngine(model, adapter_for(model), params, Directions(11), **kwargs)
+
+
+def train(eng, steps=5, lr=1e-3):
+    est = SPSA(eps=1e-3, q=2)
+    grads = []
+    for step, b in zip(range(steps), batches(steps)):
+        scores = eng.run_probes(b, est.plan(), step)
+        sums = torch.stack([objective_sums(scores[i], b) for i in range(len(est.plan()))])
+        result = est.combine(sums[:, 0] / sums[:, 1])
+        eng.apply(step, result.coefficients, lr, 0.1)
+        grads.append(result.grads)
+    return grads
+
+
+@pytest.mark.parametrize("name", ["momentum", "adam"])
+@pytest.mark.parametrize("slots", [1, 3])
+def test_offloaded_state_is_streamed_and_bitwise_resident(name, slots):
+    """The blocks' state lives beside their host masters and moves with them; weights and state
+    equal the resident engine's bitwise (1 slot: every block uploaded each step; 3 slots: blocks
+    stay in their slots, their state too)."""
+    res_model, res = offload_engine(name, offload=False)
+    off_model, off = offload_engine(name, offload=True, slots=slots)
+    before = off.transfer_stats()
+    assert train(res) == train(off)
+    with res.materialized(), off.materialized():
+        r, o = res.optimizer_state(), off.optimizer_state()
+        assert r.keys() == o.keys() and len(r) == len(list(res.params)) * len(res.optimizer.slots)
+        assert all(torch.equal(r[k], o[k]) for k in r) and any(float(v.abs().max()) > 0 for v in r.values())
+    rs, os_ = res_model.state_dict(), off_model.state_dict()
+    assert all(torch.equal(rs[k], os_[k]) for k in rs)
+    state_bytes = sum(t.numel() * 4 for b in off.host_blocks for t in b.state)
+    moved = off.transfer_stats()["h2d_bytes"] - before["h2d_bytes"]
+    assert state_bytes > 0 and moved >= 4 * state_bytes  # the state went up with the blocks, every step
+    assert off.optimizer_state_bytes()["copy"] == res.optimizer_state_bytes()["copy"] == (
+        4 * len(res.optimizer.slots) * res.params.numel())
+
+
+def test_reduced_precision_transfer_keeps_the_state_at_full_precision():
+    """bf16 transfer rounds the weights a block computes on, not its optimizer state, which travels
+    at float32 both ways. Momentum (linear in the estimate) then tracks the resident run as sgd
+    does (tests/unit/test_offload.py's 2% of what training moved). Adam's normalised step does not
+    shrink with the estimate, so a projected gradient whose sign the rounding flips moves whole
+    elements by lr: docs/optimizers.md says so, and this test keeps to momentum."""
+    res_model, res = offload_engine("momentum", offload=False)
+    off_model, off = offload_engine("momentum", offload=True, slots=2, transfer_dtype=torch.bfloat16)
+    init = {k: v.clone() for k, v in res_model.state_dict().items()}
+    train(res)
+    train(off)
+    assert all(t.dtype == torch.float32 for b in off.host_blocks for t in b.state)
+    assert all(t.dtype == torch.float32 for ts in off.streamer.state_slots for t in ts)
+    with res.materialized(), off.materialized():
+        r, o = res.optimizer_state(), off.optimizer_state()
+        scale = max(float(v.abs().max()) for v in r.values())
+        gap = max(float((r[k] - o[k]).abs().max()) for k in r)
+    assert 0 < gap < 0.02 * scale
+    rs, os_ = res_model.state_dict(), off_model.state_dict()
+    moved = max(float((rs[k] - init[k]).abs().max()) for k in rs)
+    assert moved > 1e-3 and max(float((rs[k] - os_[k]).abs().max()) for k in rs) < 0.02 * moved
+
+
+def test_loaded_state_continues_bitwise(tmp_path):
+    """A snapshot's state loaded into a fresh engine (resident, and offloaded with one slot)
+    continues exactly as the engine that wrote it."""
+    for offload in (False, True):
+        _, a = offload_engine("adam", offload=offload, slots=1)
+        train(a, steps=3)
+        with a.materialized():
+            weights = {p.name: p.tensor.clone() for p in a.params}
+            state = {k: v.clone() for k, v in a.optimizer_state().items()}
+        model_b, b = offload_engine("adam", offload=offload, slots=1)
+        b.params.load(weights)
+        b.load_optimizer_state(state)
+        rest = list(batches(5))[3:]
+
+        def more(eng):
+            est = SPSA(eps=1e-3, q=2)
+            for step, batch in zip((3, 4), rest):
+                scores = eng.run_probes(batch, est.plan(), step)
+                sums = torch.stack([objective_sums(scores[i], batch) for i in range(len(est.plan()))])
+                eng.apply(step, est.combine(sums[:, 0] / sums[:, 1]).coefficients, 1e-3, 0.1)
+            with eng.materialized():
+                return {p.name: p.tensor.clone() for p in eng.params}, dict(eng.optimizer_state())
+
+        wa, sa = more(a)
+        wb, sb = more(b)
+        assert all(torch.equal(wa[k], wb[k]) for k in wa) and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+@pytest.mark.parametrize("name", ["momentum", "adam"])
+def test_replay_rebuilds_weights_from_a_snapshot_and_from_the_trajectory_alone(tmp_path, name):
+    """The state is written in snapshots and rebuilt by replay: from the step-2 snapshot (its
+    weights and state), and from the initial weights with zero state (--from-step 0), bitwise."""
+    from safetensors.torch import load_file
+
+    from distzo.run.replay import replay
+    from distzo.state.snapshots import read_optimizer_state
+
+    tiny_run(tmp_path, "run", f"optim.name={name}", "optim.lr=1e-4")
+    run_dir = tmp_path / "run"
+    final = load_file(run_dir / "final" / "model.safetensors")
+    saved = read_optimizer_state(run_dir / "checkpoints" / "step-00000002")
+    assert saved and all(k.split("/")[0] in build_optimizer_by_name(name).slots for k in saved)
+    for from_step in (2, 0):
+        out = replay(run_dir, from_step=from_step, out=tmp_path / f"replayed-{from_step}.safetensors")
+        got = load_file(out)
+        assert got and all(torch.equal(got[k], final[k]) for k in got if k in final)
+        assert sum(k in final for k in got) >= len(final) - 1  # a tied head is saved once
+
+
+def test_build_optimizer_reads_the_config():
+    import distzo
+
+    assert isinstance(build_optimizer(distzo.compose(validate=False).optim), SGD)
+    adam = build_optimizer(distzo.compose("optim.name=adam", "optim.beta2=0.99", validate=False).optim)
+    assert isinstance(adam, Adam) and adam.beta2 == 0.99 and state_key("exp_avg", "w") == "exp_avg/w"

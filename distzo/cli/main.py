@@ -16,6 +16,14 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+from ..errors import DistzoError
+from ..parallel.launch_env import (
+    adopt_slurm_environment,
+    launched_rank,
+    launched_world_size,
+    launcher,
+)
+
 COMMANDS = {
     "train": "fine-tune a model with zeroth-order SGD (forward passes only)",
     "prepare": "convert and cache the model and data a config needs (run once after install)",
@@ -78,7 +86,7 @@ def wait_for_failing_siblings(timeout_s: float = 20.0) -> None:
     failing rank counts itself on torchrun's store and waits (bounded) until all ranks have reported,
     so the job ends with every rank's line."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1 or "MASTER_ADDR" not in os.environ:
+    if world <= 1 or "TORCHELASTIC_RUN_ID" not in os.environ:  # no agent's store to count on (srun, plain)
         return
     import datetime
     import time
@@ -192,10 +200,12 @@ def run_hydra(task: Callable, command: str, args: list[str]) -> None:
     register_configs()
     flags, overrides = split_args(args)
     multirun = bool(_MULTIRUN.intersection(flags))
-    if multirun and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if multirun and launched_world_size() > 1:
         fail("-m (multirun) cannot run under torchrun: every rank would sweep on its own; run one torchrun "
              "per configuration instead")
-    if multirun and any(_key(o) == "mesh" and ("," in o or "(" in o) for o in overrides):
+    # Jobs of a launcher other than Hydra's basic one (submitit's) run elsewhere, each its own mesh.
+    remote = multirun and any(_key(o) == "hydra/launcher" and o.split("=", 1)[-1] != "basic" for o in overrides)
+    if multirun and not remote and any(_key(o) == "mesh" and ("," in o or "(" in o) for o in overrides):
         fail(f"{command} -m runs every configuration in this one process, so the mesh cannot vary; sweep layouts "
              "with python -m distzo sweep mesh=1x2,2x1 ... (one torchrun job per layout)")
     try:
@@ -206,8 +216,8 @@ def run_hydra(task: Callable, command: str, args: list[str]) -> None:
         fail(str(exc))
     if not _SKIP_PRECHECK.intersection(flags):
         # eval deals its batches over whatever processes run (the library fits the mesh to them)
-        cfg = compose_and_validate(overrides, multirun=multirun, check_world=command != "eval")
-        if not multirun and int(os.environ.get("RANK", "0")) == 0:
+        cfg = compose_and_validate(overrides, multirun=multirun, check_world=command != "eval" and not remote)
+        if not multirun and launched_rank() == 0:
             claim_run_dir(cfg)
     sys.argv = ([f"distzo {command}"] + flags + overrides + worker_overrides()
                 + [f"hydra.help.app_name={command}"])
@@ -218,7 +228,7 @@ def worker_overrides() -> list[str]:
     """Under torchrun every rank runs this CLI; only rank 0 may create the run directory and its logs
     (otherwise Hydra makes one timestamped directory per rank). Other ranks stay in the current
     directory, write no .hydra/ and no log file, and adopt rank 0's run directory by broadcast."""
-    if int(os.environ.get("RANK", "0")) == 0:
+    if launched_rank() == 0:
         return []
     return ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=worker", "hydra/hydra_logging=none"]
 
@@ -231,7 +241,7 @@ def _run_dir():
 
     from ..run.rundir import RunDirectory
 
-    if int(os.environ.get("RANK", "0")) != 0:
+    if launched_rank() != 0:
         return None
     output = Path(HydraConfig.get().runtime.output_dir)
     if _CLAIMED is not None:
@@ -258,14 +268,18 @@ def _train_task(cfg) -> float | None:
     try:
         summary = _in_hydra(train, cfg, _run_dir(), validate_config=_CLAIMED is None)
     except Stopped as stop:
-        if int(os.environ.get("RANK", "0")) == 0:
+        if launched_rank() == 0:
             from hydra.core.hydra_config import HydraConfig
 
             where = f"snapshot {stop.snapshot}" if stop.snapshot else "a snapshot"
             print(f"distzo: stopped on {stop.signame} after step {stop.step}, {where}; continue with resume=auto "
                   f"hydra.run.dir={HydraConfig.get().runtime.output_dir}", file=sys.stderr, flush=True)
         raise SystemExit(EXIT_STOPPED)
-    return summary.get("validation_accuracy_after")
+    metric = str(cfg.sweep.metric)
+    if metric not in summary:
+        fail(f"sweep.metric={metric} is not a field of the run's summary; use one of: "
+             f"{', '.join(k for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool))}")
+    return summary[metric]
 
 
 def _bench_task(cfg) -> None:
@@ -280,6 +294,46 @@ def _eval_task(cfg) -> None:
     from ..run.evaluation import evaluate
 
     _in_hydra(evaluate, cfg, _run_dir(), overrides=list(HydraConfig.get().overrides.task))
+
+
+def start_own_workers(command: str, args: list[str]) -> bool:
+    """A plain process (no torchrun, no srun) whose mesh needs several: start them here, as local
+    workers each running this same command (distzo.run.launcher), and exit with the job's status.
+    The configuration is checked once first, so a mistake costs one line, not one per worker."""
+    from ..parallel.shape import MeshShape
+    from ..run.launcher import WorkerFailed, start_local_workers
+    flags, overrides = split_args(args)
+    if launcher() != "none" or _MULTIRUN.intersection(flags) or _SKIP_PRECHECK.intersection(flags) or "--cfg" in flags:
+        return False
+    cfg = compose_and_validate(overrides, check_world=False)
+    needed = MeshShape.parse(cfg.mesh).size
+    nproc = cfg.launch.nproc or needed
+    if command != "eval" and nproc != needed:
+        fail(f"launch.nproc={nproc} does not fit mesh={cfg.mesh}, which needs {needed} processes; leave launch.nproc "
+             f"unset (it starts what the mesh needs) or use a mesh of {nproc} processes")
+    if nproc <= 1:
+        return False
+    from ..parallel.mesh import device_type
+
+    try:
+        if device_type(str(cfg.device)) == "cuda":
+            import torch
+
+            if nproc > torch.cuda.device_count():
+                fail(f"mesh={cfg.mesh} needs {nproc} processes, one per GPU, but this machine shows "
+                     f"{torch.cuda.device_count()} GPUs; use a mesh of at most {torch.cuda.device_count()} processes "
+                     "here, or launch across nodes (torchrun, srun; docs/cluster.md)")
+    except DistzoError as exc:
+        fail(str(exc))
+    try:
+        start_local_workers(nproc, [command, *args], cfg.launch)
+    except WorkerFailed as exc:
+        if str(exc):
+            from ..errors import write_error_line
+
+            write_error_line(str(exc))
+        raise SystemExit(exc.exit_code) from None
+    return True
 
 
 def prepare(args: list[str]) -> None:
@@ -336,7 +390,7 @@ def sweep_command(args: list[str]) -> None:
     overrides = overrides_only(args, "sweep", SWEEP_USAGE, " (every comma-separated value is swept)")
     if overrides is None:
         return
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if launched_world_size() > 1:
         fail("sweep cannot run under torchrun: it launches one torchrun job per configuration itself; run "
              "python -m distzo sweep ...")
     try:
@@ -380,6 +434,12 @@ def main(argv: list[str] | None = None) -> None:
     command, rest = args[0], args[1:]
     if command not in COMMANDS:
         fail(f"unknown command '{command}'; commands: {', '.join(COMMANDS)} (see python -m distzo --help)")
+    try:
+        adopt_slurm_environment()  # under srun: this task's rank, world and master from SLURM's variables
+    except DistzoError as exc:
+        fail(str(exc))
+    if command in ("train", "eval", "bench") and start_own_workers(command, rest):
+        return
     if command == "train":
         run_hydra(_train_task, command, rest)
     elif command == "bench":

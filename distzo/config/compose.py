@@ -17,6 +17,11 @@ from .schema import Config
 
 CONFIG_PATH_ENV = "DISTZO_CONFIG_PATH"  # your own config directories, searched before the presets
 GROUPS = ("model", "task", "estimator", "offload", "logger", "peft")
+# Hydra presets that plugins bring (distzo's own hydra/launcher=distzo_slurm builds on submitit's).
+PLUGINS = {("hydra/launcher", "submitit_slurm"): "hydra-submitit-launcher",
+           ("hydra/launcher", "distzo_slurm"): "hydra-submitit-launcher",
+           ("hydra/launcher", "submitit_local"): "hydra-submitit-launcher",
+           ("hydra/sweeper", "optuna"): "hydra-optuna-sweeper"}
 
 
 def register_configs() -> None:
@@ -122,11 +127,14 @@ def explain(exc: BaseException) -> str:
         key, value = ambiguous.groups()
         return (f"{key}={value}: a comma separates the values of a sweep (with -m) or of a list ([a,b]); for one "
                 f"text holding a comma, quote it: {shell_quoted_override(key, value)}")
-    missing = re.search(r"Could not find '([^/']+)/([^']+)'", text)
+    missing = re.search(r"Could not find '([^']+)/([^'/]+)'", text)
     if missing:
         group, option = missing.groups()
         options = re.findall(r"^\t(\S+)$", text, flags=re.M)
         hint = f"; available: {', '.join(options)}" if options else ""
+        plugin = PLUGINS.get((group, option))
+        if plugin:
+            hint += f" (it comes with a Hydra plugin: pip install {plugin})"
         return f"unknown {group} preset '{option}'{hint}"
     not_in_struct = re.search(r"Key '([^']+)' is not in struct", text) or re.search(
         r"Could not override '([^']+)'", text)
@@ -159,13 +167,21 @@ def concrete_override_sets(overrides: list[str]) -> list[list[str]]:
     """Sweep overrides (`lr=1e-5,2e-5`, `range(...)`, `choice(...)`) expanded so that every value is
     checked once: the first set takes each sweep's first value; each further set changes one sweep."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import IntervalSweep
 
     parsed = OverridesParser.create().parse_overrides(overrides)
     base = []
     sweeps: list[tuple[int, list[str]]] = []
     for i, o in enumerate(parsed):
         if o.is_sweep_override():
-            values = [f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()]
+            sweep = o.value()
+            if isinstance(sweep, IntervalSweep):  # a sweeper's range (Optuna's interval): its two ends
+                points = [sweep.start, sweep.end]
+                if isinstance(sweep.start, int) and isinstance(sweep.end, int):
+                    points = [int(x) for x in points]
+                values = [f"{o.get_key_element()}={v}" for v in points]
+            else:
+                values = [f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()]
             base.append(values[0])
             sweeps.append((i, values[1:]))
         else:

@@ -429,7 +429,10 @@ class SweepConfig:
     nodes: SLURM nodes per job; each runs P*D / nodes ranks.
     sbatch / script / sbatch_args: the sbatch command, the job script (null: slurm/train.sbatch of the
       source tree) and extra sbatch options (e.g. [--partition=gpu, --account=proj]).
-    progress_every_s: seconds between progress lines while a job runs."""
+    progress_every_s: seconds between progress lines while a job runs.
+    metric: the field of the run's summary that `train` returns to a Hydra sweeper
+      (`-m hydra/sweeper=optuna` optimises it; docs/cluster.md), e.g. validation_accuracy_after or,
+      for language modelling, validation_perplexity_after (minimised)."""
 
     launcher: Launcher = Launcher.local
     nodes: int = 1
@@ -437,6 +440,24 @@ class SweepConfig:
     script: Optional[str] = None
     sbatch_args: List[str] = field(default_factory=list)
     progress_every_s: float = 15.0
+    metric: str = "validation_accuracy_after"
+
+
+@dataclass
+class LaunchConfig:
+    """How `python -m distzo` starts a mesh's workers itself when no launcher started it (no torchrun,
+    no srun): as local workers under torch's elastic agent, as torchrun --standalone would.
+
+    nproc: local workers (null: the mesh's P*D; eval: 1 unless set). rdzv_endpoint: host:port of
+    the rendezvous (null: a free local port). max_restarts: restarts of the worker group after a
+    failure (as torchrun's --max-restarts; with resume=auto a restarted run continues).
+    stop_timeout_s: after Ctrl-C or SIGTERM, how long the workers get to finish the step in flight
+    and write its snapshot before they are killed."""
+
+    nproc: Optional[int] = None
+    rdzv_endpoint: Optional[str] = None
+    max_restarts: int = 0
+    stop_timeout_s: float = 240.0
 
 
 @dataclass
@@ -478,6 +499,7 @@ class Config:
     bench: BenchConfig = field(default_factory=BenchConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     sweep: SweepConfig = field(default_factory=SweepConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
     steps: int = 200
     batch_size: int = 16
     micro_batch_size: Optional[int] = None

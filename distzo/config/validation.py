@@ -29,6 +29,7 @@ RANGES: dict[str, str] = {
     "engine.row_tokens": "> 0",
     "bench.warmup": "> 0", "bench.steps": "> 0",  # the training peak is taken over the warm-up steps
     "sweep.nodes": "> 0", "sweep.progress_every_s": "> 0",
+    "launch.nproc": "> 0", "launch.max_restarts": ">= 0", "launch.stop_timeout_s": "> 0",
     "optim.lr": ">= 0", "optim.weight_decay": ">= 0", "optim.warmup_steps": ">= 0",
     "optim.momentum": ">= 0", "optim.beta1": ">= 0", "optim.beta2": ">= 0", "optim.adam_eps": "> 0",  # and < 1: check_optim
     "steps": ">= 0", "batch_size": "> 0", "micro_batch_size": "> 0", "eval_every": ">= 0", "eval_batch_size": "> 0", "log_every": "> 0",

@@ -20,8 +20,9 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from .launch_env import launched_world_size
 from .node import Node
-from .shape import MeshError, MeshShape, launched_world_size
+from .shape import MeshError, MeshShape
 
 log = logging.getLogger(__name__)
 

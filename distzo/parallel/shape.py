@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
 
@@ -11,11 +10,6 @@ from ..errors import DistzoError
 
 class MeshError(DistzoError):
     """A mesh that cannot be built; the message names the fix."""
-
-
-def launched_world_size() -> int:
-    """Processes in this job as torchrun (or SLURM via torchrun) reports them; 1 when run plainly."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 @dataclass(frozen=True)
@@ -45,7 +39,8 @@ class MeshShape:
             return
         fits = ", ".join(f"{p}x{world // p}" for p in range(1, world + 1) if world % p == 0)
         if world == 1:
-            raise MeshError(f"mesh={self} needs {self.size} processes but this is a single process; launch "
-                            f"with torchrun --nproc-per-node {self.size} -m distzo train mesh={self}")
+            raise MeshError(f"mesh={self} needs {self.size} processes but this is a single process; run "
+                            f"python -m distzo train mesh={self} (it starts its {self.size} workers), or launch "
+                            f"{self.size} processes with torchrun --nproc-per-node {self.size} or srun --ntasks {self.size}")
         raise MeshError(f"mesh={self} needs {self.size} processes but the job has {world}; use a mesh whose "
                         f"product is {world} ({fits}) or launch {self.size} processes")

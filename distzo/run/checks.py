@@ -11,7 +11,8 @@ from ..config.validation import check_values
 from ..data.checks import check_task_config
 from ..errors import ConfigError
 from ..models.checks import check_model_config
-from ..parallel.shape import MeshError, MeshShape, launched_world_size
+from ..parallel.launch_env import launched_world_size
+from ..parallel.shape import MeshError, MeshShape
 from ..zo.estimators import estimator_type
 
 

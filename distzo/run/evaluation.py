@@ -23,8 +23,8 @@ from ..data.answers import exact_match, f1_score
 from ..data.objectives import accuracy_counts, objective_sums
 from ..engine import Engine
 from ..errors import DistzoError
+from ..parallel.launch_env import launched_world_size
 from ..parallel.mesh import Mesh
-from ..parallel.shape import launched_world_size
 from ..state.runs import FINAL_ADAPTER, FINAL_MODEL, final_weights, load_run_config
 from ..telemetry.metrics import MetricsWriter, Progress, format_duration
 from .checks import validate

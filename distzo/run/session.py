@@ -56,6 +56,8 @@ class Session:
                 if not under_hydra():
                     self._log_to_run_dir()
                     self._save_config()
+            elif under_hydra():
+                self._leave_the_log_to_rank_0()
         except BaseException:
             self.close()
             raise
@@ -89,6 +91,16 @@ class Session:
             log.addHandler(h)
         if log.level == logging.NOTSET or log.level > logging.INFO:
             log.setLevel(logging.INFO)
+
+    @staticmethod
+    def _leave_the_log_to_rank_0() -> None:
+        """Launchers that run the Hydra job on every rank (submitit's tasks) give each a handler on the
+        run's train.log; only rank 0 writes the run directory, so the others drop theirs."""
+        root = logging.getLogger()
+        for handler in list(root.handlers):
+            if isinstance(handler, logging.FileHandler):
+                root.removeHandler(handler)
+                handler.close()
 
     def _save_config(self) -> None:
         """<run_dir>/.hydra/config.yaml, as the command line's runs have it (`eval.run` and `replay`

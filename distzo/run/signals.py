@@ -1,4 +1,5 @@
-"""Graceful stop: SIGTERM, SIGUSR1 or SIGINT end a run after the step in flight, with a snapshot.
+"""Graceful stop: SIGTERM, SIGUSR1 or SIGINT (and under submitit its SIGUSR2) end a run after the
+step in flight, with a snapshot.
 
 SIGTERM is what `kill`, torchrun's agent and SLURM (at preemption and at the time limit) send;
 SIGUSR1 is the early warning `slurm/train.sbatch` asks SLURM for. A handler only records the signal.
@@ -20,6 +21,9 @@ from typing import Iterator
 log = logging.getLogger("distzo")
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+# submitit's timeout and preemption signal: handled too when a launcher installed a handler for it
+# (submitit's requeue), which is then handed the signal once the snapshot is written (`hand_over`).
+LAUNCHER_SIGNALS = (signal.SIGUSR2,)
 # EX_TEMPFAIL (sysexits.h): "a temporary failure; the user is invited to retry". The run stopped on a
 # signal with a snapshot of the step it reached; rerun with resume=auto to continue.
 EXIT_STOPPED = 75
@@ -47,6 +51,9 @@ class StopRequests:
         if threading.current_thread() is threading.main_thread():
             for sig in STOP_SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
+            for sig in LAUNCHER_SIGNALS:
+                if callable(signal.getsignal(sig)):  # a launcher's own handler (submitit's requeue)
+                    self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -83,6 +90,14 @@ class StopRequests:
         if total and self.signum is None:
             self.signum = signal.SIGTERM  # a peer was signalled
         return total > 0
+
+    def hand_over(self) -> None:
+        """After the stop's snapshot: a launcher's signal (submitit's SIGUSR2) goes on to the handler
+        the launcher installed, which requeues the job (rank 0) so that it continues with resume=auto."""
+        previous = self._previous.get(self.signum) if self.signum in LAUNCHER_SIGNALS else None
+        if callable(previous):
+            signal.signal(self.signum, previous)
+            previous(self.signum, None)
 
     @contextmanager
     def holding(self) -> Iterator[None]:

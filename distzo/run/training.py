@@ -277,6 +277,7 @@ class Trainer:
                 if stop.agreed(mesh):                        # SIGTERM / SIGUSR1 / SIGINT on any rank
                     with stop.holding():
                         path = self.snapshot()
+                    stop.hand_over()                         # submitit's requeue, where it sent the signal
                     raise Stopped(done, stop.name, str(path) if path else None)
                 if cfg.replica_check_every and done % cfg.replica_check_every == 0 and done < cfg.steps:
                     with self.materialized() as weights:  # compare current masters

@@ -16,7 +16,7 @@ def slurm(tmp_path_factory):
         pytest.skip("SLURM tests need root: they install slurm-wlm and munge and start a one-node cluster on localhost")
     root = tmp_path_factory.mktemp("slurm")
     os.chmod(root, 0o700)  # munged refuses a socket directory that others can write
-    cluster = LocalSlurm(root, cpus=max(2, os.cpu_count() or 1))
+    cluster = LocalSlurm(root, cpus=max(4, os.cpu_count() or 1))  # a 2x2 mesh of srun tasks
     try:
         cluster.start()
     except SlurmUnavailable as exc:

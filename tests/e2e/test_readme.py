@@ -76,12 +76,14 @@ def test_every_readme_command_composes(argv):
         return
     overrides = [a for a in rest if "=" in a and not a.startswith(("eval.run=", "-"))]
     names_a_path = any(o.split("=", 1)[0].endswith("path") for o in overrides)
-    from distzo.config.compose import compose_config
+    from distzo.config.compose import compose_config, concrete_override_sets
     from distzo.run.checks import validate
 
-    cfg = compose_config(overrides)
-    if not names_a_path:
-        validate(cfg, check_world=False)
+    multirun = "-m" in rest  # every value of every sweep, with Hydra's own settings (launcher, sweeper)
+    for concrete in concrete_override_sets(overrides) if multirun else [overrides]:
+        cfg = compose_config(concrete, with_hydra=multirun)
+        if not names_a_path:
+            validate(cfg, check_world=False)
 
 
 @pytest.fixture(scope="module")

@@ -77,8 +77,9 @@ def git_commit() -> str:
 
 
 def run(ns) -> None:
-    import distzo
     import torch
+
+    import distzo
 
     args = overrides(ns)
     cfg = distzo.compose(*args)

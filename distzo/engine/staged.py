@@ -32,7 +32,7 @@ from ..telemetry.timing import DISABLED, Timers
 from ..zo.directions import Directions
 from ..zo.estimators import CLEAN, Probe
 from ..zo.optimizers import SGD, Optimizer
-from ..zo.params import TrainableParam, TrainableParams
+from ..zo.params import TrainableParams
 from .base import Engine, Materialized
 from .chunkpass import PendingUpdate
 from .optstate import StateBuffers

@@ -12,15 +12,22 @@ Three measurements on the same model and the same batches, in this order:
 3. **one rank alone** (under torchrun, `bench.single_rank`): rank 0 runs a 1x1 copy of the same
    training, with the same threads, while its peers wait asleep in a collective. It gives the
    mesh's throughput against one rank as a ratio taken in the same run.
-4. **the MeZO reference** (one process only): the paper's Algorithm 1 as published: the global RNG
+4. **sgd beside another optimizer** (`optim.name` other than sgd): the same run with
+   `optim.name=sgd`, built on the same mesh after the configured run's peak memory was taken (it
+   holds a second copy of the model), its steps timed in the same rounds on the same batches, so
+   the optimizer's step cost over sgd's is a ratio taken in one run; with the optimizer's state
+   bytes (one copy, and what the node holds). Peak memory beside sgd's comes from bench runs of
+   their own (`benchmarks/optimizer_cost.py`), since a process's peak cannot be split between
+   two models it holds.
+5. **the MeZO reference** (one process only): the paper's Algorithm 1 as published: the global RNG
    re-seeded before each of four passes over the parameters (perturb +eps, perturb -2 eps,
    restore +eps, update), z drawn per parameter with `torch.normal`, parameters changed in place
    (`p.add_(z, alpha=...)`, the paper's in-place update; its code's `p.data = p.data + s * z * eps`
    allocates three temporaries and is about twice as slow here, so it would flatter distzo), losses
    from the stock model forward on right-padded batches with the full vocabulary head.
 
-The forward passes alone, the training step, the step on one rank alone and the reference's step
-are timed in interleaved rounds on the same batch (a shared machine's speed drifts over minutes).
+The forward passes alone, the training step, the step on one rank alone, sgd's step and the
+reference's step are timed in interleaved rounds on the same batch (a shared machine's speed drifts over minutes).
 Every figure is a median over the rounds, every ratio the median of the rounds' ratios, all within
 this one invocation.
 """
@@ -199,6 +206,14 @@ def single_rank_round(solo: Components | None, mesh: Mesh, untimed: int, step: i
     return seconds
 
 
+def sgd_components(c: Components) -> Components:
+    """The same run with optim.name=sgd, on the same mesh (every rank builds it, as the run's)."""
+    cfg = OmegaConf.merge(c.cfg, {"optim": {"name": "sgd"}})
+    sgd = build_components(cfg, c.mesh, c.seed)
+    c.mesh.barrier()
+    return sgd
+
+
 def bench(cfg, run_dir: str | Path | RunDirectory | None = None, *, validate_config: bool = True) -> dict[str, Any]:
     """Time a ZO step of `cfg` against its forward passes (see the module docstring); writes
     bench.json in the run directory and prints the report (rank 0). Returns the figures."""
@@ -254,11 +269,16 @@ def _bench(cfg, c: Components, run_dir: Path) -> dict[str, Any]:
     if reference:
         log.info("bench: each round also times a step of MeZO's Algorithm 1 (bench.reference)")
         mezo_reference_steps(c, warm, lr, eps)  # its own warm-up
+    sgd = sgd_components(c) if c.optimizer.name != "sgd" else None
+    if sgd is not None:
+        log.info("bench: each round also times the step with optim.name=sgd (a second copy of the run)")
+        training_steps(sgd, warm)  # its own warm-up
     # On CUDA the phase timers synchronise the device at every boundary, which would serialise the
     # streams whose overlap offloading relies on: there the timed step runs uninstrumented and the
     # breakdown comes from the round's untimed step (the same work: it pays a fused update too).
     cuda = device.type == "cuda"
     forward_times, step_times, phases, breakdown_times, solo_times, ref_times = [], [], [], [], [], []
+    sgd_times: list[float] = []
     for untimed, step in rounds:
         materialize(c)  # the forwards alone pay no owed update
         forward_times += forward_baseline(c, [step])
@@ -270,10 +290,16 @@ def _bench(cfg, c: Components, run_dir: Path) -> dict[str, Any]:
         breakdown_times += t_untimed if cuda else t
         if single:
             solo_times.append(single_rank_round(solo, mesh, untimed, step))
+        if sgd is not None:  # the same two steps with sgd: the timed one pays a fused deferred update too
+            training_steps(sgd, [untimed])
+            sgd_times += training_steps(sgd, [step])[0]
         if reference:
             materialize(c)  # the reference reads and changes the model's weights directly
             ref_times += mezo_reference_steps(c, [step], lr, eps)
     materialize(c)
+    if sgd is not None:
+        materialize(sgd)
+        sgd.close()
     log.info("bench: forward passes alone %.3f s/step, ZO step %.3f s/step", _median(forward_times),
              _median(step_times))
 
@@ -299,11 +325,13 @@ def _bench(cfg, c: Components, run_dir: Path) -> dict[str, Any]:
         "breakdown_s": breakdown,
         "peak_memory_bytes": {"inference": inference_peak, "training": training_peak},
         "memory_ratio": round(training_peak / inference_peak, 3) if inference_peak else None,
+        "optimizer": optimizer_figures(c, step_times, sgd_times, forward_times),
     }
     result["rounds"] = [  # this rank's (rank 0's) figures per round, for the spread behind each median
         {k: round(v, 9) for k, v in entry.items() if v is not None}
         for entry in ({"forward_s": f, "step_s": t, "pace_s": p,
                        "single_rank_s": solo_times[i] if single else None,
+                       "sgd_step_s": sgd_times[i] if sgd_times else None,
                        "reference_s": ref_times[i] if reference else None}
                       for i, (f, t, p) in enumerate(zip(forward_times, step_times, pace)))]
     if single and mesh.is_main:
@@ -333,6 +361,21 @@ def _bench(cfg, c: Components, run_dir: Path) -> dict[str, Any]:
     return result
 
 
+def optimizer_figures(c: Components, step_times: list[float], sgd_times: list[float],
+                      forward_times: list[float]) -> dict[str, Any]:
+    """The optimizer, its state's bytes (one copy; this node's, summed over its ranks), and with sgd
+    timed beside it: sgd's step, the step's ratio to sgd's and sgd's overhead ratio (medians of the
+    rounds' ratios)."""
+    mem = c.engine.optimizer_state_bytes()
+    (node,) = c.mesh.node.all_sum([mem["resident"]])
+    out: dict[str, Any] = {"name": c.optimizer.name, "state_bytes": mem["copy"], "state_node_bytes": int(node)}
+    if sgd_times:
+        out.update({"sgd_step_time_s": round(_median(sgd_times), 4),
+                    "step_over_sgd": round(_median([t / s for t, s in zip(step_times, sgd_times)]), 3),
+                    "sgd_overhead_ratio": round(_median([s / f for s, f in zip(sgd_times, forward_times)]), 3)})
+    return out
+
+
 def report(r: dict[str, Any]) -> str:
     gib = 2**30
     lines = [
@@ -345,6 +388,12 @@ def report(r: dict[str, Any]) -> str:
         f"  peak memory        inference {r['peak_memory_bytes']['inference'] / gib:.2f} GiB, training "
         f"{r['peak_memory_bytes']['training'] / gib:.2f} GiB (x{r['memory_ratio']})",
     ]
+    o = r.get("optimizer", {"name": "sgd", "state_bytes": 0})
+    line = f"  optimizer          {o['name']}, state {o['state_bytes'] / gib:.3f} GiB"
+    if "sgd_step_time_s" in o:
+        line += (f"; sgd's step {o['sgd_step_time_s']:.3f} s (overhead ratio {o['sgd_overhead_ratio']}), this step "
+                 f"x{o['step_over_sgd']} sgd's")
+    lines.append(line)
     if "single_rank" in r:
         one = r["single_rank"]
         lines.append(f"  one rank alone     {one['step_time_s']:.3f} s   ({one['tokens_per_s']:.0f} tokens/s); mesh "

@@ -22,9 +22,8 @@ from safetensors.torch import save_file
 
 from ..errors import DistzoError
 from ..parallel.mesh import Mesh
-from ..state.resume import catch_up
+from ..state.resume import RUN_FILE, catch_up
 from ..state.runs import load_run_config
-from ..state.resume import RUN_FILE
 from ..state.snapshots import CorruptSnapshot, list_snapshots, read_optimizer_state, read_snapshot
 from ..telemetry.jsonl import read_jsonl
 from ..zo.directions import (

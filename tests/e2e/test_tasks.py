@@ -127,11 +127,10 @@ def peft_adapter_gives_distzos_logits(run_dir, *settings):
     1e-5 against logits of O(1); an adapter not applied, or applied twice, is off by the update."""
     import torch
     from peft import PeftModel
+    from safetensors.torch import load_file
 
     from distzo.models.loading import load_model
     from distzo.parallel.mesh import Mesh
-    from safetensors.torch import load_file
-
     from distzo.run.components import build_components
     from distzo.state.runs import final_weights
 

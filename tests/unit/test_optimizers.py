@@ -20,7 +20,15 @@ from distzo.models.loading import random_model
 from distzo.models.selection import adapter_for
 from distzo.zo.directions import Directions, chunks_of, param_key
 from distzo.zo.estimators import SPSA, StepResult
-from distzo.zo.optimizers import FZOO, OPTIMIZERS, SGD, Adam, Momentum, Sign, build_optimizer
+from distzo.zo.optimizers import (
+    FZOO,
+    OPTIMIZERS,
+    SGD,
+    Adam,
+    Momentum,
+    Sign,
+    build_optimizer,
+)
 from distzo.zo.params import TrainableParam
 from tests.unit.test_offload import batches
 

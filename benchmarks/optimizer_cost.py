@@ -1,5 +1,5 @@
 """What each ZO optimizer costs a step, and its peak memory, beside sgd's (BENCHMARKS.md, "Optimizers:
-the cost of a step").
+what each costs a step", which has this measurement on a GPU by `bench` directly).
 
 Runs `python -m distzo bench` once per optimizer, each in a fresh process (a process's peak memory
 cannot be split between two models), on the embedded default: SmolLM2-135M, mr-polarity, batch

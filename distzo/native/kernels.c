@@ -86,6 +86,24 @@ void distzo_rademacher_rows(float *out, int64_t n_rows, int64_t row_numel, const
         distzo_rademacher_fill(out + r * row_numel, row_numel, seeds[r], offsets[r], scale);
 }
 
+/* Copies of one tile: for each output o, outs[o][i] = x + z_q or x - z_q (shared by both entry points). */
+static void write_copies(const float *x, int64_t i0, int64_t m, int64_t offset, int n_queries,
+                         const distzo_source *queries, int n_outs, float *const *outs, const int *out_query,
+                         const int *out_sign, float *buf) {
+    for (int q = 0; q < n_queries; q++) {
+        const float *z = 0;
+        for (int o = 0; o < n_outs; o++) {
+            if (out_query[o] != q) continue;
+            if (!z) z = source_tile(&queries[q], offset + i0, m, buf);
+            float *dst = outs[o] + i0;
+            if (out_sign[o] > 0)
+                for (int64_t i = 0; i < m; i++) dst[i] = x[i] + z[i];
+            else
+                for (int64_t i = 0; i < m; i++) dst[i] = x[i] - z[i];
+        }
+    }
+}
+
 /* One chunk range of a float32 master: master[0 .. n) holds chunk elements [offset, offset + n).
  *
  * Update (when has_decay or n_terms): x = master * decay (if has_decay), then for each term t,
@@ -113,36 +131,7 @@ void distzo_chunk(float *master, int64_t n, int64_t offset, int has_decay, float
             }
             memcpy(master + i0, x, (size_t)m * sizeof(float));
         }
-        for (int q = 0; q < n_queries; q++) {
-            const float *z = 0;
-            for (int o = 0; o < n_outs; o++) {
-                if (out_query[o] != q) continue;
-                if (!z) z = source_tile(&queries[q], offset + i0, m, buf);
-                float *dst = outs[o] + i0;
-                if (out_sign[o] > 0)
-                    for (int64_t i = 0; i < m; i++) dst[i] = x[i] + z[i];
-                else
-                    for (int64_t i = 0; i < m; i++) dst[i] = x[i] - z[i];
-            }
-        }
-    }
-}
-
-/* Copies of one tile: for each output o, outs[o][i] = x + z_q or x - z_q (shared by both entry points). */
-static void write_copies(const float *x, int64_t i0, int64_t m, int64_t offset, int n_queries,
-                         const distzo_source *queries, int n_outs, float *const *outs, const int *out_query,
-                         const int *out_sign, float *buf) {
-    for (int q = 0; q < n_queries; q++) {
-        const float *z = 0;
-        for (int o = 0; o < n_outs; o++) {
-            if (out_query[o] != q) continue;
-            if (!z) z = source_tile(&queries[q], offset + i0, m, buf);
-            float *dst = outs[o] + i0;
-            if (out_sign[o] > 0)
-                for (int64_t i = 0; i < m; i++) dst[i] = x[i] + z[i];
-            else
-                for (int64_t i = 0; i < m; i++) dst[i] = x[i] - z[i];
-        }
+        write_copies(x, i0, m, offset, n_queries, queries, n_outs, outs, out_query, out_sign, buf);
     }
 }
 

@@ -3,7 +3,8 @@
 - A **snapshot** is `checkpoints/step-NNNNNNNN/` holding `weights.safetensors` (the trainable
   parameters under their canonical names), with an optimizer that keeps state (momentum, adam)
   `optimizer.safetensors` (its state tensors, `<slot>/<parameter>`), and `state.json` (step, seed,
-  direction scheme, mesh, config fingerprint, the optimizer, the files' sha256). It is written as a hidden temporary folder, fsynced and
+  direction scheme, mesh, the config fingerprint, which covers the optimizer and its settings, and the
+  files' sha256). It is written as a hidden temporary folder, fsynced and
   renamed into place, so a crash leaves either a complete snapshot or an ignored temporary. Deferred
   (offloaded) updates are flushed before a snapshot, so none is ever pending in one.
 - The **trajectory log** `trajectory.jsonl` (written by the driver) has one line per step with

@@ -15,7 +15,8 @@ two float32 tensors shaped like the parameter (docs/optimizers.md).
 | fzoo | sgd's rule on coefficients c_k / std_k(g_k) (FZOO's step normalised by the spread of the losses) | none |
 
 `momentum` is heavy-ball momentum in update units (d_t = mu d_{t-1} + lr_t g_t, theta_{t+1} = theta_t
-decay - d_t: torch's SGD(momentum=mu, dampening=0) when lr is constant, ZO-Bench's ZO-SGD-MMT). Its
+decay - d_t: torch's SGD(momentum=mu, dampening=0) when lr is constant and there is no weight decay,
+which torch folds into the buffer and distzo keeps out of it; ZO-Bench's ZO-SGD-MMT). Its
 x receives the new terms exactly as sgd's does, so with mu = 0 the weights are sgd's bitwise.
 `adam` is ZO-Adam (ZO-Bench: torch's Adam on g z) with decoupled weight decay (AdamW's). `sign` is
 ZO-SignSGD (Liu et al. 2019, element-wise sign of the estimate). `fzoo` is FZOO's optimizer (Dang et

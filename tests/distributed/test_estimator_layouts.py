@@ -23,7 +23,8 @@ from safetensors.torch import load_file
 
 from tests.distributed.launch import free_port, spawn_env
 
-COMMON = ["model=tiny", "eval_every=0", "log_every=1000", "steps=5", "batch_size=12", "seed=3", "task.val_size=12",
+STEPS = 5
+COMMON = ["model=tiny", "eval_every=0", "log_every=1000", f"steps={STEPS}", "batch_size=12", "seed=3", "task.val_size=12",
           "task.test_size=12", "threads=1", "checkpoint.every=0"]
 CUE = ["task=synthetic-cue"]
 RUNS = {
@@ -50,13 +51,26 @@ RUNS = {
                   "estimator.q=2", "optim.lr=1e-2", "estimator.eps=1e-2"],
     # the whole-model fallback (the stock forward as one stage), forced on the tiny Llama
     "whole": [*CUE, "model.adapter=whole", "estimator=mezo", "estimator.q=2", "optim.lr=1e-3"],
+    # the optimizers (docs/optimizers.md): on 2x2 and 4x1 the node's ranks share the master and the
+    # state (work division); FZOO's one-sided plan of 4 probes puts one on each rank of 4x1
+    "momentum": [*CUE, "estimator=mezo", "estimator.q=2", "optim.name=momentum", "optim.lr=2e-4",
+                 "optim.weight_decay=0.1"],
+    "adam": [*CUE, "estimator=mezo", "estimator.q=2", "optim.name=adam", "optim.lr=1e-3", "optim.weight_decay=0.1"],
+    "sign": [*CUE, "estimator=mezo", "estimator.q=2", "optim.name=sign", "optim.lr=1e-3"],
+    "fzoo": [*CUE, "estimator=mezo", "estimator.q=3", "estimator.difference=forward",
+             "estimator.distribution=rademacher", "optim.name=fzoo", "optim.lr=1e-3"],
+    # an optimizer with state on a trainable set of its own: LoRA-FA's B under P-RGE's batched forward
+    "prge-adam": [*CUE, "estimator=prge", "peft=lora_fa", "estimator.q=2", "optim.name=adam", "optim.lr=1e-2"],
 }
 QA = ["task=custom", "task.kind=generation", "task.template='Q: {question} A:'", "task.max_new_tokens=3"]
 MESHES = ["2x2", "4x1"]
 # 1x1 against 2x2 only: the general path's and the fallback's runs, and the task kinds (choice, sft),
 # whose data-parallel and perturbation-parallel halves 2x2 already exercises; 4x1 stays for the
 # estimators, whose evaluations it deals one per rank
-ONLY_2X2 = {"gpt2", "gemma3", "gpt_neox", "phi3", "falcon", "stablelm", "lora-neox", "whole", "choice", "sft"}
+ONLY_2X2 = {"gpt2", "gemma3", "gpt_neox", "phi3", "falcon", "stablelm", "lora-neox", "whole", "choice", "sft",
+            "prge-adam"}
+# optimizers whose update is discontinuous where the estimate is zero, and their lr (see the test)
+SIGN_LIKE = {"adam": 1e-3, "sign": 1e-3}
 JOBS = [(name, mesh) for name in RUNS for mesh in MESHES if mesh == "2x2" or name not in ONLY_2X2]
 
 
@@ -171,7 +185,18 @@ def test_estimator_is_layout_invariant(layouts, name, mesh):
     moved = max(float((ref[k] - start[k]).abs().max()) for k in ref)
     diff = max(float((ref[k] - got[k]).abs().max()) for k in ref)
     assert moved > 1e-3, moved
-    assert diff < 1e-4 * moved, (diff, moved)
+    if name in SIGN_LIKE and mesh == "2x2":
+        # Sign and Adam's first steps are discontinuous in the estimate: lr * sign(g_i) (Adam's first
+        # step is m/sqrt(v) = g/|g|). The shards' losses round differently (relative ~1e-4 in c_k at
+        # eps 1e-3), so an element whose g_i = sum_k c_k z_ki is within that of zero may take the
+        # other sign: about that fraction of the elements per step, each off by at most 2 lr a step.
+        # Every other element is held to the tolerance above; a wrong shard, direction or reduction
+        # would put nearly all of them off.
+        off = sum(int(((ref[k] - got[k]).abs() > 1e-4 * moved).sum()) for k in ref)
+        assert off <= 1e-3 * sum(t.numel() for t in ref.values()), off
+        assert diff <= 2 * SIGN_LIKE[name] * STEPS * (1 + 1e-6), diff
+    else:
+        assert diff < 1e-4 * moved, (diff, moved)
     if mesh == "4x1" and name != "prge":
         assert diff == 0.0, diff
     if name == "prge":  # only the trainable tensors were saved: LoRA-FA's B matrices

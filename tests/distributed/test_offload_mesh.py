@@ -1,6 +1,9 @@
 """offload=cpu through the whole driver, 1x1 and 2x2: the same weights and the same evaluations as
-resident training, for a tied Llama, an OPT and an untied Qwen2 random model; and 4x1, where two of
-the four ranks are dealt no evaluation yet must walk every sliced block with their peers."""
+resident training, for a tied Llama, an OPT and an untied Qwen2 random model; 4x1, where two of
+the four ranks are dealt no evaluation yet must walk every sliced block with their peers; and the
+optimizers with state, streamed with the blocks and held once per node."""
+
+import json
 
 import pytest
 import torch
@@ -43,3 +46,42 @@ def test_idle_ranks_of_a_sliced_mesh_keep_in_step(tmp_path):
     weights_o, evals_o = run(tmp_path, "sliced", 4, "model=tiny", "mesh=4x1", "offload=cpu", "dist_timeout_s=60")
     assert all(torch.equal(weights_r[k], weights_o[k]) for k in weights_r)
     assert evals_r == evals_o
+
+
+@pytest.mark.parametrize("optimizer", ["momentum", "adam", "sign"])
+def test_offloaded_optimizer_state_equals_resident_on_a_sliced_mesh(tmp_path, optimizer):
+    """2x2 with one slot: the node's four ranks share one host master and one copy of the
+    optimizer's state, each uploading, updating and writing back its slice of both every step; the
+    weights and evaluations are the resident run's (whose ranks share the master and the state
+    under work division), bitwise."""
+    args = ["model=tiny", "mesh=2x2", "estimator.q=2", f"optim.name={optimizer}", "optim.weight_decay=0.1"]
+    weights_r, evals_r = run(tmp_path, "resident", 4, *args)
+    weights_o, evals_o = run(tmp_path, "offloaded", 4, *args, "offload=cpu", "offload.slots=1")
+    assert all(torch.equal(weights_r[k], weights_o[k]) for k in weights_r)
+    assert evals_r == evals_o
+    summaries = [json.loads((tmp_path / name / "summary.json").read_text()) for name in ("resident", "offloaded")]
+    assert [s["engine"] for s in summaries] == ["divided", "offload-sliced"]
+    slots = {"momentum": 1, "adam": 2, "sign": 0}[optimizer]
+    one_copy = summaries[0]["optimizer_state_bytes"]
+    assert one_copy == summaries[1]["optimizer_state_bytes"] == 4 * slots * summaries[0]["trainable_parameters"]
+    assert all(s["optimizer"] == optimizer for s in summaries)
+    # divided: one copy on the node; sliced: one copy of the blocks' state (plus its slices' padding)
+    # and, like the outer stage's weights, a private copy of the outer stage's state on every rank
+    pages = 4096 * 4 * slots  # Pss is counted in kB per rank, and mappings end on whole pages
+    assert abs(summaries[0]["optimizer_state_node_bytes"] - one_copy) <= pages
+    outer, blocks = outer_parameters()
+    padding = 4 * slots * 4 * 256 * blocks  # each block padded to 4 slices of 256-element multiples
+    node = summaries[1]["optimizer_state_node_bytes"]
+    assert one_copy + 3 * 4 * slots * outer - pages <= node <= one_copy + 3 * 4 * slots * outer + padding + pages
+    assert slots == 0 or node < 4 * one_copy
+
+
+def outer_parameters() -> tuple[int, int]:
+    """The tiny preset's trainable elements outside its blocks (embedding, final norm), and its blocks."""
+    from distzo.models import adapter_for, load_model
+    from tests.conftest import make_config
+
+    model, _ = load_model(make_config("model=tiny").model)
+    blocks = adapter_for(model).blocks
+    in_blocks = {id(p) for _, block in blocks for p in block.parameters()}
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values() if id(p) not in in_blocks), len(blocks)

@@ -30,7 +30,7 @@ from distzo.zo.optimizers import (
     build_optimizer,
 )
 from distzo.zo.params import TrainableParam
-from tests.unit.test_offload import batches
+from tests.unit.test_offload import batches, train_steps
 
 STATEFUL = {"momentum": lambda: Momentum(0.9), "adam": lambda: Adam(0.9, 0.999, 1e-8), "sign": Sign}
 # (step, coefficients, lr, weight decay) of three updates: two queries, signs of both kinds
@@ -258,15 +258,8 @@ def offload_engine(name: str, offload: bool, slots: int = 3, transfer_dtype=None
 
 
 def train(eng, steps=5, lr=1e-3):
-    est = SPSA(eps=1e-3, q=2)
-    grads = []
-    for step, b in zip(range(steps), batches(steps)):
-        scores = eng.run_probes(b, est.plan(), step)
-        sums = torch.stack([objective_sums(scores[i], b) for i in range(len(est.plan()))])
-        result = est.combine(sums[:, 0] / sums[:, 1])
-        eng.apply(step, result.coefficients, lr, 0.1)
-        grads.append(result.grads)
-    return grads
+    """Steps of SPSA q=2 with weight decay 0.1 (test_offload's loop); the steps' projected gradients."""
+    return train_steps(eng, steps=steps, lr=lr)
 
 
 @pytest.mark.parametrize("name", ["momentum", "adam"])

@@ -1,0 +1,99 @@
+"""How a process learns its place in a job (distzo/parallel/launch_env.py) and the self-launch's
+checks (distzo/cli/main.py start_own_workers). srun and the elastic agent themselves are exercised
+for real in tests/cluster/test_launchers.py; these cover the translation rules and the refusals that
+a one-node CPU machine cannot reach for real (several nodes, several GPUs)."""
+
+from __future__ import annotations
+
+import pytest
+
+from distzo.parallel import launch_env
+from distzo.parallel.launch_env import LaunchError, adopt_slurm_environment, first_host, launcher, tasks_on_node
+
+SLURM_AND_TORCH = ("SLURM_STEP_NUM_TASKS", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_STEP_TASKS_PER_NODE",
+                   "SLURM_STEP_NODELIST", "SLURM_JOB_ID", "SLURM_STEP_ID", "DISTZO_LAUNCHED_BY", "TORCHELASTIC_RUN_ID",
+                   *launch_env.TORCH_VARS)
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for key in SLURM_AND_TORCH:
+        monkeypatch.delenv(key, raising=False)
+    return monkeypatch
+
+
+@pytest.mark.parametrize("nodelist,host", [("node[03-05,7],gpu1", "node03"), ("gpu1,gpu2", "gpu1"),
+                                           ("localhost", "localhost"), ("a-b[10,12]", "a-b10")])
+def test_first_host_of_a_node_list(nodelist, host):
+    assert first_host(nodelist) == host
+
+
+@pytest.mark.parametrize("spec,node,count", [("4", 0, 4), ("2(x3)", 2, 2), ("3,1", 1, 1), ("2(x2),1", 2, 1)])
+def test_tasks_on_node(spec, node, count):
+    assert tasks_on_node(spec, node) == count
+
+
+def test_tasks_on_a_node_outside_the_step_is_refused():
+    with pytest.raises(LaunchError, match="SLURM_NODEID=3 is not a node"):
+        tasks_on_node("2(x2)", 3)
+
+
+def test_an_srun_task_on_the_second_node_gets_torchs_variables(clean_env):
+    """Task 5 of 8 on two nodes of 4: rank 5, local rank 1, 4 on its node, the master on the
+    first host of the list, a port from the job and step, and launcher() says srun from then on."""
+    env = {"SLURM_STEP_NUM_TASKS": "8", "SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
+           "SLURM_STEP_TASKS_PER_NODE": "4(x2)", "SLURM_STEP_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "1234",
+           "SLURM_STEP_ID": "0"}
+    for k, v in env.items():
+        clean_env.setenv(k, v)
+    assert launcher() == "srun"
+    assert adopt_slurm_environment() is True
+    import os
+
+    got = {k: os.environ[k] for k in launch_env.TORCH_VARS}
+    assert got == {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "gpu07",
+                   "MASTER_PORT": str(launch_env.PORT_BASE + (1234 * 131) % launch_env.PORT_SPAN)}
+    assert launcher() == "srun" and adopt_slurm_environment() is False  # idempotent
+
+
+def test_a_set_master_address_and_port_win(clean_env):
+    for k, v in {"SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
+                 "SLURM_STEP_TASKS_PER_NODE": "2", "MASTER_ADDR": "10.0.0.9", "MASTER_PORT": "29511"}.items():
+        clean_env.setenv(k, v)
+    adopt_slurm_environment()
+    import os
+
+    assert (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]) == ("10.0.0.9", "29511")
+
+
+def test_srun_without_a_node_list_names_the_fix(clean_env):
+    for k, v in {"SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
+                 "SLURM_STEP_TASKS_PER_NODE": "2"}.items():
+        clean_env.setenv(k, v)
+    with pytest.raises(LaunchError, match="set MASTER_ADDR to the first node's address"):
+        adopt_slurm_environment()
+
+
+def test_a_batch_script_without_srun_is_a_plain_process(clean_env):
+    """sbatch --ntasks 4 running python itself: SLURM_NTASKS is set, SLURM_STEP_NUM_TASKS is not."""
+    clean_env.setenv("SLURM_NTASKS", "4")
+    clean_env.setenv("SLURM_PROCID", "0")
+    assert launcher() == "none" and adopt_slurm_environment() is False
+
+
+def test_a_self_launched_mesh_larger_than_the_gpus_is_one_line(clean_env, capsys):
+    """On a CUDA machine a self-launched mesh starts one worker per GPU; more workers than GPUs is
+    refused before anything starts (this machine has none: CUDA's device count is patched)."""
+    import torch
+
+    import distzo.parallel.mesh as mesh
+    from distzo.cli.main import start_own_workers
+
+    clean_env.setattr(mesh, "device_type", lambda device: "cuda")
+    clean_env.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(SystemExit) as exc:
+        start_own_workers("train", ["model=tiny", "task=synthetic-cue", "mesh=2x2"])
+    assert exc.value.code not in (0, None)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["distzo: error: mesh=2x2 needs 4 processes, one per GPU, but this machine shows 2 GPUs; use a mesh "
+                   "of at most 2 processes here, or launch across nodes (torchrun, srun; docs/cluster.md)"]

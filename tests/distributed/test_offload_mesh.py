@@ -85,3 +85,17 @@ def outer_parameters() -> tuple[int, int]:
     blocks = adapter_for(model).blocks
     in_blocks = {id(p) for _, block in blocks for p in block.parameters()}
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values() if id(p) not in in_blocks), len(blocks)
+
+
+def test_offloaded_fzoo_equals_resident_on_a_sliced_mesh(tmp_path):
+    """FZOO keeps no state: it rescales the step's coefficients by the spread of its one-sided losses,
+    then pays sgd's update. On 2x2 with one slot (each rank moves its slice of every block) the
+    weights and evaluations are the resident run's, bitwise."""
+    args = ["model=tiny", "mesh=2x2", "optim.name=fzoo", "estimator.difference=forward", "estimator.q=4",
+            "estimator.distribution=rademacher"]
+    weights_r, evals_r = run(tmp_path, "resident", 4, *args)
+    weights_o, evals_o = run(tmp_path, "offloaded", 4, *args, "offload=cpu", "offload.slots=1")
+    assert all(torch.equal(weights_r[k], weights_o[k]) for k in weights_r)
+    assert evals_r == evals_o
+    summary = json.loads((tmp_path / "offloaded" / "summary.json").read_text())
+    assert summary["optimizer"] == "fzoo" and summary["optimizer_state_bytes"] == 0

@@ -29,7 +29,9 @@ TINY = ["model=tiny", "task=synthetic-cue", "eval_every=0", "log_every=1000", "s
     ("3x3", 4, "mesh=3x3 needs 9 processes but the job has 4; use a mesh whose product is 4 (1x4, 2x2, 4x1)"),
     ("abc", 4, "mesh='abc' is not PxD"),
     ("0x4", 4, "both degrees must be at least 1"),
-    ("2x2", 1, "launch with torchrun --nproc-per-node 4 -m distzo train mesh=2x2"),
+    # one process that torchrun or srun started (a plain process starts its own workers instead)
+    ("2x2", 1, "this is a single process; run python -m distzo train mesh=2x2 (it starts its 4 workers), or "
+               "launch 4 processes with torchrun --nproc-per-node 4 or srun --ntasks 4"),
 ])
 def test_bad_mesh_messages(text, world, message):
     with pytest.raises(MeshError) as err:
@@ -185,7 +187,6 @@ def test_replica_guard_catches_a_corrupted_replica(tmp_path):
     ("3x3", 4, "mesh=3x3 needs 9 processes but the job has 4"),
     ("abc", 2, "mesh='abc' is not PxD"),
     ("0x4", 2, "both degrees must be at least 1"),
-    ("2x2", 1, "launch with torchrun --nproc-per-node 4"),
 ])
 def test_bad_mesh_fails_on_every_rank_without_a_hang(tmp_path, mesh, nproc, message):
     start = time.time()

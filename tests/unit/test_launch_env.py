@@ -5,6 +5,8 @@ a one-node CPU machine cannot reach for real (several nodes, several GPUs)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from distzo.parallel import launch_env
@@ -17,9 +19,14 @@ SLURM_AND_TORCH = ("SLURM_STEP_NUM_TASKS", "SLURM_PROCID", "SLURM_LOCALID", "SLU
 
 @pytest.fixture
 def clean_env(monkeypatch):
+    """No SLURM or torch variables during the test, and the environment as it was afterwards:
+    adopt_slurm_environment writes os.environ itself, which monkeypatch would not undo."""
+    saved = dict(os.environ)
     for key in SLURM_AND_TORCH:
-        monkeypatch.delenv(key, raising=False)
-    return monkeypatch
+        os.environ.pop(key, None)
+    yield monkeypatch
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 @pytest.mark.parametrize("nodelist,host", [("node[03-05,7],gpu1", "node03"), ("gpu1,gpu2", "gpu1"),
@@ -48,8 +55,6 @@ def test_an_srun_task_on_the_second_node_gets_torchs_variables(clean_env):
         clean_env.setenv(k, v)
     assert launcher() == "srun"
     assert adopt_slurm_environment() is True
-    import os
-
     got = {k: os.environ[k] for k in launch_env.TORCH_VARS}
     assert got == {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "gpu07",
                    "MASTER_PORT": str(launch_env.PORT_BASE + (1234 * 131) % launch_env.PORT_SPAN)}
@@ -61,8 +66,6 @@ def test_a_set_master_address_and_port_win(clean_env):
                  "SLURM_STEP_TASKS_PER_NODE": "2", "MASTER_ADDR": "10.0.0.9", "MASTER_PORT": "29511"}.items():
         clean_env.setenv(k, v)
     adopt_slurm_environment()
-    import os
-
     assert (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]) == ("10.0.0.9", "29511")
 
 

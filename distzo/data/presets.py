@@ -81,7 +81,9 @@ def boolq(records: Records) -> Records:
         question = question[:1].upper() + question[1:]
         if not question.endswith("?"):
             question += "?"
-        out.append({"passage": _field(r, "boolq", "passage"), "question": question, "_label": _label(r, YES_NO, "boolq")})
+        labelled = r if "label" in r else {"label": r.get("answer")}  # google/boolq (MeZO's copy) calls it answer
+        out.append({"passage": _field(r, "boolq", "passage"), "question": question,
+                    "_label": _label(labelled, YES_NO, "boolq")})
     return out
 
 

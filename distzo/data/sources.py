@@ -1,4 +1,4 @@
-"""Reading a task's records from local files with Hugging Face `datasets`.
+"""Reading a task's records with Hugging Face `datasets`, from local files or a hub dataset.
 
 `task.path` is one of:
 
@@ -6,11 +6,16 @@
 - a folder of split files named `train`, `validation` (or `val`, `dev`, `valid`) and `test`, each
   with one of those extensions: the layout of the GLUE (`train.tsv`, `dev.tsv`) and SuperGLUE
   (`train.jsonl`, `val.jsonl`) distributions;
-- a folder written by `Dataset.save_to_disk` or `DatasetDict.save_to_disk` (a `datasets` export).
+- a folder written by `Dataset.save_to_disk` or `DatasetDict.save_to_disk` (a `datasets` export);
+- a dataset repository, on the hub (`org/name`, fetched into the hub cache at one commit) or a local
+  copy of one: its card's `configs` (the YAML header of README.md, as `datasets` reads it) name each
+  subset's split files (`task.subset` picks one); without them, files whose names say their split
+  (`data/train-00000-of-00001.parquet`).
 
 Every record comes back as a plain dict, nested fields included, in file order. Reading goes through
 `datasets` (its JSON, CSV and Parquet builders and `load_from_disk`), so anything those read, this
-reads; TSV is read as CSV with a tab delimiter and no quoting (GLUE's files quote nothing).
+reads; TSV is read as CSV with a tab delimiter and no quoting (GLUE's files quote nothing). Split
+names a repository uses beyond these (`validation_matched`) are mapped with `task.split_names`.
 """
 
 from __future__ import annotations
@@ -19,8 +24,9 @@ import csv
 import logging
 import re
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
+from .. import hub
 from ..errors import ConfigError
 
 log = logging.getLogger("distzo")
@@ -29,31 +35,199 @@ Records = list[dict[str, Any]]
 SPLIT_NAMES = {"train": "train", "validation": "validation", "val": "validation", "dev": "validation",
                "valid": "validation", "test": "test"}
 EXTENSIONS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".tsv": "tsv", ".parquet": "parquet"}
+CARD = "README.md"  # a dataset repository's card: its YAML header lists the subsets' files
+DATA_SETTING = hub.Setting("task.path", "task.revision")
 
 
 class DataError(ConfigError):
     """A task's data cannot be read or does not hold what the configuration asks for."""
 
 
-def read_records(path: str, fmt: str = "auto", json_object: Callable[[dict[str, Any]], Records] | None = None
-                 ) -> dict[str, Records]:
+def read_records(path: str | Path, fmt: str = "auto", json_object: Callable[[dict[str, Any]], Records] | None = None,
+                 subset: str | None = None, split_names: Mapping[str, str | None] | None = None,
+                 shown: str | None = None) -> dict[str, Records]:
     """The records under `path` by split (`train` / `validation` / `test`; a single file or a
     single-split export gives `all`). json_object: how a preset turns a JSON file that is one object
-    (SQuAD's, DROP's distributed files) into records."""
+    (SQuAD's, DROP's distributed files) into records. subset / split_names: a dataset repository's
+    subset, and which of its splits are distzo's (distzo's name -> the repository's). shown: what
+    messages call it (a hub dataset, for its cached snapshot)."""
     where = Path(path).expanduser()
     if not where.exists():
-        raise DataError(f"task.path={path!r} does not exist; give a data file (.jsonl, .csv, .tsv, .parquet) or a "
-                        "folder of split files or of a datasets export (save_to_disk)")
+        raise DataError(f"task.path={str(path)!r} does not exist; give a data file (.jsonl, .csv, .tsv, .parquet), a "
+                        "folder of split files or of a datasets export (save_to_disk), or a hub dataset id (org/name)")
     if where.is_dir():
         if fmt == "arrow" or _is_export(where):
             return _read_export(where)
-        files = _split_files(where)
+        files = {split: [f] for split, f in _split_files(where).items()}
+        configs = card_configs(where / CARD)
+        if configs or not files:  # a repository's layout (a preset's subset means nothing to plain split files)
+            files = repository_split_files(where, configs, subset if configs else None, split_names, shown or str(path))
         if not files:
-            raise DataError(f"task.path={path!r} is a folder without split files (train / validation / val / dev / "
-                            "test with .jsonl, .json, .csv, .tsv or .parquet) or a datasets export (save_to_disk); "
-                            "point task.path at the data file or at such a folder")
-        return {split: _read_file(f, fmt, json_object) for split, f in files.items()}
+            raise DataError(f"task.path={str(path)!r} is a folder without split files (train / validation / val / dev / "
+                            "test with .jsonl, .json, .csv, .tsv or .parquet), a datasets export (save_to_disk) or a "
+                            "dataset card listing its files; point task.path at the data file or at such a folder")
+        return {split: [r for f in group for r in _read_file(f, fmt, json_object)] for split, group in files.items()}
     return {"all": _read_file(where, fmt, json_object)}
+
+
+# --- dataset repositories (the hub's layout) -----------------------------------------------------------
+
+def card_configs(card: Path) -> dict[str, dict[str, list[str]]]:
+    """A dataset card's subsets: name -> split -> file patterns, from the `configs` list of its YAML
+    header (the format `datasets` documents), the default subset first; {} when the card is missing
+    or lists none. A subset marked `default: true` is keyed under its name and also as `""`."""
+    if not card.is_file():
+        return {}
+    text = card.read_text(encoding="utf-8", errors="replace")
+    if not text.startswith("---"):
+        return {}
+    import yaml
+
+    try:
+        meta = yaml.safe_load(text[3:].split("\n---", 1)[0]) or {}
+    except yaml.YAMLError as exc:
+        raise DataError(f"{card}: its YAML header is unreadable ({_first_line(exc)})") from None
+    configs: dict[str, dict[str, list[str]]] = {}
+    entries = meta.get("configs") if isinstance(meta, dict) else None
+    for entry in entries if isinstance(entries, list) else []:
+        if isinstance(entry, dict):
+            name = str(entry.get("config_name", "default"))
+            configs[name] = _split_patterns(entry.get("data_files"), entry.get("data_dir"))
+            if entry.get("default"):
+                configs[""] = configs[name]
+    return configs
+
+
+def _split_patterns(data_files: Any, data_dir: Any) -> dict[str, list[str]]:
+    """`data_files` as a card writes it (a pattern, a list of them, or a list of {split, path}) ->
+    split -> patterns; `data_dir` (no data_files): every file under it, split by name."""
+    def as_list(v: Any) -> list[str]:
+        return [str(v)] if isinstance(v, str) else [str(x) for x in v or []]
+
+    if data_files is None:
+        return {"*": [f"{str(data_dir).strip('/')}/**"] if data_dir else ["**"]}
+    if isinstance(data_files, (str, list)) and not (isinstance(data_files, list) and data_files
+                                                   and isinstance(data_files[0], dict)):
+        return {"train": as_list(data_files)}
+    if isinstance(data_files, dict):
+        return {str(k): as_list(v) for k, v in data_files.items()}
+    return {str(e.get("split", "train")): as_list(e.get("path")) for e in data_files if isinstance(e, dict)}
+
+
+def pick_subset(configs: Mapping[str, Any], subset: str | None, origin: str) -> str | None:
+    """The subset to read: `subset` (which the card must list), else the card's default or only one;
+    None for a repository whose card lists no subsets."""
+    names = [n for n in configs if n]
+    if subset is not None:
+        if not names:
+            raise DataError(f"task.subset={subset!r}: {origin} has no subsets (its card lists none); leave task.subset "
+                            "unset")
+        if subset not in names:
+            raise DataError(f"task.subset={subset!r}: {origin} has no such subset; it has {', '.join(names)}")
+        return subset
+    if not names:
+        return None
+    if "" in configs:
+        return next(n for n in names if configs[n] is configs[""])
+    if len(names) == 1:
+        return names[0]
+    raise DataError(f"{origin} has several subsets ({', '.join(names)}); name one with task.subset=NAME")
+
+
+def repository_patterns(card: Path | None, subset: str | None, origin: str) -> list[str] | None:
+    """What to fetch of a dataset repository for `subset`: its card and the subset's files (None:
+    every file, for a repository whose card lists no subsets)."""
+    configs = card_configs(card) if card is not None else {}
+    name = pick_subset(configs, subset, origin)
+    if name is None:
+        return None
+    return [CARD, *(p for patterns in configs[name].values() for p in patterns)]
+
+
+def repository_split_files(folder: Path, configs: Mapping[str, dict[str, list[str]]], subset: str | None,
+                           split_names: Mapping[str, str | None] | None, origin: str) -> dict[str, list[Path]]:
+    """The split files of a dataset repository's subset, by distzo's split names."""
+    name = pick_subset(configs, subset, origin)
+    if name is not None:
+        by_split: dict[str, list[Path]] = {}
+        for split, patterns in configs[name].items():
+            found = sorted({f for pattern in patterns for f in folder.glob(pattern) if f.is_file()
+                            and f.suffix.lower() in EXTENSIONS})
+            if not found:
+                raise DataError(f"{origin}: the {split} files of subset {name} ({', '.join(patterns)}) are missing from "
+                                f"{folder}; fetch the dataset again")
+            by_split[split] = found
+        if set(by_split) == {"*"}:  # data_dir: split by the files' names
+            by_split = _group_by_split_word(by_split["*"], folder)
+    else:
+        files = [f for f in sorted(folder.rglob("*")) if f.is_file() and f.suffix.lower() in EXTENSIONS
+                 and not any(part.startswith(".") for part in f.relative_to(folder).parts)]
+        by_split = _group_by_split_word(files, folder)
+    return _distzo_splits(by_split, split_names, origin)
+
+
+def _group_by_split_word(files: list[Path], folder: Path) -> dict[str, list[Path]]:
+    """Files by the split a word of their path names (`data/train-00000-of-00001.parquet`)."""
+    out: dict[str, list[Path]] = {}
+    for f in files:
+        words = [w for part in f.relative_to(folder).with_suffix("").parts for w in re.split(r"[-_.\s]+", part.lower())]
+        split = next((w for w in words if w in SPLIT_NAMES), None)
+        if split is not None:
+            out.setdefault(split, []).append(f)
+    return out
+
+
+def _distzo_splits(by_split: Mapping[str, list[Path]], split_names: Mapping[str, str | None] | None,
+                   origin: str) -> dict[str, list[Path]]:
+    """A repository's splits under distzo's names: `split_names` (distzo's -> the repository's) first,
+    then the usual spellings (dev, val, valid); other splits are left out with a note."""
+    chosen = {ours: str(theirs) for ours, theirs in (split_names or {}).items() if theirs}
+    for ours, theirs in chosen.items():
+        if theirs not in by_split:
+            raise DataError(f"task.split_names.{ours}={theirs!r}: {origin} has no split {theirs!r}; it has "
+                            f"{', '.join(sorted(by_split))}")
+    out = {ours: list(by_split[theirs]) for ours, theirs in chosen.items()}
+    for theirs, files in by_split.items():
+        ours = SPLIT_NAMES.get(theirs.lower())
+        if theirs in chosen.values():
+            continue
+        if ours is None or ours in out:
+            log.info("%s: split %r not read (distzo reads train, validation and test; map it with "
+                     "task.split_names.<split>=%s)", origin, theirs, theirs)
+            continue
+        out[ours] = list(files)
+    return out
+
+
+def dataset_fetch(t: Any, recorded: hub.Pin | None = None) -> hub.Fetch | None:
+    """What to fetch of the hub dataset a task configuration names (its commit, its card and the
+    subset's files: one metadata request and the card), or None for local data. recorded: the commit
+    an earlier run of this configuration read, used instead of the branch's current one."""
+    if not hub.is_hub_id(t.path):
+        return None
+    pin, files = hub.resolve("dataset", str(t.path), t.revision, DATA_SETTING, recorded)
+    card = hub.download_file(pin, CARD, DATA_SETTING) if CARD in files else None
+    patterns = repository_patterns(card, t.subset, f"{t.path} (dataset on {hub.endpoint()})")
+    return hub.Fetch("dataset", pin, tuple(patterns) if patterns is not None else None, DATA_SETTING)
+
+
+def hub_records(t: Any, pin: hub.Pin | None, json_object: Callable[[dict[str, Any]], Records] | None = None
+                ) -> tuple[dict[str, Records], str]:
+    """The records of the hub dataset `task.path` names, by split, and where they come from: read
+    from the cached snapshot of `pin` (fetched beforehand, on a mesh once per node), or fetched here
+    when no pin is given."""
+    if pin is None:
+        pin = hub.fetch_here([dataset_fetch(t)])["dataset"]
+    folder = hub.cached_folder(pin, DATA_SETTING)
+    origin = f"{t.path}{f' ({t.subset})' if t.subset else ''} at commit {pin.commit[:10]}"
+    return read_records(folder, str(t.format), json_object, t.subset, split_names(t), shown=origin), origin
+
+
+def split_names(t: Any) -> dict[str, str | None]:
+    """`task.split_names` as distzo's split -> the repository's (None: the usual spellings)."""
+    names = t.split_names
+    return {split: names[split] if hasattr(names, "__getitem__") else getattr(names, split)
+            for split in ("train", "validation", "test")}
 
 
 def _is_export(folder: Path) -> bool:

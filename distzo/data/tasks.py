@@ -28,6 +28,7 @@ from typing import Iterator, Sequence
 
 import torch
 
+from .. import hub
 from .answers import exact_match, f1_score
 from .batches import Batch, Scores, label_word_batch
 from .batches import TokenSequence as Seq
@@ -36,7 +37,7 @@ from .decoding import answer_text
 from .examples import RecordFormatter
 from .objectives import objective_sums
 from .presets import JSON_OBJECTS, READERS
-from .sources import DataError, read_records
+from .sources import DataError, hub_records, read_records, split_names
 from .splits import Splits, make_splits
 from .trivia import trivia_records
 
@@ -45,9 +46,10 @@ log = logging.getLogger("distzo")
 SPLITS = ("train", "validation", "test")
 
 
-def load_examples(cfg, chat=None) -> tuple[Splits, str]:
+def load_examples(cfg, chat=None, pin: hub.Pin | None = None) -> tuple[Splits, str]:
     """The task's splits of examples, and where they come from (for messages). chat: renders a chat's
-    messages as a prompt (generation from `task.messages_field`)."""
+    messages as a prompt (generation from `task.messages_field`). pin: the commit of a hub dataset
+    the run fetched (distzo.run.sources; a process on its own fetches it here when None)."""
     name = cfg.dataset
     if name in BUNDLED:
         parts = {"all": bundled_records(name, cfg.num_examples, cfg.split_seed)}
@@ -55,11 +57,14 @@ def load_examples(cfg, chat=None) -> tuple[Splits, str]:
     elif name == "trivia":
         parts = {"all": trivia_records(cfg.path, list(cfg.subsets))}
         origin = f"the trivia lists {list(cfg.subsets)}"
+    elif hub.is_hub_id(cfg.path):
+        parts, origin = hub_records(cfg, pin, JSON_OBJECTS.get(name))
     else:
         if not cfg.path:
-            raise DataError(f"task={cfg.name} reads local files: add task.path=/path/to/the/data (a file, a folder of "
-                            "split files, or a datasets export; docs/tasks.md)")
-        parts = read_records(cfg.path, str(cfg.format), JSON_OBJECTS.get(name))
+            raise DataError(f"task={cfg.name} needs data: add task.path=org/name (a hub dataset) or "
+                            "task.path=/path/to/the/data (a file, a folder of split files, or a datasets export; "
+                            "docs/tasks.md)")
+        parts = read_records(cfg.path, str(cfg.format), JSON_OBJECTS.get(name), cfg.subset, split_names(cfg))
         origin = cfg.path
     formatter = RecordFormatter(cfg, READERS.get(name), chat)
     examples = {split: formatter.examples(records, split, origin) for split, records in parts.items()}
@@ -72,9 +77,10 @@ def load_examples(cfg, chat=None) -> tuple[Splits, str]:
 
 
 class PromptTask:
-    """A classification or multiple-choice task over prompts (see the module docstring)."""
+    """A classification or multiple-choice task over prompts (see the module docstring). pin: the
+    commit of a hub dataset the run fetched (`task.path=org/name`; None: fetched here)."""
 
-    def __init__(self, cfg, tokenizer, objective: str = "loss"):
+    def __init__(self, cfg, tokenizer, objective: str = "loss", pin: hub.Pin | None = None):
         self.name, self.kind, self.max_length = cfg.name, str(cfg.kind), cfg.max_length
         self.messages_field = cfg.messages_field
         self.tokenizer = tokenizer
@@ -82,7 +88,7 @@ class PromptTask:
         self.label_words = list(cfg.label_words)
         self.stop, self.max_new_tokens = cfg.stop, cfg.max_new_tokens
         self.origin = cfg.path or cfg.dataset  # for messages while the data is read
-        self.splits, self.origin = load_examples(cfg, self._render_chat)
+        self.splits, self.origin = load_examples(cfg, self._render_chat, pin)
         # Generation whose records are plain texts (no answers to decode) is language modelling:
         # evaluated by its token loss and perplexity.
         self.decodes = self.kind == "generation" and any(ex.answers for s in SPLITS for ex in getattr(self.splits, s))

@@ -50,6 +50,29 @@ def device_type(name: str) -> str:
     return name
 
 
+# What gloo and NCCL say when a collective fails because another rank is gone (killed, crashed, or
+# stopped by its launcher), or never answered within the timeout.
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote worker crashing",
+              "Connection refused", "NCCL communicator was aborted", "Timed out waiting", "Socket Timeout")
+
+
+def peer_failure(exc: BaseException) -> str | None:
+    """One line for an error raised by a collective whose peers are gone, or None for any other
+    error (which keeps its traceback). The rank that failed first reports its own cause; the others
+    only need to say that they lost it."""
+    if not isinstance(exc, RuntimeError):  # torch.distributed's DistError family subclasses it
+        return None
+    text = " ".join(str(exc).split())
+    if not any(marker in text for marker in _PEER_GONE):
+        return None
+    if text.startswith("[") and "] " in text:  # gloo's source location
+        text = text.split("] ", 1)[1]
+    cause = text.split(". ", 1)[0].rstrip(".")[:160]
+    rank = os.environ.get("RANK", "0")
+    return (f"rank {rank} lost its peers ({cause}): another rank of the job stopped first, and its own message, "
+            "or the launcher's, says why")
+
+
 class Mesh:
     """Ranks, roles and the step's collectives for one run."""
 
@@ -59,6 +82,7 @@ class Mesh:
         self.world_size = shape.size
         self.device_mesh = device_mesh
         self.node = node or Node.single()  # the ranks of this machine (shared host memory, slices)
+        self._patient_group: Any = None  # gloo over every rank, waiting up to a day (all_gather_object)
         if device_mesh is None:  # 1x1, or roles computed for a rank without processes (tests, planning)
             self.pert_rank, self.data_rank = rank % shape.pert, rank // shape.pert
             self._pert_group = self._data_group = None
@@ -180,6 +204,20 @@ class Mesh:
         box = [obj]
         dist.broadcast_object_list(box, src=0)
         return box[0]
+
+    def all_gather_object(self, obj: Any, patient: bool = False) -> list[Any]:
+        """Every rank's object, in rank order. patient: over a group that waits up to a day instead of
+        the run's dist_timeout_s, for work whose length is not a step's (a node fetching a model)."""
+        if not self.distributed:
+            return [obj]
+        group = None
+        if patient:
+            if self._patient_group is None:  # created by every rank alike: they all reach the same call
+                self._patient_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=1))
+            group = self._patient_group
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=group)
+        return out
 
     def _collective_device(self) -> torch.device:
         return self.device if self.device.type == "cuda" else torch.device("cpu")

@@ -189,7 +189,7 @@ def single_rank_components(c: Components) -> Components | None:
     solo = None
     if c.mesh.is_main:
         cfg = OmegaConf.merge(c.cfg, {"mesh": "1x1", "engine": {"divide_work": "false"}})
-        solo = build_components(cfg, Mesh(MeshShape.parse("1x1"), c.mesh.device), c.seed)
+        solo = build_components(cfg, Mesh(MeshShape.parse("1x1"), c.mesh.device), c.seed, sources=c.sources)
     c.mesh.barrier()  # the peers wait until rank 0 has built it
     return solo
 
@@ -209,7 +209,7 @@ def single_rank_round(solo: Components | None, mesh: Mesh, untimed: int, step: i
 def sgd_components(c: Components) -> Components:
     """The same run with optim.name=sgd, on the same mesh (every rank builds it, as the run's)."""
     cfg = OmegaConf.merge(c.cfg, {"optim": {"name": "sgd"}})
-    sgd = build_components(cfg, c.mesh, c.seed)
+    sgd = build_components(cfg, c.mesh, c.seed, sources=c.sources)
     c.mesh.barrier()
     return sgd
 

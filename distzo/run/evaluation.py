@@ -25,11 +25,12 @@ from ..engine import Engine
 from ..errors import DistzoError
 from ..parallel.launch_env import launched_world_size
 from ..parallel.mesh import Mesh
-from ..state.runs import FINAL_ADAPTER, FINAL_MODEL, final_weights, load_run_config
+from ..state.runs import FINAL_ADAPTER, FINAL_MODEL, final_weights, load_run_config, recorded_sources
 from ..telemetry.metrics import MetricsWriter, Progress, format_duration
 from .checks import validate
 from .rundir import RunDirectory
 from .session import Session
+from .sources import Sources, fetch_sources
 
 log = logging.getLogger("distzo")
 
@@ -152,7 +153,9 @@ def evaluate(cfg, run_dir: str | Path | RunDirectory | None = None, *, overrides
         mesh, run_dir = session.mesh, session.run_dir
         weights = final_weights(cfg.eval.run) if cfg.eval.run else None
         adapter = load_file(str(weights)) if weights is not None and weights.name == FINAL_ADAPTER else None
-        c = build_components(cfg, mesh, session.seed(), weights=adapter)
+        # A run's evaluation reads the hub commits that run read, not the branches' newer ones.
+        recorded = Sources.from_record(recorded_sources(cfg.eval.run)) if cfg.eval.run else None
+        c = build_components(cfg, mesh, session.seed(), weights=adapter, sources=fetch_sources(cfg, mesh, recorded))
         try:
             log.info("%s", c.task.describe())
             metrics = MetricsWriter(run_dir / "metrics.jsonl" if mesh.is_main else None, static={"mesh": str(mesh.shape)})

@@ -22,8 +22,8 @@ from safetensors.torch import save_file
 
 from ..errors import DistzoError
 from ..parallel.mesh import Mesh
-from ..state.resume import RUN_FILE, catch_up
-from ..state.runs import load_run_config
+from ..state.resume import catch_up
+from ..state.runs import RUN_FILE, load_run_config
 from ..state.snapshots import CorruptSnapshot, list_snapshots, read_optimizer_state, read_snapshot
 from ..telemetry.jsonl import read_jsonl
 from ..zo.directions import (
@@ -33,6 +33,7 @@ from ..zo.directions import (
 )
 from ..zo.estimators import estimator_type
 from .components import build_model_stack
+from .sources import Sources, fetch_sources
 
 log = logging.getLogger("distzo")
 
@@ -83,8 +84,10 @@ def replay(run_dir: Path, step: int | None = None, out: Path | None = None, devi
                           "log, resume it from its snapshots instead")
     # The same trainable set, built the same seeded way, on a resident engine of this process.
     optimizer_state = read_optimizer_state(base) if tensors is not None else None
-    stack = build_model_stack(cfg, Mesh.single(device), state["seed"], weights=tensors, resident=True,
-                              optimizer_state=optimizer_state)
+    mesh = Mesh.single(device)
+    sources = fetch_sources(cfg, mesh, Sources.from_record(state.get("sources")))  # the commits the run read
+    stack = build_model_stack(cfg, mesh, state["seed"], weights=tensors, resident=True,
+                              optimizer_state=optimizer_state, sources=sources)
     engine = stack.engine
     log.info("Replaying steps %d..%d of %s from %s", state["step"] + 1, target, run_dir,
              base.name if tensors is not None else "the initial weights")

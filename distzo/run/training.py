@@ -53,6 +53,7 @@ from .evaluation import Evaluator, headline
 from .rundir import RunDirectory
 from .session import Session
 from .signals import Stopped, StopRequests
+from .sources import Sources, fetch_sources
 
 log = logging.getLogger("distzo")
 
@@ -159,9 +160,12 @@ class Trainer:
         point = find_resume_point(cfg, run_dir, mesh)
         self.seed = self.session.seed(check_identity(cfg, point.snapshot or str(run_dir), point.identity)
                                       if point is not None else None)
+        # The hub commits the run read before it was interrupted, not a branch's newer one.
+        sources = fetch_sources(cfg, mesh, Sources.from_record(point.identity.get("sources")) if point else None)
         self.components = c = build_components(cfg, mesh, self.seed, point.weights() if point is not None else None,
                                                model=model, tokenizer=tokenizer, task=task,
-                                               optimizer_state=point.optimizer_state() if point is not None else None)
+                                               optimizer_state=point.optimizer_state() if point is not None else None,
+                                               sources=sources)
         self.start_step, self._nonfinite = 0, 0
         if point is not None:
             if point.snapshot is not None:
@@ -179,8 +183,8 @@ class Trainer:
         self.metrics = MetricsWriter(run_dir / "metrics.jsonl" if mesh.is_main else None,
                                      static={"mesh": str(mesh.shape)}, sinks=sinks)
         self.trajectory = JsonlWriter(run_dir / "trajectory.jsonl" if mesh.is_main else None)
-        self.checkpoints = Checkpointer(cfg.checkpoint, run_identity(cfg, self.seed, mesh), run_dir, mesh,
-                                        self.trajectory)
+        self.checkpoints = Checkpointer(cfg.checkpoint, run_identity(cfg, self.seed, mesh, c.sources.record()),
+                                        run_dir, mesh, self.trajectory)
         if point is None:
             self.checkpoints.start()
         self.evaluator = Evaluator(c.task, c.engine, mesh, cfg.eval_batch_size, self.metrics)
@@ -254,7 +258,13 @@ class Trainer:
 
     def save(self, folder: str | Path | None = None) -> Path | None:
         """The trained model as a Hugging Face folder (or with peft the adapter, also in the PEFT
-        format) in `folder` (default <run_dir>/final); the weights file's path on rank 0. Collective."""
+        format) in `folder` (default <run_dir>/final); that folder on rank 0 (what `from_pretrained`
+        and `PeftModel.from_pretrained` take), None on the others. Collective."""
+        path = self._save(folder)
+        return path.parent if path is not None else None
+
+    def _save(self, folder: str | Path | None = None) -> Path | None:
+        """`save`, returning the weights file's path on rank 0 (the summary's final_weights)."""
         folder = Path(folder) if folder is not None else self.run_dir / "final"
         with self.materialized() as weights:
             if not self.mesh.is_main:
@@ -310,7 +320,7 @@ class Trainer:
             "step_time_s": round(statistics.median(step_times), 3) if step_times else math.nan,
             "wall_time_s": round(time.time() - wall_start, 1),
             "peak_rss_bytes": peak_rss_bytes(), "peak_mem_bytes": peak_memory_bytes(mesh.device),
-            "trainable_parameters": c.params.numel(), "offload": str(cfg.offload.mode),
+            "trainable_parameters": c.params.numel(), **c.sources.revisions(), "offload": str(cfg.offload.mode),
             **self._host_master_summary(), **self._optimizer_summary(),
             "engine": c.engine.mode, "engine_description": c.engine.describe(),
             "replica_checksums": replica_checksums,  # every rank's, in rank order: identical (checked)
@@ -320,7 +330,7 @@ class Trainer:
                 summary.update({f"validation_{key}_before": first[key] if first else None,
                                 f"validation_{key}_after": last[key], f"test_{key}": test[key]})
         if cfg.save_final:
-            path = self.save()
+            path = self._save()
             if path is not None:
                 summary["final_weights"] = str(path)
         if mesh.is_main:

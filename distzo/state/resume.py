@@ -33,6 +33,7 @@ from ..telemetry.metrics import Progress
 from ..zo.directions import DIRECTIONS_VERSION, gaussian_generator_id, same_directions
 from ..zo.estimators import estimator_type
 from ..zo.optimizers import OPTIMIZER_TYPES, optimizer_type
+from .runs import RUN_FILE
 from .snapshots import (
     list_snapshots,
     newest_valid_snapshot,
@@ -43,7 +44,6 @@ from .snapshots import (
 
 log = logging.getLogger("distzo")
 
-RUN_FILE = "run.json"
 
 
 class ResumeError(DistzoError):
@@ -56,6 +56,11 @@ def config_fingerprint(cfg) -> str:
     keys = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "task", "estimator", "optim", "peft")}
     if keys["model"].get("adapter", "auto") == "auto":
         keys["model"].pop("adapter", None)  # the default: fingerprints of runs from before the option stay valid
+    # Keys added later count only when set, so runs written before them still resume.
+    for section, key, default in (("model", "revision", None), ("task", "revision", None), ("task", "subset", None),
+                                  ("task", "split_names", {"train": None, "validation": None, "test": None})):
+        if keys[section].get(key, default) == default:
+            keys[section].pop(key, None)
     # The optimizer's name and its own keys count; sgd's fingerprint is what it was before optimizers had names.
     optimizer = optimizer_type(keys["optim"].get("name", "sgd"))
     for key in ("name", *(k for t in OPTIMIZER_TYPES.values() for k in t.keys)):
@@ -70,11 +75,16 @@ def config_fingerprint(cfg) -> str:
     return hashlib.sha256(json.dumps(keys, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def run_identity(cfg, seed: int, mesh: Mesh) -> dict[str, Any]:
-    """What every snapshot of a run records, and run.json holds from its start."""
-    return {"seed": seed, "directions_version": DIRECTIONS_VERSION, "distribution": str(cfg.estimator.distribution),
-            "device_type": mesh.device.type, "gaussian_generator": gaussian_generator_id(mesh.device),
-            "mesh": str(mesh.shape), "config_fingerprint": config_fingerprint(cfg)}
+def run_identity(cfg, seed: int, mesh: Mesh, sources: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What every snapshot of a run records, and run.json holds from its start. sources: the hub
+    commits the run reads (distzo.run.sources), which resume, eval.run and replay read again."""
+    identity = {"seed": seed, "directions_version": DIRECTIONS_VERSION,
+                "distribution": str(cfg.estimator.distribution), "device_type": mesh.device.type,
+                "gaussian_generator": gaussian_generator_id(mesh.device), "mesh": str(mesh.shape),
+                "config_fingerprint": config_fingerprint(cfg)}
+    if sources:
+        identity["sources"] = dict(sources)
+    return identity
 
 
 @dataclass
@@ -167,7 +177,7 @@ def _resume_point(cfg, run_dir: Path, device: torch.device) -> ResumePoint | Non
     if newest is not None:
         path, _, state = newest
         point = ResumePoint({k: state.get(k) for k in ("seed", "directions_version", "distribution", "device_type",
-                                                       "gaussian_generator", "mesh", "config_fingerprint")},
+                                                       "gaussian_generator", "mesh", "config_fingerprint", "sources")},
                             str(path), int(state["step"]), int(state.get("nonfinite_in_a_row", 0)))
     elif identity_file.is_file():
         try:

@@ -11,6 +11,7 @@ from ..config.schema import Config
 from ..errors import DistzoError
 
 CONFIG_FILE = Path(".hydra") / "config.yaml"  # written by Hydra on the command line, by the library otherwise
+RUN_FILE = "run.json"  # the run's identity (distzo.state.resume.run_identity), written when it starts
 FINAL_MODEL, FINAL_ADAPTER = "model.safetensors", "adapter.safetensors"  # in <run>/final/
 
 
@@ -30,6 +31,18 @@ def load_run_config(run_dir: str | Path, key: str = "") -> Any:
     except Exception as exc:  # OmegaConf's merge errors: a key this distzo no longer has, a wrong type
         raise RunFilesError(f"{path} does not fit this distzo's configuration ({' '.join(str(exc).split())[:200]}); "
                             "use the distzo version that trained it") from None
+
+
+def recorded_sources(run_dir: str | Path) -> dict[str, Any] | None:
+    """The hub commits a run read (run.json's `sources`), for reading the same files again; None
+    when it read nothing from the hub or predates the record."""
+    import json
+
+    try:
+        identity = json.loads((Path(run_dir) / RUN_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return identity.get("sources") if isinstance(identity, dict) else None
 
 
 def final_weights(run_dir: str | Path, key: str = "eval.run") -> Path:

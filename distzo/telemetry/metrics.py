@@ -87,20 +87,34 @@ def format_duration(seconds: float) -> str:
 
 
 class Progress:
-    """Throttled progress lines for long loops: at most one line every `every_s` seconds, plus the last."""
+    """Throttled progress lines for long loops: at most one line every `every_s` seconds, plus the last.
+
+    The ETA is the pace of the items after the first one reported: the first carries the start-up
+    (a training run's first step includes compiling kernels, warming caches and whatever ran before
+    the loop), so counting it would promise an hour for a nine-minute run."""
 
     def __init__(self, label: str, total: int, every_s: float = 10.0, enabled: bool = True):
         self.label, self.total, self.every_s, self.enabled = label, total, every_s, enabled
         self.start = self._last = time.time()
+        self._first: tuple[int, float] | None = None  # (done, time) at the first update
+
+    def eta(self, done: int, now: float) -> float:
+        """Seconds left at `done`: the pace since the first update, or (with only that one) overall."""
+        if self._first is None or done <= self._first[0]:
+            return (now - self.start) / done * (self.total - done) if done else float("inf")
+        first_done, first_time = self._first
+        return (now - first_time) / (done - first_done) * (self.total - done)
 
     def update(self, done: int, extra: str = "", force: bool = False) -> None:
         if not self.enabled:
             return
         now = time.time()
+        if self._first is None:
+            self._first = (done, now)
         if not force and done < self.total and now - self._last < self.every_s:
             return
         self._last = now
         elapsed = now - self.start
-        eta = elapsed / done * (self.total - done) if done else float("inf")
+        eta = self.eta(done, now)
         log.info("%s %d/%d (%s elapsed, ETA %s)%s", self.label, done, self.total,
                  format_duration(elapsed), format_duration(eta), f" {extra}" if extra else "")

@@ -39,6 +39,18 @@ def test_bad_mesh_messages(text, world, message):
     assert message in str(err.value)
 
 
+def test_a_collective_whose_peer_is_gone_is_one_line(monkeypatch):
+    from distzo.parallel.mesh import peer_failure
+
+    monkeypatch.setenv("RANK", "3")
+    gloo = RuntimeError("[/__w/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+                        "[127.0.0.1]:35743. This is typically caused by a remote worker crashing. Check the logs.")
+    assert peer_failure(gloo) == ("rank 3 lost its peers (Connection closed by peer [127.0.0.1]:35743): another rank "
+                                  "of the job stopped first, and its own message, or the launcher's, says why")
+    assert peer_failure(RuntimeError("shape mismatch")) is None  # any other error keeps its traceback
+    assert peer_failure(ValueError("Connection closed by peer")) is None
+
+
 def test_roles():
     from distzo.parallel.mesh import Mesh
 
@@ -229,3 +241,8 @@ def test_a_killed_rank_ends_the_job(tmp_path):
             proc.kill()
     assert proc.returncode != 0
     assert "SIGKILL" in output or "Signal 9" in output or "exitcode  : -9" in output, output[-3000:]
+    # The surviving rank says in one line that it lost its peer, with no traceback and none of Hydra's
+    # "Error executing job" report (it may also be stopped by torchrun before it gets to say anything).
+    assert "Traceback" not in output and "Error executing job" not in output, output[-3000:]
+    lost = [line for line in output.splitlines() if "lost its peers" in line]
+    assert all(line.startswith("distzo: error: rank 0 lost its peers (") for line in lost), lost

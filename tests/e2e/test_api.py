@@ -86,8 +86,12 @@ def test_step_evaluate_save_by_hand_is_the_cli_run(cli_run, tmp_path):
     logged = [m["projected_grads"] for m in distzo_metrics(cli_run) if m["type"] == "train"]
     assert [list(r.projected_grads) for r in records] == logged
     assert result["accuracy"] == json.loads((cli_run / "summary.json").read_text())["test_accuracy"]
-    assert path == tmp_path / "exported" / "model.safetensors"
-    assert_same_weights(cli_run / "final" / "model.safetensors", path)
+    assert path == tmp_path / "exported"  # the folder from_pretrained takes
+    assert_same_weights(cli_run / "final" / "model.safetensors", path / "model.safetensors")
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(path)
+    assert torch.equal(loaded.model.norm.weight, load_file(str(path / "model.safetensors"))["model.norm.weight"])
 
 
 def distzo_metrics(run: Path) -> list[dict]:
@@ -112,7 +116,8 @@ def test_your_own_model_tokenizer_and_task(cli_run, tmp_path):
         for _ in range(cfg.steps):
             trainer.step()
         path = trainer.save()
-    assert_same_weights(cli_run / "final" / "model.safetensors", path)
+    assert path == tmp_path / "own" / "final"
+    assert_same_weights(cli_run / "final" / "model.safetensors", path / "model.safetensors")
 
 
 def test_evaluate_a_run_as_the_cli_does(cli_run, tmp_path):

@@ -16,6 +16,8 @@ import pytest
 import torch
 
 from tests.distributed.launch import run_forked
+from tests.hub.repos import glue_files, sst2_records, tiny_model_files
+from tests.hub.server import HubServer, closed_endpoint
 
 # PYTHONUNBUFFERED: the worst case for interleaved output of several ranks (print writes text and newline apart)
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -39,7 +41,21 @@ def test_the_table_is_there():
 
 
 @pytest.fixture(scope="module")
-def folders(tmp_path_factory):
+def hub_server(tmp_path_factory):
+    """The local hub of the rows that name $HUB (docs/errors.md says what it holds)."""
+    root = tmp_path_factory.mktemp("error-hub")
+    server = HubServer()
+    server.add("model", "acme/tiny", tiny_model_files(root / "tiny"))
+    server.add("model", "acme/gated", tiny_model_files(root / "gated"), gated=True)
+    server.add("model", "acme/notes", {"README.md": b"# notes, no model\n"})
+    server.add("dataset", "nyu-mll/glue", glue_files(sst2_records()))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory, hub_server):
     root = tmp_path_factory.mktemp("error-fixtures")
     clip = root / "clip"  # an architecture with no causal-LM class
     clip.mkdir()
@@ -109,7 +125,7 @@ def folders(tmp_path_factory):
             "$QUIZ": str(data / "quiz.jsonl"), "$NOT_JSON": str(data / "not-json.jsonl"), "$EMPTY_TEST": str(empty_test),
             "$NO_DATA": str(data / "nothing"), "$TRUNCATED_MODEL": str(broken["truncated"]),
             "$CORRUPT_MODEL": str(broken["corrupt"]), "$MISSING_SHARD": str(broken["missing-shard"]),
-            "$BAD_TOKENIZER": str(broken["bad-tokenizer"])}
+            "$BAD_TOKENIZER": str(broken["bad-tokenizer"]), "$HUB": hub_server.url, "$NO_HUB": closed_endpoint()}
 
 
 def run(text: str, cwd: Path) -> tuple[subprocess.CompletedProcess, int]:
@@ -127,6 +143,16 @@ def run(text: str, cwd: Path) -> tuple[subprocess.CompletedProcess, int]:
     while re.fullmatch(r"[A-Z_]+=.*", argv[0]):
         name, value = argv.pop(0).split("=", 1)
         env[name] = value
+    if any(name.startswith("HF_") for name in env):
+        # huggingface_hub reads its settings when it is imported, which the preloaded server has done
+        # offline: these rows run as processes of their own, online where they name an endpoint, each
+        # with an empty hub cache.
+        online = "HF_ENDPOINT" in env
+        full = {k: v for k, v in ENV.items() if not (online and k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))}
+        full.update(env, HF_HOME=str(cwd / "hf-home"))
+        assert argv[:3] == ["python", "-m", "distzo"], text
+        return subprocess.run([sys.executable, *argv[1:]], capture_output=True, text=True, env=full, cwd=cwd,
+                              timeout=300), 1
     if argv[0] == "python":
         assert argv[1:3] == ["-m", "distzo"], text
         return run_forked(1, argv[3:], cwd=cwd, timeout=300, env=env), 1

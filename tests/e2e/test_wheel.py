@@ -1,8 +1,9 @@
 """distzo as an installed package: a wheel built from the tree carries the presets, the kernels'
 source and the bundled data, installs (not editable) into a fresh virtual environment, and trains
-from a directory outside the source tree. The environment sees the machine's site-packages for the
-dependencies (torch, transformers, ...), which keeps the test offline; distzo itself must come from
-the wheel, which the test checks."""
+from a directory outside the source tree. The new environment sees the site-packages of the
+environment running the suite (a virtualenv or a bare interpreter alike) for the dependencies
+(torch, transformers, ...), which keeps the test offline; distzo itself must come from the wheel,
+which the test checks."""
 
 from __future__ import annotations
 
@@ -49,8 +50,16 @@ def test_the_wheel_carries_what_runs_need(wheel):
 
 def test_an_installed_wheel_trains_outside_the_source_tree(wheel, tmp_path):
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=300)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
     python = venv / "bin" / "python"
+    # The dependencies of the environment running the suite, after the new one's own packages. (venv's
+    # --system-site-packages would reach the base interpreter's packages instead, which are not this
+    # environment's when the suite runs in a virtualenv.) Directories named in a .pth file join
+    # sys.path without their own .pth files running, so the tree's editable install stays out.
+    outer = [p for p in sys.path if p.endswith(("site-packages", "dist-packages")) and Path(p).is_dir()]
+    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+    (Path(purelib) / "suite-dependencies.pth").write_text("\n".join(outer) + "\n")
     r = subprocess.run([str(python), "-m", "pip", "install", "--no-deps", "--quiet", str(wheel)], capture_output=True,
                        text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -299,8 +299,9 @@ def test_errors_name_the_file_the_record_and_the_fix(tokenizer, tmp_path):
              "task.candidates_field=options", "task.label_field=answer", *SMALL)
     with pytest.raises(ConfigError, match=r"task.path='/no/such.csv' does not exist"):
         make_config("task=custom", "task.path=/no/such.csv")
-    with pytest.raises(ConfigError, match=r"task=rte reads local files: add task.path="):
-        make_config("task=rte")
+    with pytest.raises(ConfigError, match=r"task=custom needs data: add task.path=org/name \(a hub dataset\) or "):
+        make_config("task=custom")
+    assert make_config("task=rte").task.path == "aps/super_glue"  # the preset's public hub dataset
     empty = tmp_path / "empty"
     write_jsonl(empty / "train.jsonl", [{"text": "a", "label": 0}] * 4)
     (empty / "val.jsonl").write_text("")

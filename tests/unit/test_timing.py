@@ -70,3 +70,21 @@ def test_directions_clock_sees_draws_inside_work_items():
     busy, draw = d.clock.read()
     assert 0 < draw < busy  # the multiply is work but not drawing
     d.close()
+
+
+def test_progress_estimates_from_the_pace_after_the_first_step(monkeypatch, caplog):
+    """A 200-step run whose first step took 60 s (start-up, the zero-shot evaluation) and then 2 s a
+    step: after 10 steps the ETA is 190 x 2 s, not 190 x 7.8 s."""
+    import logging
+
+    from distzo.telemetry import metrics
+
+    clock = iter([0.0, 60.0, *[60.0 + 2.0 * k for k in range(1, 10)]])
+    monkeypatch.setattr(metrics, "time", type("Clock", (), {"time": staticmethod(lambda: next(clock))}))
+    progress = metrics.Progress("train step", 200, every_s=1e9)
+    with caplog.at_level(logging.INFO, logger=metrics.log.name):
+        for done in range(1, 11):
+            progress.update(done, force=done == 10)
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "train step 10/200" in line and f"ETA {metrics.format_duration(190 * 2.0)}" in line
+    assert progress.eta(1, 60.0) == 60.0 * 199  # with only the first step, the only pace there is

@@ -1,0 +1,88 @@
+"""Where a run's model, tokenizer and data come from when the hub holds them: resolved once, fetched
+once per node, read at the same commit by every rank.
+
+On a mesh rank 0 resolves each hub id (`model.path`, `model.tokenizer`, `task.path`) to a commit,
+with the settings' revisions, or the commits an earlier run recorded (resume, `eval.run`); every rank
+receives those pins, so every rank reads the same files however a branch moves meanwhile. Each
+node's local rank 0 then fetches the files into the node's hub cache while its peers wait, so no two
+processes download the same file onto one node, and every rank finally reads the cached snapshot
+without a request. A process on its own does the same with a mesh of one. The pins go into run.json
+and the run's summary (`Sources.record`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from .. import hub
+from ..data.sources import dataset_fetch
+from ..errors import DistzoError
+from ..models.loading import model_fetches
+from ..parallel.mesh import Mesh
+
+log = logging.getLogger("distzo")
+
+
+@dataclass(frozen=True)
+class Sources:
+    """The hub commits a run reads, by role (model, tokenizer, dataset); empty when all is local."""
+
+    pins: dict[str, hub.Pin] = field(default_factory=dict)
+
+    def record(self) -> dict[str, dict[str, str]]:
+        """For run.json: role -> the pin (repository, revision asked for, commit)."""
+        return {role: pin.record() for role, pin in self.pins.items()}
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any] | None) -> "Sources":
+        return cls({role: hub.Pin.from_record(r) for role, r in (record or {}).items()})
+
+    def revisions(self) -> dict[str, str]:
+        """For the summary: `<role>_revision` -> the commit."""
+        return {f"{role}_revision": pin.commit for role, pin in self.pins.items()}
+
+    def get(self, role: str) -> hub.Pin | None:
+        return self.pins.get(role)
+
+
+def uses_hub(cfg: Any) -> bool:
+    """Whether a configuration names anything on the hub (decided alike on every rank, no request)."""
+    m, t = cfg.model, cfg.task
+    return ((str(m.source) == "local" and hub.is_hub_id(m.path)) or (m.tokenizer not in (None, "smollm2")
+            and hub.is_hub_id(m.tokenizer)) or (t.dataset not in ("trivia",) and hub.is_hub_id(t.path)))
+
+
+def fetch_sources(cfg: Any, mesh: Mesh, recorded: Sources | None = None) -> Sources:
+    """Resolve, fetch (once per node) and pin what `cfg` names on the hub; collective. recorded: the
+    pins of an earlier run of this configuration (resume, eval.run), read instead of a branch's
+    current commit. Raises HubError (the same line on every rank)."""
+    if not uses_hub(cfg):
+        return Sources()
+    recorded = recorded or Sources()
+    plan, error = None, None
+    if mesh.is_main:
+        try:
+            plan = [*model_fetches(cfg.model, recorded.pins), dataset_fetch(cfg.task, recorded.get("dataset"))]
+            plan = [f for f in plan if f is not None]
+        except DistzoError as exc:
+            error = exc
+    plan, error = mesh.broadcast_object((plan, error))
+    if error is not None:
+        raise error
+    error = None
+    if mesh.node.local_rank == 0:
+        try:
+            for f in plan:
+                where = "offline, from the hub cache" if hub.offline(f.pin.kind) else f"from {hub.endpoint()}"
+                log.info("Fetching the %s %s at commit %s %s into %s", f.role, f.pin.repo_id, f.pin.commit[:10],
+                         where, hub.hub_cache())
+                f.download()
+        except DistzoError as exc:
+            error = exc
+    # The node's other ranks wait here while it downloads, however long that takes.
+    errors = [e for e in mesh.all_gather_object(error, patient=True) if e is not None]
+    if errors:
+        raise errors[0]
+    return Sources({f.role: f.pin for f in plan})

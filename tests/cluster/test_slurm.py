@@ -62,7 +62,7 @@ def test_the_early_warning_stops_requeues_and_completes(slurm, tmp_path):
     script = SCRIPT.read_text()
     assert "#SBATCH --signal=B:USR1@" in script and "#SBATCH --requeue" in script
     env = {"DISTZO_RUNS": str(tmp_path / "runs"), "PYTHON": sys.executable, "NPROC_PER_NODE": "2"}
-    steps = 300
+    steps = 120
     jid = sbatch(slurm, tmp_path, "--ntasks=1", str(SCRIPT), "mesh=1x2", *FAST, f"steps={steps}",
                  "checkpoint.every=1000", env=env)
     run = tmp_path / "runs" / jid

@@ -75,6 +75,7 @@ def _worker(argv: list[str], env: dict[str, str], cwd: str, out: str, err: str) 
     """One rank: torchrun's environment, its own stdout / stderr files, then `python -m distzo ARGV`."""
     os.environ.clear()
     os.environ.update(env)
+    _reread_hub_settings()
     os.chdir(cwd)
     for fd, path in ((1, out), (2, err)):
         f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -100,11 +101,23 @@ def _worker(argv: list[str], env: dict[str, str], cwd: str, out: str, err: str) 
     os._exit(code)
 
 
+def _reread_hub_settings() -> None:
+    """huggingface_hub reads its settings (HF_ENDPOINT, HF_HUB_OFFLINE, HF_HOME, ...) into
+    `huggingface_hub.constants` when it is imported, which the preloaded server did with the suite's
+    offline environment. Re-executing that module in place gives a forked rank the settings of its
+    own environment, as a fresh process would have them (the library reads them as `constants.X`)."""
+    import importlib
+
+    import huggingface_hub.constants
+
+    importlib.reload(huggingface_hub.constants)
+
+
 def run_forked(nproc: int, argv: list[str], cwd: Path | None = None, timeout: float = 600,
                grace_s: float = 30.0, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """`python -m distzo ARGV` as nproc ranks of one standalone job; returns the ranks' outputs
     concatenated in rank order and the first failing rank's exit code (0 when all succeed).
-    env: variables to set for every rank, on top of the suite's environment."""
+    env: variables to set for every rank, on top of the suite's environment (None: unset it)."""
     import datetime
     import tempfile
     import uuid
@@ -122,7 +135,7 @@ def run_forked(nproc: int, argv: list[str], cwd: Path | None = None, timeout: fl
     procs = []
     extra = env or {}
     for rank in range(nproc):
-        env = {**ENV, **extra}
+        env = {k: v for k, v in {**ENV, **extra}.items() if v is not None}
         if nproc > 1:
             env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
                        GROUP_RANK="0", GROUP_WORLD_SIZE="1", ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(nproc),

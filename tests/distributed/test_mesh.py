@@ -4,6 +4,7 @@ failures that end the job instead of hanging."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -241,8 +242,9 @@ def test_a_killed_rank_ends_the_job(tmp_path):
             proc.kill()
     assert proc.returncode != 0
     assert "SIGKILL" in output or "Signal 9" in output or "exitcode  : -9" in output, output[-3000:]
-    # The surviving rank says in one line that it lost its peer, with no traceback and none of Hydra's
-    # "Error executing job" report (it may also be stopped by torchrun before it gets to say anything).
-    assert "Traceback" not in output and "Error executing job" not in output, output[-3000:]
+    # The surviving rank says in one line that it lost its peer, with no traceback of its own (torchrun
+    # prints one of its agent) and none of Hydra's "Error executing job" report (it may also be stopped
+    # by torchrun before it gets to say anything).
+    assert not re.search(r'File ".*/distzo/', output) and "Error executing job" not in output, output[-3000:]
     lost = [line for line in output.splitlines() if "lost its peers" in line]
     assert all(line.startswith("distzo: error: rank 0 lost its peers (") for line in lost), lost

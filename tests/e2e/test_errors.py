@@ -134,7 +134,8 @@ def run(text: str, cwd: Path) -> tuple[subprocess.CompletedProcess, int]:
 
     `python -m distzo ...` rows run in a process forked from the test suite's preloaded server
     (`tests/distributed/launch.py`): the same `distzo.__main__.main(argv)`, exit status and
-    stderr as the command line, without paying torch's and transformers' imports once per row.
+    stderr as the command line, without paying torch's and transformers' imports once per row (a
+    forked rank re-reads huggingface_hub's settings from its environment, as a fresh process would).
     torchrun rows run their ranks the same way, with torchrun's worker environment and store,
     except the multirun row (`-m`), which runs the real torchrun: there all ranks write into one
     stderr pipe, where lines of several ranks could run into one another (issue 17)."""
@@ -144,15 +145,11 @@ def run(text: str, cwd: Path) -> tuple[subprocess.CompletedProcess, int]:
         name, value = argv.pop(0).split("=", 1)
         env[name] = value
     if any(name.startswith("HF_") for name in env):
-        # huggingface_hub reads its settings when it is imported, which the preloaded server has done
-        # offline: these rows run as processes of their own, online where they name an endpoint, each
-        # with an empty hub cache.
-        online = "HF_ENDPOINT" in env
-        full = {k: v for k, v in ENV.items() if not (online and k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))}
-        full.update(env, HF_HOME=str(cwd / "hf-home"))
-        assert argv[:3] == ["python", "-m", "distzo"], text
-        return subprocess.run([sys.executable, *argv[1:]], capture_output=True, text=True, env=full, cwd=cwd,
-                              timeout=300), 1
+        # Rows about the hub: online where they name an endpoint (the suite runs offline), each with an
+        # empty hub cache of its own.
+        if "HF_ENDPOINT" in env:
+            env.update(HF_HUB_OFFLINE=None, HF_DATASETS_OFFLINE=None)
+        env["HF_HOME"] = str(cwd / "hf-home")
     if argv[0] == "python":
         assert argv[1:3] == ["-m", "distzo"], text
         return run_forked(1, argv[3:], cwd=cwd, timeout=300, env=env), 1

@@ -1,18 +1,17 @@
 """Models and data by hub id, against a local server that speaks the hub's protocol (tests/hub/server.py),
-never the real hub: training on 1x1 and a self-launched 2x2 mesh with one download of each file per node,
-training again from the cache with the server stopped, SST-2 from the hub read as the file reader reads
-its TSV files, bounded failure when the hub cannot be reached, and the recorded commits that eval.run,
+never the real hub: training on 1x1 and a 2x2 mesh with one download of each file per node, training
+again from the cache with the server stopped, SST-2 from the hub read as the file reader reads its TSV
+files, bounded failure when the hub cannot be reached, and the recorded commits that eval.run,
 resume=auto and replay read after the branch has moved.
 
-Each run is a real `python -m distzo` process: huggingface_hub reads HF_ENDPOINT and HF_HUB_OFFLINE when
-it is imported, so the suite's own offline processes (and their forkserver) cannot stand in for them."""
+Each run is `python -m distzo` in processes of their own, forked as torchrun starts its ranks
+(tests/distributed/launch.py), each re-reading huggingface_hub's settings (HF_ENDPOINT,
+HF_HUB_OFFLINE, HF_HOME) from its environment as a fresh process does."""
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,25 +19,20 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.distributed.launch import run_forked
 from tests.hub.repos import glue_files, glue_tsv_folder, sst2_records, tiny_model_files
 from tests.hub.server import HubServer, silent_endpoint
 
-ROOT = Path(__file__).resolve().parents[2]
 SMALL = ("steps=3", "eval_every=0", "log_every=1000", "task.train_size=64", "task.val_size=32", "task.test_size=32")
 
 
-def distzo(*args: str, hub: str | None, hf_home: Path, cwd: Path, offline: bool = False, timeout: float = 300,
-           extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """`python -m distzo ARGS` with the hub at `hub` (its URL), or offline from the cache in `hf_home`."""
-    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_ENDPOINT")}
-    env.update(HF_HOME=str(hf_home), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(ROOT),
-               **(extra_env or {}))
-    if hub is not None:
-        env["HF_ENDPOINT"] = hub
-    if offline:
-        env["HF_HUB_OFFLINE"] = "1"
-    return subprocess.run([sys.executable, "-m", "distzo", *args], env=env, cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout)
+def distzo(*args: str, hub: str | None, hf_home: Path, cwd: Path, offline: bool = False, nproc: int = 1,
+           timeout: float = 300, extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`python -m distzo ARGS` on `nproc` ranks with the hub at `hub` (its URL), or offline from the
+    cache in `hf_home`."""
+    env = {"HF_HOME": str(hf_home), "HF_ENDPOINT": hub, "HF_HUB_OFFLINE": "1" if offline else None,
+           "HF_DATASETS_OFFLINE": None, **(extra_env or {})}
+    return run_forked(nproc, list(args), cwd=cwd, timeout=timeout, env=env)
 
 
 def ok(r: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
@@ -59,9 +53,9 @@ def served(tmp_path_factory):
     server.stop()
 
 
-def test_a_hub_model_trains_on_1x1_and_on_2x2_fetching_each_file_once_per_node(served, tmp_path):
-    """`model.path=org/name` and `task=sst2` (its hub dataset) on one process and on a self-launched
-    2x2 mesh of one node: each fetches every file it needs exactly once (the server's log), every rank
+def test_a_hub_model_trains_on_1x1_and_2x2_fetching_each_file_once_per_node(served, tmp_path):
+    """`model.path=org/name` and `task=sst2` (its hub dataset) on one process and on a 2x2 mesh of one
+    node (four ranks as torchrun starts them): each fetches every file it needs exactly once (the server's log), every rank
     reads the same commit and trains the same weights (replica checksums), and the 2x2 weights equal
     the 1x1 run's within the data-parallel bound of tests/distributed/test_mesh.py (1e-6: data shards
     pack fewer prompts per row, which moves per-example losses by float32 rounding)."""
@@ -70,7 +64,8 @@ def test_a_hub_model_trains_on_1x1_and_on_2x2_fetching_each_file_once_per_node(s
         served.clear_log()
         run = tmp_path / mesh
         ok(distzo("train", "model=hf", "model.path=acme/tiny", "task=sst2", f"mesh={mesh}", *SMALL,
-                  f"hydra.run.dir={run}", hub=served.url, hf_home=tmp_path / f"hf-{mesh}", cwd=tmp_path))
+                  f"hydra.run.dir={run}", hub=served.url, hf_home=tmp_path / f"hf-{mesh}", cwd=tmp_path,
+                  nproc=4 if mesh == "2x2" else 1))
         downloads = served.downloads()
         assert set(downloads) == {"acme/tiny/config.json", "acme/tiny/generation_config.json",
                                   "acme/tiny/model.safetensors", "acme/tiny/tokenizer.json",

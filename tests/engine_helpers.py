@@ -20,12 +20,12 @@ def plan_logits(engine, batch: Batch, plan, step: int) -> torch.Tensor:
 
 
 def clean_logits(engine, batch: Batch) -> torch.Tensor:
-    """[B, C] at the master weights (owed updates applied first)."""
+    """[B, C] at the master weights (pending updates applied first)."""
     with engine.materialized() as weights:
         return weights.score(batch).logits
 
 
 def materialize(engine) -> None:
-    """Apply whatever update the engine still owes."""
+    """Apply whatever update the engine still awaits."""
     with engine.materialized():
         pass

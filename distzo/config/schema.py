@@ -1,4 +1,4 @@
-"""Typed configuration: the dataclasses behind Hydra's config tree (the packaged presets, distzo/config/presets).
+"""Typed configuration: the dataclasses behind Hydra's config tree (the packaged presets, conf/).
 
 The dataclasses are registered in Hydra's ConfigStore as schemas (`distzo.config.compose`), so a
 YAML preset or a command-line override with an unknown key, a wrong type or a value outside a choice
@@ -62,6 +62,12 @@ class DType(Choice):
     float64 = "float64"
     bfloat16 = "bfloat16"
     float16 = "float16"
+
+
+class ComputeMode(Choice):
+    fp32 = "fp32"
+    tf32 = "tf32"
+    bf16 = "bf16"
 
 
 class TransferDType(Choice):
@@ -393,7 +399,7 @@ class EngineConfig:
     row_tokens: int = 1024
     divide_work: str = "auto"
     native: str = "auto"
-    compute: str = "fp32"
+    compute: ComputeMode = ComputeMode.fp32
 
 
 @dataclass
@@ -483,23 +489,38 @@ class LaunchConfig:
 
 
 @dataclass
-class OptimConfig:
-    """The ZO optimizer (docs/optimizers.md). name: sgd (ZO-SGD: theta -= lr * (sum_k c_k z_k +
-    weight_decay * theta), with c_k the estimator's coefficients, for SPSA c_k = g_k / q), momentum
-    (heavy ball, `momentum` = mu), adam (ZO-Adam, `beta1`, `beta2`, `adam_eps`; decoupled weight
-    decay), sign (ZO-SignSGD: lr * sign of the estimate, element-wise) or fzoo (FZOO: the step
-    normalised by the spread of the step's one-sided losses; needs estimator.difference=forward and
-    estimator.q >= 2). The name is a plain string (checked by distzo.config.validation)."""
+class MomentumSettings:
+    """`optim.name=momentum`: heavy-ball momentum mu, >= 0 and < 1 (0 gives sgd's weights)."""
 
+    mu: float = 0.9
+
+
+@dataclass
+class AdamSettings:
+    """`optim.name=adam` (ZO-Adam, decoupled weight decay): the moments' decays, each >= 0 and < 1,
+    and the epsilon added to the bias-corrected sqrt(v)."""
+
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+
+
+@dataclass
+class OptimConfig:
+    """The ZO optimizer (docs/optimizers.md). name: a registered optimizer
+    (`distzo.zo.optimizers.OPTIMIZERS`: sgd, momentum, adam, sign, fzoo; a string checked against
+    that registry, so an optimizer added there is a name here). sgd is ZO-SGD: theta -= lr * (sum_k
+    c_k z_k + weight_decay * theta), with c_k the estimator's coefficients (for SPSA c_k = g_k / q);
+    momentum, adam, sign and fzoo are in docs/optimizers.md. An optimizer's own settings are its
+    section here (`optim.momentum.mu`, `optim.adam.beta1`, ...)."""
+
+    name: str = "sgd"
     lr: float = 2e-5
     weight_decay: float = 0.0
     schedule: Schedule = Schedule.constant
     warmup_steps: int = 0
-    name: str = "sgd"
-    momentum: float = 0.9
-    beta1: float = 0.9
-    beta2: float = 0.999
-    adam_eps: float = 1e-8
+    momentum: MomentumSettings = field(default_factory=MomentumSettings)
+    adam: AdamSettings = field(default_factory=AdamSettings)
 
 
 @dataclass

@@ -8,7 +8,7 @@ class index, None when the split has no answers) or `_candidates` and `_gold` (m
 MultiRC and ReCoRD are nested in SuperGLUE's files (one passage, many questions) and are flattened
 here, one example per (question, answer) or per query.
 
-The templates and verbalizers themselves live in `distzo/config/presets/task/<name>.yaml`, so they can be read and
+The templates and verbalizers themselves live in `conf/task/<name>.yaml`, so they can be read and
 overridden like any other setting. What cannot be written as a format string is done here: BoolQ's
 question gets a capital and a question mark, WSC's pronoun is lower-cased, COPA's premise loses its
 full stop and gains "so" or "because" and its choices start in lower case (except "I"), ReCoRD's

@@ -1,23 +1,24 @@
 """Engines run a step's forward probes and its update (docs/architecture.md#engines).
 
-`build_engine` picks the mode once, from the configuration and the mesh:
-
-| mode | class | when |
-|---|---|---|
-| resident | `ResidentEngine` | the default |
-| work-divided | `DividedEngine` | CPU, resident, several ranks on a machine, full-parameter MeZO (engine.divide_work) |
-| offloaded | `OffloadEngine` | offload=cpu with one rank per node, or comm.sliced=false |
-| offloaded, sliced | `SlicedOffloadEngine` | offload=cpu with several ranks per node and comm.sliced=true |
-| stacked LoRA | `StackedLoRAEngine` | estimator=prge (P-RGE's batched forward) |
+Every mode is the one step loop (`StageLoop`) over a weight store; `build_engine` picks the mode
+once, from the configuration and the mesh (the table in distzo/engine/build.py):
+`resident_engine`, `divided_engine`, `offload_engine`, `sliced_offload_engine` and `stacked_lora_engine`
+build each mode's loop.
 """
 
 from .base import Engine, EngineConfigError, Materialized
-from .build import build_engine, work_division
-from .divided import DividedEngine, division_applies
-from .offload import OffloadEngine, SlicedOffloadEngine
-from .stacked import StackedLoRAEngine
-from .staged import ResidentEngine, StagedEngine
+from .build import (
+    divided_engine,
+    offload_engine,
+    resident_engine,
+    sliced_offload_engine,
+    stacked_lora_engine,
+    build_engine,
+    work_division,
+)
+from .divided import division_applies
+from .loop import StageLoop
 
-__all__ = ["DividedEngine", "Engine", "EngineConfigError", "Materialized", "OffloadEngine", "ResidentEngine",
-           "SlicedOffloadEngine", "StackedLoRAEngine", "StagedEngine", "build_engine", "division_applies",
+__all__ = ["divided_engine", "Engine", "EngineConfigError", "Materialized", "offload_engine", "resident_engine",
+           "sliced_offload_engine", "stacked_lora_engine", "StageLoop", "build_engine", "division_applies",
            "work_division"]

@@ -1,12 +1,15 @@
-"""The engine interface: the three things a driver asks of an engine (docs/architecture.md#engines).
+"""The engine interface: what a driver, evaluation, snapshots and telemetry ask of an engine, and
+nothing else (docs/architecture.md#engines).
 
     scores = engine.run_probes(shard, plan, step)   # this rank's share of the plan: {index: Scores}
     engine.apply(step, coefficients, lr, wd)      # the step's update (the optimizer's rule), identical on every rank
-    with engine.materialized() as weights:        # owed work done, peers in step: read the weights
+    with engine.materialized() as weights:        # pending work done, peers in step: read the weights
         weights.score(batch); weights.params; weights.model
 
 How an engine runs the plan (where weights live, who draws which noise, which collectives a block
-needs) is decided once, when `build_engine` picks the mode class; nothing is switched afterwards.
+needs) is decided once, when `build_engine` builds the mode's step loop; nothing is switched
+afterwards. Telemetry comes through methods every engine has (`transfer_stats`, `host_master_bytes`,
+`optimizer_state_bytes`), so a caller never asks which mode runs.
 """
 
 from __future__ import annotations
@@ -70,16 +73,15 @@ class Engine(ABC):
 
     @abstractmethod
     def apply(self, step: int, coefficients: Sequence[tuple[int, float]], lr: float, weight_decay: float) -> None:
-        """theta <- theta (1 - lr wd) - sum_k (lr c_k) z_k(step), for every trainable parameter. An
-        engine may defer the work (fusing it into the next step's perturbation); it is done before
-        any read of the weights through `materialized`. The staged engines record it here and pay it
-        in one method per mode, `_pay` (`StagedEngine._pay`, `DividedEngine._pay`); the table in
-        docs/architecture.md#engines says, per mode, where that method is called and when."""
+        """theta <- theta (1 - lr wd) - sum_k (lr c_k) z_k(step) (or the optimizer's rule), for every
+        trainable parameter. An engine may defer the work as a pending update (fused into the next
+        step's perturbation, distzo.engine.pending); it is applied before any read of the weights
+        through `materialized`."""
 
     @abstractmethod
     @contextmanager
     def materialized(self) -> Iterator[Materialized]:
-        """Every owed update applied and every peer in step: evaluation, replica checks, snapshots and
+        """Every pending update applied and every peer in step: evaluation, replica checks, snapshots and
         export read the weights inside. Collective: every rank enters it together."""
 
     @abstractmethod
@@ -98,14 +100,16 @@ class Engine(ABC):
         """Whether the stock model can decode on its own parameters here (raises EngineError if not)."""
 
     def transfer_stats(self) -> dict[str, float]:
-        """Cumulative bytes this rank moved host-to-device, back, and from node peers (sliced
-        offloading), and seconds spent in those transfers; all zero when nothing is offloaded."""
-        return {"h2d_bytes": 0, "d2h_bytes": 0, "peer_bytes": 0, "transfer_s": 0.0}
+        """Cumulative bytes this rank moved host-to-device (`h2d_bytes`), back (`d2h_bytes`) and from
+        node peers (`peer_bytes`, sliced offloading), and seconds spent in those transfers
+        (`transfer_s`); {} when the engine moves no weights."""
+        return {}
 
     def host_master_bytes(self) -> dict[str, int]:
-        """Host memory of an offloaded master: `copy` (one copy of it) and `resident` (what this rank
-        holds resident of it: its share of a node-shared master); zeros when not offloading."""
-        return {"copy": 0, "resident": 0}
+        """Host memory of an offloaded master: `copy` (one copy of it), `resident` (what this rank
+        holds resident of it: its share of a node-shared master) and `node_shared`; {} when the
+        master is not offloaded."""
+        return {}
 
     def optimizer_state(self) -> dict:
         """The optimizer's per-element state by `<slot>/<parameter>` (read it inside `materialized`;

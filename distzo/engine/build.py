@@ -1,5 +1,17 @@
-"""Choosing the engine: `build_engine` picks the mode once, from the configuration and the mesh
-(the table in distzo/engine/__init__.py and docs/architecture.md#engines)."""
+"""The engine's modes: the step loop (`distzo.engine.loop.StageLoop`) built with the parts a mode
+needs, and `build_engine`, which picks the mode once from the configuration and the mesh
+(docs/architecture.md#engines).
+
+| mode | store | division | other parts | when |
+|---|---|---|---|---|
+| `resident` | `ResidentStore` | none | | the default |
+| `divided` | `NodeSharedStore` | `NodeDivision` | | CPU, resident, several ranks on a machine, full-parameter MeZO (engine.divide_work) |
+| `offload` | `OffloadStore` | none | | offload=cpu with one rank per node, or comm.sliced=false |
+| `offload-sliced` | `SlicedOffloadStore` | none | | offload=cpu with several ranks per node and comm.sliced=true |
+| `stacked-lora` | `ResidentStore` | none | `BatchedProbes` | estimator=prge (P-RGE's batched forward) |
+
+Each mode is one function here; a new mode is a new store (or division) and one function.
+"""
 
 from __future__ import annotations
 
@@ -13,14 +25,61 @@ from ..config.schema import (
     PRGEConfig,
 )
 from ..parallel.mesh import Mesh
+from ..parallel.node import Node
 from ..telemetry.timing import DISABLED, Timers
 from ..zo.estimators import Estimator
-from ..zo.optimizers import Optimizer
+from ..zo.optimizers import SGD, Optimizer
 from .base import Engine, EngineConfigError
-from .divided import DividedEngine, division_applies
-from .offload import OffloadEngine, SlicedOffloadEngine
-from .stacked import StackedLoRAEngine
-from .staged import ResidentEngine
+from .divided import NodeDivision, NodeSharedStore, division_applies
+from .loop import StageLoop
+from .offload import OffloadStore, SlicedOffloadStore
+from .stacked import BatchedProbes
+from .stores import ResidentStore
+
+
+def resident_engine(model, adapter, params, directions, *, optimizer: Optimizer | None = None, **kwargs) -> StageLoop:
+    """Every weight on the compute device."""
+    optimizer = optimizer or SGD()
+    store = ResidentStore(adapter, params, optimizer, directions.device)
+    return StageLoop(model, adapter, params, directions, store, optimizer=optimizer, mode="resident", **kwargs)
+
+
+def divided_engine(model, adapter, params, directions, *, node: Node, optimizer: Optimizer | None = None,
+                  **kwargs) -> StageLoop:
+    """Resident weights on CPU shared by the node's ranks, which divide noise and update (engine/divided.py)."""
+    optimizer = optimizer or SGD()
+    store = NodeSharedStore(adapter, params, optimizer, directions.device, node)
+    division = NodeDivision(node, kwargs.get("mesh") or Mesh.single(directions.device), kwargs.get("timers", DISABLED))
+    return StageLoop(model, adapter, params, directions, store, division=division, optimizer=optimizer,
+                     mode="divided", **kwargs)
+
+
+def offload_engine(model, adapter, params, directions, *, slots: int = 3, transfer_dtype: torch.dtype | None = None,
+                  optimizer: Optimizer | None = None, **kwargs) -> StageLoop:
+    """Blocks in host memory, streamed whole through a device slot ring (engine/offload.py)."""
+    optimizer = optimizer or SGD()
+    store = OffloadStore(model, adapter, params, optimizer, directions.device, slots=slots,
+                         transfer_dtype=transfer_dtype)
+    return StageLoop(model, adapter, params, directions, store, optimizer=optimizer, mode="offload", **kwargs)
+
+
+def sliced_offload_engine(model, adapter, params, directions, *, node: Node, slots: int = 3,
+                        transfer_dtype: torch.dtype | None = None, optimizer: Optimizer | None = None,
+                        **kwargs) -> StageLoop:
+    """One node-shared host master; each rank moves a slice of every block (DistZO2, engine/offload.py)."""
+    optimizer = optimizer or SGD()
+    store = SlicedOffloadStore(model, adapter, params, optimizer, directions.device, node=node, slots=slots,
+                               transfer_dtype=transfer_dtype)
+    return StageLoop(model, adapter, params, directions, store, optimizer=optimizer, mode="offload-sliced", **kwargs)
+
+
+def stacked_lora_engine(model, adapter, params, directions, *, materialize: bool = True,
+                      optimizer: Optimizer | None = None, **kwargs) -> StageLoop:
+    """P-RGE: a rank's probes in one batched forward over stacked LoRA-FA B copies (engine/stacked.py)."""
+    optimizer = optimizer or SGD()
+    store = ResidentStore(adapter, params, optimizer, directions.device)
+    return StageLoop(model, adapter, params, directions, store, batched=BatchedProbes(model, params, materialize),
+                     optimizer=optimizer, mode="stacked-lora", **kwargs)
 
 
 def work_division(mesh: Mesh, estimator: Estimator, *, engine: EngineConfig, offload: OffloadConfig,
@@ -72,16 +131,16 @@ def build_engine(mesh: Mesh, model, adapter, params, directions, estimator: Esti
                                 "probes per block; use estimator=mezo or estimator=agzo")
     if resident:
         model.to(directions.device)
-        return ResidentEngine(model, adapter, params, directions, **common)
+        return resident_engine(model, adapter, params, directions, **common)
     if offload.mode == "cpu":
         dtype = getattr(torch, offload.transfer_dtype) if offload.transfer_dtype else None
         if comm.sliced and mesh.node.shared:
-            return SlicedOffloadEngine(model, adapter, params, directions, slots=offload.slots, transfer_dtype=dtype,
+            return sliced_offload_engine(model, adapter, params, directions, slots=offload.slots, transfer_dtype=dtype,
                                        node=mesh.node, **common)
-        return OffloadEngine(model, adapter, params, directions, slots=offload.slots, transfer_dtype=dtype, **common)
+        return offload_engine(model, adapter, params, directions, slots=offload.slots, transfer_dtype=dtype, **common)
     model.to(directions.device)
     if estimator.batched:
-        return StackedLoRAEngine(model, adapter, params, directions, materialize=prge.materialize, **common)
+        return stacked_lora_engine(model, adapter, params, directions, materialize=prge.materialize, **common)
     if work_division(mesh, estimator, engine=engine, offload=offload, peft_method=peft_method):
-        return DividedEngine(model, adapter, params, directions, node=mesh.node, **common)
-    return ResidentEngine(model, adapter, params, directions, **common)
+        return divided_engine(model, adapter, params, directions, node=mesh.node, **common)
+    return resident_engine(model, adapter, params, directions, **common)

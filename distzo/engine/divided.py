@@ -6,7 +6,7 @@ is most of a ZO step's overhead. With division the node's ranks share one master
 (`Node.shared_tensor`), and for each block every chunk has one owner rank, chosen once by a
 size-balanced deterministic assignment. Per block i:
 
-  1. each rank applies the owed update to the chunks it owns (in the shared master), draws eps * z
+  1. each rank applies the pending update to the chunks it owns (in the shared master), draws eps * z
      of those chunks once per query, and writes them into every working copy the node's ranks need
      (`master +- eps*z`, the operations of an undivided run, so results agree bitwise), in a
      node-shared stage buffer, then *arrives* (an asynchronous all-reduce over the node);
@@ -27,7 +27,9 @@ written, the live slots hold blocks i-1 and i. Updates outside the block walk (t
 outer stage, flushes) are divided the same way and end with a barrier before anyone reads the master.
 
 The design requires every rank of the node to run at least one perturbed probe per step (it
-walks every block with its peers); `division_applies` checks that for a plan and mesh.
+walks every block with its peers); `division_applies` checks that for a plan and mesh. The mode is
+the step loop built with a `NodeSharedStore` (the master and the optimizer's state in node-shared
+memory) and a `NodeDivision` (who builds and updates which chunks, and the handshakes above).
 """
 
 from __future__ import annotations
@@ -39,12 +41,14 @@ import torch.distributed as dist
 
 from ..parallel.mesh import Mesh
 from ..parallel.node import Node, mapped_resident_bytes
+from ..telemetry.timing import DISABLED, Timers
 from ..zo.estimators import Probe
+from ..zo.optimizers import Optimizer
 from ..zo.params import TrainableParam, TrainableParams
-from .chunkpass import PendingUpdate
+from .loop import Division, StageLoop
 from .optstate import StateBuffers
-from .staged import OUTER, ResidentEngine
-from .update import Target, apply_update
+from .pending import PendingUpdate
+from .stores import ResidentStore
 from .weights import StageNoise, StateOf
 
 T = TypeVar("T")
@@ -180,54 +184,48 @@ class DividedStageNoise(StageNoise):
                 self._copies.update({(p.name, i): copy_of(p, e).view(p.shape) for p in todo})
 
 
-class DividedEngine(ResidentEngine):
-    """Resident weights on CPU, shared by the node's ranks, which divide the step's noise generation
-    and update (the module docstring). Every rank must run at least one perturbed probe per
+class NodeSharedStore(ResidentStore):
+    """Resident weights on CPU, in node-shared host memory every rank of the machine maps: one master
+    and one copy of the optimizer's state per node (`share_master`), each chunk written by the rank
+    that owns it (`NodeDivision`)."""
+
+    def __init__(self, adapter, params: TrainableParams, optimizer: Optimizer, device: torch.device, node: Node):
+        super().__init__(adapter, params, optimizer, device,
+                         state=StateBuffers(optimizer.slots, list(params), device, node=node))
+        share_master(params, node)
+        self.node = node
+
+    def state_resident_bytes(self) -> int:
+        return sum(mapped_resident_bytes(buf)["pss"] for buf in self.state.flat)  # this rank's share
+
+    def describe(self) -> str:
+        return f"resident, master shared by the node's {self.node.size} ranks, which divide noise and update"
+
+
+class NodeDivision(Division):
+    """A node's ranks dividing a step's noise generation and update (the module docstring): each
+    builds and updates the chunks it owns, of every working copy the node's ranks need, and they
+    hand over through split-phase barriers. Every rank must run at least one perturbed probe per
     step (`division_applies`), since each walks every block with its peers."""
 
-    mode = "divided"
-
-    def __init__(self, model, adapter, params: TrainableParams, directions, *, node: Node, **kwargs):
-        self.node = node
-        super().__init__(model, adapter, params, directions, **kwargs)
-        share_master(params, node)
-        self.division = WorkDivision(node)
+    def __init__(self, node: Node, mesh: Mesh, timers: Timers = DISABLED):
+        self.division, self.mesh, self.timers = WorkDivision(node), mesh, timers
+        self.mine = self.division.mine
         # Announced when this rank's last perturbed probe has read the shared master for the last
         # time; every write to the master first waits until all peers announced it.
         self._reads_done: Arrival | None = None
 
-    def describe(self) -> str:
-        return f"resident, master shared by the node's {self.division.node.size} ranks, which divide noise and update"
+    def stage_noise(self, loop: StageLoop, i: int, step: int, plan: Sequence[Probe], perturbed: bool,
+                    full_plan: Sequence[Probe] | None) -> StageNoise:
+        if not perturbed:
+            return loop.noise(step, plan)
+        dealt = full_plan if full_plan is not None else plan
+        node_evals = sorted({(ev.query, ev.sign)
+                             for ev in (dealt[j] for j in self.mesh.node_probes(len(dealt))) if ev.perturbed})
+        return DividedStageNoise(loop.directions, loop.workspace, step, loop.eps, plan, loop.timers,
+                                 division=self.division, slot=i % STAGE_SLOTS, node_evals=node_evals)
 
-    def _pay(self, stage, targets: Sequence[Target], noise: StageNoise | None = None) -> None:
-        """The owed update, divided: this rank pays the chunks it owns (`WorkDivision.mine`) of the
-        node-shared master, fused into `DividedStageNoise`'s pass over them when `noise` is given,
-        else in a pass of its own (each rank then perturbs the chunks it updated: no handshake).
-        After the outer stage, a node barrier: the peers' chunks are updated before anyone reads them."""
-        u = self.take_pending(stage)
-        if u is not None and (noise is None or not self.fuse_update):
-            with self.timers("update"):
-                apply_update(self.directions, targets, u, mine=self.division.mine)
-            u = None
-        if noise is not None:
-            masters = {t.param.name: t.tensor for t in targets}
-            states = {t.param.name: t.state for t in targets}
-            noise.prepare([t.param for t in targets], lambda p: masters[p.name], u, lambda p: states[p.name])
-        if stage == OUTER:
-            self.division.barrier()
-
-    def _build_state(self) -> StateBuffers:
-        """The optimizer's state in node-shared memory, like the master: one copy per node, each
-        chunk's state read and written only by the rank that owns the chunk (`WorkDivision.mine`)."""
-        return StateBuffers(self.optimizer.slots, list(self.params), self.device, node=self.node)
-
-    def optimizer_state_bytes(self) -> dict[str, int]:
-        out = super().optimizer_state_bytes()
-        if self.state.flat:
-            out["resident"] = sum(mapped_resident_bytes(buf)["pss"] for buf in self.state.flat)
-        return out
-
-    def _before_write(self) -> None:
+    def before_write(self) -> None:
         """Before this rank changes the shared master, every peer has finished the probe that read
         it (a training step's loss exchange already ensures this; the engine does not rely on its
         caller for it)."""
@@ -236,29 +234,23 @@ class DividedEngine(ResidentEngine):
                 self._reads_done.wait()
             self._reads_done = None
 
-    def _after_flush(self) -> None:
+    def after_outer_update(self) -> None:
+        self.division.barrier()  # the peers' chunks of the outer stage are updated before anyone reads them
+
+    def after_flush(self) -> None:
         self.division.barrier()
 
-    def _look_ahead(self, perturbed: bool) -> bool:
+    def look_ahead(self, perturbed: bool) -> bool:
         # A rank builds its share of block i+1 between its wait for block i and its forward through
         # block i, so its peers' jitter is absorbed (the module docstring).
         return perturbed
 
-    def _after_walk(self, perturbed: bool) -> None:
+    def after_walk(self, perturbed: bool) -> None:
         if perturbed:  # every rank of the node runs perturbed probes in step with its peers
             self._reads_done = self.division.arrive()
 
-    def _prepare_block(self, i, sources, step, plan, perturbed, full_plan) -> StageNoise:
-        if not perturbed:
-            if self.owes(i):
-                # divided, this rank would update only its own chunks and then read the whole block with
-                # no handshake; every clean forward reads materialized weights, which keeps this unreachable
-                raise RuntimeError("internal error: a clean forward on a divided engine still owes an update")
-            return self._noise(step, plan)
-        dealt = full_plan if full_plan is not None else plan
-        node_evals = sorted({(ev.query, ev.sign)
-                             for ev in (dealt[j] for j in self.mesh.node_probes(len(dealt))) if ev.perturbed})
-        noise = DividedStageNoise(self.directions, self.workspace, step, self.eps, plan, self.timers,
-                                  division=self.division, slot=i % STAGE_SLOTS, node_evals=node_evals)
-        self._pay(i, self._targets(i, sources), noise)
-        return noise
+    def check_clean(self, awaits: bool) -> None:
+        if awaits:
+            # divided, this rank would update only its own chunks and then read the whole block with no
+            # handshake; every clean forward reads materialized weights, which keeps this unreachable
+            raise RuntimeError("internal error: a clean forward on a divided engine still awaits an update")

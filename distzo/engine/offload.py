@@ -8,8 +8,8 @@ host master. On CUDA, uploads and write-backs run on their own streams and are o
 compute stream with events (ZO2's Algorithm 2), so block i+1 uploads and block i-1 writes back
 while block i computes. On CPU the same code runs with host-to-host copies.
 
-The deferred update is paid by the resident engine's `_pay` (fused with the block's perturbation),
-on the uploaded copy, so offloaded and resident training agree bitwise. With `transfer_dtype`
+The pending update reaches the uploaded copy (`StageLoop.update_stage`, fused with the block's
+perturbation), so offloaded and resident training agree bitwise. With `transfer_dtype`
 (bf16/fp16) a block travels at reduced precision and is widened on the device; the host keeps the
 full-precision master and receives the update as a reduced-precision delta (4 bytes a parameter per
 step instead of 8 for a full-precision round trip, and no update is lost to rounding the master).
@@ -17,7 +17,7 @@ step instead of 8 for a full-precision round trip, and no update is lost to roun
 Sliced communication (DistZO2 §6.1, `comm.sliced=true` with several ranks on a node): the node
 keeps ONE host master, in memory every local rank maps (`distzo.parallel.node`), laid out so that local
 rank j owns slice j of every block (equal, aligned, contiguous ranges: DistZO2's thread-aligned
-partitioning). For each block a rank uploads only its slice, applies the deferred update to that
+partitioning). For each block a rank uploads only its slice, applies the pending update to that
 slice alone (so the node's ranks share the update's noise regeneration), writes that slice back,
 and all-gathers the other slices from its peers over the node group (NCCL, so NVLink, on GPUs;
 gloo on CPU). Per block and step a rank moves 1/n of the block over the host link each way instead
@@ -39,12 +39,12 @@ from torch import nn
 
 from ..models.adapters import DecoderAdapter
 from ..parallel.node import Node, mapped_resident_bytes
-from ..zo.directions import Directions
-from ..zo.optimizers import SGD
+from ..zo.optimizers import Optimizer
 from ..zo.params import TrainableParams
 from .base import EngineConfigError
 from .optstate import StateBuffers, state_key
-from .staged import StagedEngine
+from .pending import Target
+from .stores import Block, WeightStore
 from .streamer import (
     BlockStreamer,
     SlicedBlockStreamer,
@@ -52,22 +52,19 @@ from .streamer import (
     place_resident,
     unpin_all,
 )
-from .update import Target
 
 
-class OffloadEngine(StagedEngine):
-    """Blocks in host memory (one master per rank), streamed whole through the device slot ring."""
+class OffloadStore(WeightStore):
+    """Blocks in host memory (one master per rank), streamed whole through the device slot ring; the
+    outer stage (and its optimizer state) on the device."""
 
-    mode = "offload"
-
-    def __init__(self, model: nn.Module, adapter: DecoderAdapter, params: TrainableParams, directions: Directions,
-                 *, slots: int = 3, transfer_dtype: torch.dtype | None = None, **kwargs):
-        device = directions.device
-        state_slots = len((kwargs.get("optimizer") or SGD()).slots)
+    def __init__(self, model: nn.Module, adapter: DecoderAdapter, params: TrainableParams, optimizer: Optimizer,
+                 device: torch.device, *, slots: int = 3, transfer_dtype: torch.dtype | None = None):
         self.host_blocks = build_host_blocks(adapter, pin_memory=device.type == "cuda", node=self._shared_node(),
-                                             state_slots=state_slots)
+                                             state_slots=len(optimizer.slots))
         place_resident(model, device, self.host_blocks)
-        super().__init__(model, adapter, params, directions, **kwargs)
+        super().__init__(adapter, params, optimizer, device)
+        self.state = StateBuffers(optimizer.slots, self.outer_params, device)
         self.streamer = self._build_streamer(slots, transfer_dtype)
 
     def _shared_node(self) -> Node | None:
@@ -75,12 +72,44 @@ class OffloadEngine(StagedEngine):
         return None
 
     def _build_streamer(self, slots: int, transfer_dtype: torch.dtype | None) -> BlockStreamer:
-        return BlockStreamer(self.host_blocks, self.device, slots, transfer_dtype, owes=self.owes)
+        return BlockStreamer(self.host_blocks, self.device, slots, transfer_dtype, awaits=self._awaits)
+
+    def _awaits(self, i: int) -> bool:
+        return self.loop is not None and self.loop.awaits(i)
+
+    def outer_targets(self) -> list[Target]:
+        return [Target(p, p.tensor, state=self.state.of(p)) for p in self.outer_params]
+
+    @contextmanager
+    def block(self, i: int) -> Iterator[Block]:
+        """Upload block i (prefetching the next ones), let it compute, write it back if it awaited the
+        update (applied on the slot meanwhile)."""
+        updated = self._awaits(i)
+        with self.loop.timers("transfer"):
+            self._prefetch_from(i)
+            views = self.streamer.acquire(i)
+        try:
+            yield Block(views, self._targets(i, views))
+        finally:
+            with self.loop.timers("transfer"):
+                self.streamer.release(i, write_back=updated)
+
+    def _prefetch_from(self, i: int) -> None:
+        for j in range(i, min(i + len(self.streamer.slots), len(self.host_blocks))):
+            self.streamer.prefetch(j)  # uploads of the next blocks overlap this block's compute
+
+    def _targets(self, i: int, views: Mapping[str, torch.Tensor]) -> list[Target]:
+        """Block i's masters in its slot; at reduced precision each records the update's change in
+        the slot's delta buffer, which goes back to the host master."""
+        deltas = self.streamer.delta_views(i)
+        states = self.streamer.state_views(i) if self.optimizer.slots and self._awaits(i) else {}
+        return [Target(p, views[p.name], delta=None if deltas is None else deltas[p.name],
+                       state=states.get(p.name, ())) for p in self.block_params[i]]
+
+    def synchronize(self) -> None:
+        self.streamer.synchronize()
 
     # --- the optimizer's state: the outer stage's on the device, the blocks' beside their host masters
-
-    def _build_state(self) -> StateBuffers:
-        return StateBuffers(self.optimizer.slots, self.outer_params, self.device)
 
     def _block_state(self) -> dict[str, torch.Tensor]:
         """Views of the blocks' host state by `<slot>/<parameter>` (current after a flush)."""
@@ -105,46 +134,15 @@ class OffloadEngine(StagedEngine):
             node.barrier()
         self.streamer.forget_state()
 
-    def optimizer_state_bytes(self) -> dict[str, int]:
+    def state_resident_bytes(self) -> int:
         host = sum(t.numel() * t.element_size() for b in self.host_blocks for t in b.state)
-        copy = self.optimizer.state_bytes(self.params.numel())
-        return {"copy": copy, "resident": self.state.nbytes() + self._host_state_resident(host)}
+        return self.state.nbytes() + host  # a private copy, every page written (zeroed)
 
-    def _host_state_resident(self, host: int) -> int:
-        return host  # a private copy, every page written (zeroed)
+    # --- telemetry and the rest ---------------------------------------------------------------------
 
     def describe(self) -> str:
         dtype = self.streamer.transfer.transfer_dtype
         return "blocks offloaded to host memory" + (f", moved in {str(dtype).replace('torch.', '')}" if dtype else "")
-
-    @contextmanager
-    def block_sources(self, i: int) -> Iterator[Mapping[str, torch.Tensor]]:
-        """Upload block i (prefetching the next ones), let it compute, write it back if it owed an
-        update (paid on the slot meanwhile: `_pay`)."""
-        updated = self.owes(i)
-        with self.timers("transfer"):
-            for j in range(i, min(i + len(self.streamer.slots), len(self.host_blocks))):
-                self.streamer.prefetch(j)  # uploads of the next blocks overlap this block's compute
-            views = self.streamer.acquire(i)
-        try:
-            yield views
-        finally:
-            with self.timers("transfer"):
-                self.streamer.release(i, write_back=updated)
-
-    def _targets(self, i: int, sources) -> list[Target]:
-        """Block i's masters in its slot; at reduced precision each records the update's change in
-        the slot's delta buffer, which goes back to the host master."""
-        deltas = self.streamer.delta_views(i)
-        states = self.streamer.state_views(i) if self.optimizer.slots and self.owes(i) else {}
-        return [Target(p, sources[p.name], delta=None if deltas is None else deltas[p.name],
-                       state=states.get(p.name, ())) for p in self.block_params[i]]
-
-    def _after_flush(self) -> None:
-        self.streamer.synchronize()
-
-    def _settle(self) -> None:
-        self.streamer.synchronize()
 
     def close(self) -> None:
         try:
@@ -154,7 +152,6 @@ class OffloadEngine(StagedEngine):
         finally:
             if self.device.type == "cuda":
                 unpin_all()  # page-locked host masters are unregistered before their memory can go
-            super().close()
 
     def check_can_generate(self) -> None:
         if self.device.type != "cpu":
@@ -163,7 +160,7 @@ class OffloadEngine(StagedEngine):
 
     def host_master_bytes(self) -> dict[str, int]:
         copy = sum(b.numel * b.flat.element_size() for b in self.host_blocks)
-        return {"copy": copy, "resident": copy}  # a private copy, every page written
+        return {"copy": copy, "resident": copy, "node_shared": False}  # a private copy, every page written
 
     def transfer_stats(self) -> dict[str, float]:
         m = self.streamer.meter
@@ -171,44 +168,42 @@ class OffloadEngine(StagedEngine):
                 "transfer_s": self.streamer.transfer_seconds()}
 
 
-class SlicedOffloadEngine(OffloadEngine):
+class SlicedOffloadStore(OffloadStore):
     """DistZO2's sliced communication: one node-shared host master; each rank uploads, updates and
     writes back its slice of every block and all-gathers the rest from its peers (the module
     docstring). Blocks arrive through collectives, so every rank walks every block every step."""
 
     walks_with_peers = True
-    mode = "offload-sliced"
 
-    def __init__(self, model, adapter, params, directions, *, node: Node, **kwargs):
+    def __init__(self, model, adapter, params, optimizer, device, *, node: Node, **kwargs):
         self.node = node
-        super().__init__(model, adapter, params, directions, **kwargs)
+        super().__init__(model, adapter, params, optimizer, device, **kwargs)
 
     def _shared_node(self) -> Node | None:
         return self.node
 
     def _build_streamer(self, slots: int, transfer_dtype: torch.dtype | None) -> SlicedBlockStreamer:
         return SlicedBlockStreamer(self.host_blocks, self.device, slots, transfer_dtype, self.node,
-                                   owes=self.owes, pay=self._pay_slice)
+                                   awaits=self._awaits, update=self._update_slice)
 
     def describe(self) -> str:
         return super().describe() + f", one node-shared master sliced over {self.node.size} ranks"
 
     @contextmanager
-    def block_sources(self, i: int) -> Iterator[Mapping[str, torch.Tensor]]:
-        """Block i whole in its slot: my slice uploaded and paid (`_pay_slice`), the rest gathered."""
-        with self.timers("transfer"):
-            for j in range(i, min(i + len(self.streamer.slots), len(self.host_blocks))):
-                self.streamer.prefetch(j)  # next blocks' slices overlap this compute
+    def block(self, i: int) -> Iterator[Block]:
+        """Block i whole in its slot: my slice uploaded and updated (`_update_slice`), the rest gathered."""
+        with self.loop.timers("transfer"):
+            self._prefetch_from(i)  # next blocks' slices overlap this compute
             views = self.streamer.acquire(i)
         try:
-            yield views
+            yield Block(views, self._targets(i, views))
         finally:
             self.streamer.release(i, write_back=False)  # my slice went back in `prefetch`
 
-    def _pay_slice(self, i: int, slot: torch.Tensor, lo: int, hi: int, delta: torch.Tensor | None) -> None:
-        """`_pay` on this rank's slice of block i: elements [lo, hi) of the block in its slot (and in
-        the slot's delta buffer at reduced precision). The streamer calls it between the slice's
-        upload and its write-back."""
+    def _update_slice(self, i: int, slot: torch.Tensor, lo: int, hi: int, delta: torch.Tensor | None) -> None:
+        """The pending update on this rank's slice of block i: elements [lo, hi) of the block in its
+        slot (and in the slot's delta buffer at reduced precision). The streamer calls it between the
+        slice's upload and its write-back."""
         block = self.host_blocks[i]
         views = block.views(slot)
         deltas = block.views(delta) if delta is not None else {}
@@ -219,25 +214,22 @@ class SlicedOffloadEngine(OffloadEngine):
             a, b = max(lo, start) - start, min(hi, start + p.numel()) - start
             if a < b:
                 targets.append(Target(p, views[p.name], (a, b), deltas.get(p.name), states.get(p.name, ())))
-        self._pay(i, targets)
+        self.loop.update_stage(i, targets)
 
-    def _flush_block(self, i: int) -> None:
+    def flush_block(self, i: int) -> None:
         self.streamer.flush_slice(i)
 
-    def _after_flush(self) -> None:
-        self.streamer.synchronize()
+    def after_flush(self) -> None:
         self.node.barrier()  # every slice of the shared master is current before anyone reads it
 
-    @contextmanager
-    def _local_reads(self) -> Iterator[None]:
+    def local_reads(self):
         """Evaluation: read whole blocks from the (flushed) master, with no collective."""
-        with self.streamer.local_reads():
-            yield
+        return self.streamer.local_reads()
 
     def host_master_bytes(self) -> dict[str, int]:
         copy = sum(b.numel * b.flat.element_size() for b in self.host_blocks)
         # the proportional share of the shared mapping actually resident
-        return {"copy": copy, "resident": mapped_resident_bytes(self.host_blocks[0].flat)["pss"]}
+        return {"copy": copy, "resident": mapped_resident_bytes(self.host_blocks[0].flat)["pss"], "node_shared": True}
 
-    def _host_state_resident(self, host: int) -> int:
-        return sum(mapped_resident_bytes(t)["pss"] for t in self.host_blocks[0].state)  # this rank's share
+    def state_resident_bytes(self) -> int:
+        return self.state.nbytes() + sum(mapped_resident_bytes(t)["pss"] for t in self.host_blocks[0].state)

@@ -22,7 +22,7 @@ from ..peft.lora import lora_layers, stacked_b
 from ..zo.directions import Directions
 from ..zo.estimators import Probe
 from ..zo.params import TrainableParam
-from .staged import ResidentEngine, join_scores
+from .loop import join_scores
 from .weights import CleanWeights
 
 
@@ -45,54 +45,50 @@ def stack_copies(directions: Directions, p: TrainableParam, plan: Sequence[Probe
     return torch.stack([perturbed_copy(directions, p, p.tensor, ev, step, eps) for ev in plan])
 
 
-class StackedLoRAEngine(ResidentEngine):
-    """P-RGE: a rank's perturbed probes run as one batched forward over stacked LoRA-FA B
-    copies; clean forwards (probe) take the ordinary stage loop."""
+class BatchedProbes:
+    """P-RGE: a rank's perturbed probes run as one batched forward over stacked LoRA-FA B copies
+    (the step loop hands them here; clean forwards take the ordinary stage loop)."""
 
-    mode = "stacked-lora"
-
-    def __init__(self, *args, materialize: bool = True, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, model, params, materialize: bool = True):
         self.materialize = materialize
-        self.layers = {f"{name}.lora_B": module for name, module in lora_layers(self.model)}
-        others = [p.name for p in self.params if p.name not in self.layers]
+        self.params = params
+        self.layers = {f"{name}.lora_B": module for name, module in lora_layers(model)}
+        others = [p.name for p in params if p.name not in self.layers]
         if others or not self.layers:
             raise StackedLoRAError(f"batched probe perturbs LoRA-FA B matrices only; also trainable: {others[:3]}")
 
     def describe(self) -> str:
         how = "materialised" if self.materialize else "drawn inside each layer"
-        return f"resident, each rank's probes in one batched forward over stacked LoRA B copies ({how})"
+        return f"each rank's probes in one batched forward over stacked LoRA B copies ({how})"
 
-    def _walk(self, parts: Sequence[Sequence[Packed]], plan: Sequence[Probe], step: int, full_plan) -> list[Scores]:
-        if not any(ev.perturbed for ev in plan):
-            return super()._walk(parts, plan, step, full_plan)
+    def run(self, loop, parts: Sequence[Sequence[Packed]], plan: Sequence[Probe], step: int) -> list[Scores]:
         # Every probe scores the same micro-batches here; one batched forward per micro-batch.
-        per_part = [self._stacked(packed, plan, step) for packed in parts[0]]
+        per_part = [self._stacked(loop, packed, plan, step) for packed in parts[0]]
         return [join_scores([scores[e] for scores in per_part]) for e in range(len(plan))]
 
-    @torch.inference_mode()
-    def _stacked(self, packed: Packed, plan: Sequence[Probe], step: int) -> list[Scores]:
+    def _stacked(self, loop, packed: Packed, plan: Sequence[Probe], step: int) -> list[Scores]:
         """Scores of every probe of the plan, in one forward: rows [e R, (e + 1) R) of the
         replicated batch belong to probe e."""
-        self.flush()  # the owed update (a few LoRA B matrices) before the copies are drawn from the masters
+        loop.flush()  # the pending update (a few LoRA B matrices) before the copies are drawn from the masters
         E, R = len(plan), packed.input_ids.shape[0]
         replicated = packed.replicate(E)
-        ctx = self.adapter.context(replicated.input_ids, replicated.position_ids, mask_fn=replicated.mask_fn())
-        clean = CleanWeights(self.model)
-        hidden = self.adapter.stem(ctx, clean)
-        for i, (prefix, _) in enumerate(self.adapter.blocks):
+        adapter = loop.adapter
+        ctx = adapter.context(replicated.input_ids, replicated.position_ids, mask_fn=replicated.mask_fn())
+        clean = CleanWeights(loop.model)
+        hidden = adapter.stem(ctx, clean)
+        for i, (prefix, _) in enumerate(adapter.blocks):
             mine = [(p, self.layers[p.name]) for p in self.params if p.name.startswith(prefix + ".")]
             stacks: dict = {}
             for p, module in mine:
                 if self.materialize:
-                    with self.timers("perturb"):
-                        stacks[module] = stack_copies(self.directions, p, plan, step, self.eps)
+                    with loop.timers("perturb"):
+                        stacks[module] = stack_copies(loop.directions, p, plan, step, loop.eps)
                 else:
-                    stacks[module] = _on_the_fly(self.directions, p, plan, step, self.eps)
+                    stacks[module] = _on_the_fly(loop.directions, p, plan, step, loop.eps)
             with stacked_b(stacks):
-                hidden = self.adapter.block(i, hidden, ctx, clean)
+                hidden = adapter.block(i, hidden, ctx, clean)
         hidden = hidden.view(E, R, *hidden.shape[1:])
-        return [self._head(hidden[e], packed, clean) for e in range(E)]
+        return [loop.head(hidden[e], packed, clean) for e in range(E)]
 
 
 def _on_the_fly(directions: Directions, p: TrainableParam, plan: Sequence[Probe], step: int,

@@ -6,18 +6,18 @@ streamer then moves blocks between the host masters and a ring of device slots, 
 streams ordered by events. Two choices compose:
 
 - the streamer, which decides what moves when: `BlockStreamer` moves whole blocks;
-  `SlicedBlockStreamer` moves this rank's slice of each block, has the engine pay the slice's owed
-  update, and all-gathers the other slices from the node's peers;
+  `SlicedBlockStreamer` moves this rank's slice of each block, has the engine apply the pending
+  update to the slice, and all-gathers the other slices from the node's peers;
 - the transfer, which moves a range of a block: `FullPrecisionTransfer` copies it as it is;
   `ReducedPrecisionTransfer` narrows it for the trip and returns an update as a narrowed delta
   (`CudaReducedPrecisionTransfer`: the host's share of that on worker threads).
 
 An optimizer with state (momentum, adam) keeps each block's state beside its host master, in the
 same layout (`HostBlock.state`, node-shared when the master is), and the streamer moves it with the
-block: up into the slot's state buffers before a block that owes an update is paid, back after it,
+block: up into the slot's state buffers before a block that awaits an update receives it, back after it,
 always at full precision (the state is exact whatever `transfer_dtype` does to the weights), on the
 same streams and events as the block's own copies. A rank of the sliced path moves the state of its
-slice only. Blocks that owe nothing (evaluation) move no state.
+slice only. Blocks that await nothing (evaluation) move no state.
 """
 
 from __future__ import annotations
@@ -434,11 +434,11 @@ class BlockStreamer:
     (slot s's last upload), `slot_free[s]` (the last use of slot s: a compute or a write-back) and
     `written[i]` (block i's last write-back). On CPU every copy is done when it returns.
 
-    With optimizer state (`HostBlock.state`), each slot has state buffers too: a block that owes an
-    update (`owes(i)`) has its state uploaded with it and written back with it."""
+    With optimizer state (`HostBlock.state`), each slot has state buffers too: a block that
+    awaits the pending update (`awaits(i)`) has its state uploaded with it and written back with it."""
 
     def __init__(self, blocks: Sequence[HostBlock], device: torch.device, slots: int,
-                 transfer_dtype: torch.dtype | None = None, owes: Callable[[int], bool] | None = None):
+                 transfer_dtype: torch.dtype | None = None, awaits: Callable[[int], bool] | None = None):
         self.blocks, self.device = blocks, device
         self.cuda = device.type == "cuda"
         dtype = blocks[0].flat.dtype
@@ -446,7 +446,7 @@ class BlockStreamer:
         n = min(slots, len(blocks))
         self.slots = [torch.empty(size, dtype=dtype, device=device) for _ in range(n)]
         self.owner: list[int | None] = [None] * n  # block whose current weights fill the slot
-        self._owes = owes or (lambda i: False)
+        self._awaits = awaits or (lambda i: False)
         self.state_slots = [tuple(torch.empty(size, dtype=torch.float32, device=device) for _ in blocks[0].state)
                             for _ in range(n)]
         self.state_owner: list[int | None] = [None] * n  # block whose current state fills the slot's state buffers
@@ -499,7 +499,7 @@ class BlockStreamer:
 
     def prefetch(self, i: int) -> None:
         s = self.slot_of(i)
-        state = bool(self.state_slots[s]) and self.state_owner[s] != i and self._owes(i)
+        state = bool(self.state_slots[s]) and self.state_owner[s] != i and self._awaits(i)
         if self.owner[s] == i and not state:
             return
         weights = self.owner[s] != i
@@ -589,22 +589,23 @@ class BlockStreamer:
 
 
 # (block index, the slot's flat buffer, [lo, hi) of the block, the slot's float32 delta buffer or None)
-SlicePayment = Callable[[int, torch.Tensor, int, int, "torch.Tensor | None"], None]
+SliceUpdate = Callable[[int, torch.Tensor, int, int, "torch.Tensor | None"], None]
 
 
 class SlicedBlockStreamer(BlockStreamer):
     """DistZO2's sliced streaming over the ranks of a node sharing one host master: prefetch(i)
-    uploads this rank's slice of block i, has `pay` apply the owed update to it (when `owes(i)`),
+    uploads this rank's slice of block i, has `update` apply the pending update to it (when `awaits(i)`),
     writes the slice back, and all-gathers the other slices from the node's peers; `flush_slice`
     brings this rank's slice of the master up to date with no collective. Inside `local_reads`
     whole blocks are uploaded instead, with no collective, since ranks evaluate different numbers
     of batches."""
 
     def __init__(self, blocks: Sequence[HostBlock], device: torch.device, slots: int,
-                 transfer_dtype: torch.dtype | None, node: Node, *, owes: Callable[[int], bool], pay: SlicePayment):
-        super().__init__(blocks, device, slots, transfer_dtype, owes=owes)
+                 transfer_dtype: torch.dtype | None, node: Node, *, awaits: Callable[[int], bool],
+                 update: SliceUpdate):
+        super().__init__(blocks, device, slots, transfer_dtype, awaits=awaits)
         self.node, self.part = node, node.local_rank
-        self._pay = pay
+        self._update = update
         self._local = False
 
     @contextmanager
@@ -621,14 +622,14 @@ class SlicedBlockStreamer(BlockStreamer):
             self.owner = [None] * len(self.slots)
 
     def prefetch(self, i: int) -> None:
-        """My slice up, its owed update, my slice back, the peers' slices in."""
+        """My slice up, its pending update, my slice back, the peers' slices in."""
         if self._local:
             super().prefetch(i)
             return
         s, block = self.slot_of(i), self.blocks[i]
         lo, hi = block.slice_range(self.part)
         current = self.owner[s] == i
-        if current and not self._owes(i):
+        if current and not self._awaits(i):
             # Prefetched already (acquire follows the prefetches of the next blocks): recording the
             # upload event again would make block i's compute wait for everything queued since.
             return
@@ -636,9 +637,9 @@ class SlicedBlockStreamer(BlockStreamer):
         def work() -> None:
             if not current:
                 self.transfer.upload(block, s, lo, hi)
-            updated = self._owes(i)
+            updated = self._awaits(i)
             if updated:
-                self._pay_own_slice(i, s, lo, hi)
+                self._update_own_slice(i, s, lo, hi)
             if updated or not current:
                 self._gather(block, s)
 
@@ -666,9 +667,9 @@ class SlicedBlockStreamer(BlockStreamer):
 
         def work() -> bool:
             self.transfer.upload(block, s, lo, hi)
-            updated = self._owes(i)
+            updated = self._awaits(i)
             if updated:
-                self._pay_own_slice(i, s, lo, hi)
+                self._update_own_slice(i, s, lo, hi)
             return updated
 
         if not self.cuda:
@@ -683,14 +684,14 @@ class SlicedBlockStreamer(BlockStreamer):
                 self.written[i] = self.slot_free[s] = done
                 self.transfer.written_back(done, i, block, s, lo, hi)
 
-    def _pay_own_slice(self, i: int, s: int, lo: int, hi: int) -> None:
-        """The owed update of my slice of block i, in slot s (its optimizer state up before it and
+    def _update_own_slice(self, i: int, s: int, lo: int, hi: int) -> None:
+        """The pending update of my slice of block i, in slot s (its optimizer state up before it and
         back after it), and the slice back to the host master."""
         block = self.blocks[i]
         if self.state_slots[s]:
             self._upload_state(block, s, lo, hi)
             self.state_owner[s] = i  # my slice's state is current in the slot (the rest is not)
-        self._pay(i, self.slots[s], lo, hi, self.transfer.deltas(s))
+        self._update(i, self.slots[s], lo, hi, self.transfer.deltas(s))
         self.transfer.write_back(block, s, lo, hi)
         if self.state_slots[s]:
             self._write_back_state(block, s, lo, hi)

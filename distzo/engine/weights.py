@@ -18,7 +18,8 @@ from ..telemetry.timing import DISABLED, Timers
 from ..zo.directions import Directions
 from ..zo.estimators import Probe
 from ..zo.params import TrainableParam, TrainableParams
-from .chunkpass import PendingUpdate, chunk_pass
+from .chunkpass import chunk_pass
+from .pending import PendingUpdate
 
 # Where a parameter's optimizer state is now: one float32 tensor per slot, shaped like the master.
 StateOf = Callable[[TrainableParam], Sequence[torch.Tensor]]
@@ -59,7 +60,7 @@ class Workspace:
 class StageNoise:
     """The perturbed working copies one stage needs, for every probe of the plan at once.
 
-    Dense parameters are perturbed chunk by chunk (`chunk_pass`): the owed update is applied to the
+    Dense parameters are perturbed chunk by chunk (`chunk_pass`): the pending update is applied to the
     master chunk and every probe's copy of that chunk (`W + s * eps * z`) is written in the same
     pass, so the master is read once for all signs and z never travels through main memory (a
     per-thread scratch buffer, or no buffer at all with the fused kernels and Rademacher z).
@@ -88,7 +89,7 @@ class StageNoise:
     def prepare(self, entries: Sequence[TrainableParam], source: Callable[[TrainableParam], torch.Tensor],
                 pending: PendingUpdate | None = None, state: StateOf | None = None) -> None:
         """Build every probe's working copies of `entries` in one pass over their chunks, first
-        applying `pending` (the previous step's update) to each master chunk: the deferred update
+        applying `pending` (the previous step's update) to each master chunk: the pending update
         fused with the next perturbation, while the chunk is in cache. state: where each parameter's
         optimizer state is (an optimizer with a rule updates it in the same pass)."""
         with self.timers("perturb"):
@@ -116,7 +117,7 @@ class StageNoise:
         if mine is not None:
             work = mine(work, size)
 
-        def one(item) -> None:  # pay the owed update on the master chunk, then write every copy of it
+        def one(item) -> None:  # apply the pending update to the master chunk, then write every copy of it
             p, ref = item
             chunk = slice(ref.start, ref.stop)
             chunk_pass(self.directions, p, ref, masters[p.name][chunk], pending, self.step, self.eps,

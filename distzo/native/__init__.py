@@ -1,4 +1,4 @@
-"""Fused CPU kernels (`kernels.c`): one pass over a chunk applies the owed update and writes every
+"""Fused CPU kernels (`kernels.c`): one pass over a chunk applies the pending update and writes every
 working copy of the step.
 
 torch runs each elementwise operation as its own pass over a chunk. For a Rademacher step that is
@@ -36,14 +36,7 @@ import torch
 
 from ..cache import cache_dir
 from ..errors import DistzoError
-from ..zo.optimizers import (  # the update rules' definitions and ids, which the kernels reproduce
-    ADAM,
-    MOMENTUM,
-    SIGN,
-    Adam,
-    Momentum,
-    Sign,
-)
+from ..zo.optimizers import OPTIMIZERS  # the update rules the kernels reproduce (their `kernel` cases)
 from ..zo.rademacher import (  # the stream's definition, which the kernels reproduce
     Stream,
     stream_signs,
@@ -87,10 +80,9 @@ class Kernels:
         i64, f32, i32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
         lib.distzo_rademacher_fill.argtypes = [ptr, i64, ctypes.c_uint64, i64, f32]
         lib.distzo_rademacher_rows.argtypes = [ptr, i64, i64, ptr, ptr, f32]
-        lib.distzo_chunk.argtypes = [ptr, i64, i64, i32, f32, i32, ptr, ptr, i32, ptr, i32, ptr, ptr, ptr]
         lib.distzo_chunk_rule.argtypes = [ptr, i64, i64, i32, ptr, ptr, ptr, i32, f32, i32, ptr, ptr, i32, ptr, i32,
                                           ptr, ptr, ptr]
-        for fn in (lib.distzo_rademacher_fill, lib.distzo_rademacher_rows, lib.distzo_chunk, lib.distzo_chunk_rule):
+        for fn in (lib.distzo_rademacher_fill, lib.distzo_rademacher_rows, lib.distzo_chunk_rule):
             fn.restype = None
         self._lib = lib
 
@@ -111,34 +103,25 @@ class Kernels:
         self._lib.distzo_rademacher_rows(out.data_ptr(), rows, out.shape[1], c_seeds, c_offsets, scale)
         return out
 
-    def chunk(self, master: torch.Tensor, offset: int = 0, decay: float | None = None,
-              terms: Sequence[tuple[Source, bool]] = (), queries: Sequence[Source] = (),
-              outs: Sequence[tuple[torch.Tensor, int, int]] = ()) -> None:
-        """One pass over `master`, which holds chunk elements [offset, offset + master.numel()).
-
-        Update (when decay is not None or there are terms): x = master * decay, then for each term
-        (z, add) in order, x = x + z if add else x - z; master = x. Copies: for each (out, q, sign)
-        of outs, out = x + z_q if sign > 0 else x - z_q, with z_q = queries[q]."""
-        a = self._arguments(master, offset, terms, queries, outs)
-        self._lib.distzo_chunk(master.data_ptr(), master.numel(), offset, int(decay is not None),
-                               1.0 if decay is None else decay, *a.terms, *a.copies)
-
-    def chunk_rule(self, master: torch.Tensor, rule: int, constants: Sequence[float], state: Sequence[torch.Tensor],
-                   offset: int = 0, decay: float | None = None, terms: Sequence[tuple[Source, bool]] = (),
-                   queries: Sequence[Source] = (), outs: Sequence[tuple[torch.Tensor, int, int]] = ()) -> None:
-        """An optimizer's update with state (`distzo.zo.optimizers.UpdateRule`: rule id, float32
-        constants, its state tensors over the same elements as `master`), then the copies as in
-        `chunk`, in one pass. Every term of the update must be given in this one call."""
+    def chunk(self, master: torch.Tensor, rule: int, constants: Sequence[float], state: Sequence[torch.Tensor] = (),
+              offset: int = 0, decay: float | None = None, terms: Sequence[tuple[Source, bool]] = (),
+              queries: Sequence[Source] = (), outs: Sequence[tuple[torch.Tensor, int, int]] = ()) -> None:
+        """One pass over `master`, which holds chunk elements [offset, offset + master.numel()): an
+        optimizer's update (its kernel case `rule`, its float32 `constants`, its `state` tensors over
+        the same elements), then the copies: for each (out, q, sign) of outs, out = x + z_q if
+        sign > 0 else x - z_q, with z_q = queries[q] and x the updated values. Terms are (z, add):
+        a_k z_k enters as +z when add, -z otherwise. A rule that is not separable needs every term
+        of its update in this one call; sgd's (rule 0) with no decay and no terms writes copies only."""
         n = master.numel()
         for t in state:
             _check_f32(t, "optimizer state", n)
             if t.numel() != n:
                 raise ValueError(f"optimizer state of {t.numel()} elements for a master of {n}")
-        expected = {MOMENTUM: (1, 1), ADAM: (7, 2), SIGN: (1, 0)}.get(rule)  # (constants, state tensors)
+        expected = kernel_signature(rule)  # (constants, state tensors)
         if expected is None or (len(constants), len(state)) != expected:
             raise ValueError(f"rule {rule} with {len(constants)} constants and {len(state)} state tensors")
         a = self._arguments(master, offset, terms, queries, outs)
-        c_consts = (ctypes.c_float * len(constants))(*constants)
+        c_consts = (ctypes.c_float * max(1, len(constants)))(*constants)
         ptrs = [t.data_ptr() for t in state] + [None] * (2 - len(state))
         self._lib.distzo_chunk_rule(master.data_ptr(), n, offset, rule, c_consts, ptrs[0], ptrs[1],
                                     int(decay is not None), 1.0 if decay is None else decay, *a.terms, *a.copies)
@@ -170,6 +153,14 @@ class Kernels:
         c_sign = (ctypes.c_int * max(1, len(outs)))(*[1 if sign > 0 else -1 for _, _, sign in outs])
         return _Arguments((len(terms), c_terms, c_add), (len(queries), c_queries, len(outs), c_outs, c_query, c_sign),
                           keep)
+
+
+def kernel_signature(rule: int) -> tuple[int, int] | None:
+    """(constants, state tensors) of the optimizer whose kernel case is `rule` (None: no such case)."""
+    for cls in OPTIMIZERS.values():
+        if cls.kernel == rule:
+            return len(cls().constants(0, 1.0)), len(cls.slots)
+    return None
 
 
 class _Arguments(NamedTuple):
@@ -254,21 +245,17 @@ def self_check(kernels: Kernels) -> None:
             raise NativeUnavailable(f"{kernels.path} disagrees with the torch reference; delete it to rebuild")
     master = torch.linspace(-1, 1, 513)
     values = torch.linspace(0.5, -0.25, 520)
-    expect = master.clone().mul_(0.75).sub_(values[7:520]).add_(stream_signs(3, 7, 513, 1e-3))
     plus = torch.empty(513)
-    got = master.clone()
-    kernels.chunk(got, offset=7, decay=0.75, terms=[(values, False), (Stream(3, 1e-3), True)],
-                  queries=[Stream(9, 0.25)], outs=[(plus, 0, 1)])
-    if not (torch.equal(got, expect) and torch.equal(plus, expect + stream_signs(9, 7, 513, 0.25))):
-        raise NativeUnavailable(f"{kernels.path} disagrees with the torch reference; delete it to rebuild")
-    for rule in (Momentum(0.9).rule(2, 1e-3, 0.0), Adam().rule(2, 1e-3, 0.0), Sign().rule(2, 1e-3, 0.0)):
+    for cls in {c for c in OPTIMIZERS.values() if c.kernel is not None}:  # every rule with a kernel case
+        rule = cls().rule(2, 1e-3, 0.0)
         state = [torch.linspace(0.5, 1.5, 513) for _ in range(rule.slots)]
         got, got_state = master.clone(), [t.clone() for t in state]
-        kernels.chunk_rule(got, rule.kind, rule.constants, got_state, offset=7, decay=0.75,
-                           terms=[(values, False), (Stream(3, 1e-3), True)])
+        kernels.chunk(got, rule.kernel, rule.constants, got_state, offset=7, decay=0.75,
+                      terms=[(values, False), (Stream(3, 1e-3), True)], queries=[Stream(9, 0.25)], outs=[(plus, 0, 1)])
         want = master.clone()
         rule.apply(want, state, [(values[7:520], False), (stream_signs(3, 7, 513, 1e-3), True)], 0.75)
-        if not (torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(got_state, state))):
+        if not (torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(got_state, state))
+                and torch.equal(plus, want + stream_signs(9, 7, 513, 0.25))):
             raise NativeUnavailable(f"{kernels.path} disagrees with the torch reference; delete it to rebuild")
 
 

@@ -3,7 +3,7 @@
  * One pass over a chunk of the master applies the owed update and writes every working copy
  * master +- eps * z, so z never travels through memory and the master is read once. Each
  * element goes through exactly the floating-point operations of the torch path
- * (engine/chunkpass.py), one rounding per operation, so the two agree bitwise.
+ * (engine/chunkpass.py, the optimizers' `update`), one rounding per operation, so the two agree bitwise.
  * Build with -ffp-contract=off: a fused multiply-add would round `x * decay - z` once instead
  * of twice.
  *
@@ -105,46 +105,20 @@ static void write_copies(const float *x, int64_t i0, int64_t m, int64_t offset, 
 }
 
 /* One chunk range of a float32 master: master[0 .. n) holds chunk elements [offset, offset + n).
- *
- * Update (when has_decay or n_terms): x = master * decay (if has_decay), then for each term t,
- * x = x + z_t if term_add[t] else x - z_t; master = x.
- * Copies: for each output o, outs[o][i] = x + z_q (out_sign[o] > 0) or x - z_q, with q = out_query[o]
- * indexing `queries`. */
-void distzo_chunk(float *master, int64_t n, int64_t offset, int has_decay, float decay,
-                  int n_terms, const distzo_source *terms, const int *term_add,
-                  int n_queries, const distzo_source *queries,
-                  int n_outs, float *const *outs, const int *out_query, const int *out_sign) {
-    float x[TILE], buf[TILE];
-    const int update = has_decay || n_terms > 0;
-    for (int64_t i0 = 0; i0 < n; i0 += TILE) {
-        const int64_t m = n - i0 < TILE ? n - i0 : TILE;
-        memcpy(x, master + i0, (size_t)m * sizeof(float));
-        if (update) {
-            if (has_decay)
-                for (int64_t i = 0; i < m; i++) x[i] = x[i] * decay;
-            for (int t = 0; t < n_terms; t++) {
-                const float *z = source_tile(&terms[t], offset + i0, m, buf);
-                if (term_add[t])
-                    for (int64_t i = 0; i < m; i++) x[i] = x[i] + z[i];
-                else
-                    for (int64_t i = 0; i < m; i++) x[i] = x[i] - z[i];
-            }
-            memcpy(master + i0, x, (size_t)m * sizeof(float));
-        }
-        write_copies(x, i0, m, offset, n_queries, queries, n_outs, outs, out_query, out_sign, buf);
-    }
-}
-
-/* An optimizer's update with state (distzo/zo/optimizers.py, UpdateRule.apply: the same float32
- * operations in the same order), then the copies, in one pass over the chunk range.
+ * An optimizer's update (distzo/zo/optimizers.py: the same float32 operations in the same order as
+ * its `update`), then the copies, in one pass over the range.
  *
  * Terms t are (z_t, term_add[t]): z_t = |a_t| z, term_add when a_t < 0, so a_t z = add ? -z_t : z_t.
+ *   rule 0 (sgd; no consts, no state): x = x * decay (if has_decay); per term: x = x -+ z_t. With no
+ *     decay and no terms the master is left untouched (a pass that only writes copies).
  *   rule 1 (momentum; consts mu; state0 d):
  *     x = x * decay; if mu != 0: x = x - mu * d; d = d * mu; per term: x = x -+ z_t, d = d +- z_t
  *   rule 2 (adam; consts b1, 1-b1, b2, 1-b2, alpha, 1/sqrt(1-b2^t), eps; state0 m, state1 v):
  *     g = sum_t a_t z; m = m * b1 + g * (1-b1); v = v * b2 + (g * g) * (1-b2); x = x * decay;
  *     x = x - (m * alpha) / (sqrt(v) * inv_bc2s + eps)
- *   rule 3 (sign; consts lr): g as above; x = x * decay; x = g > 0 ? x - lr : g < 0 ? x + lr : x */
+ *   rule 3 (sign; consts lr): g as above; x = x * decay; x = g > 0 ? x - lr : g < 0 ? x + lr : x
+ * Copies: for each output o, outs[o][i] = x + z_q (out_sign[o] > 0) or x - z_q, with q = out_query[o]
+ * indexing `queries`. */
 void distzo_chunk_rule(float *master, int64_t n, int64_t offset, int rule, const float *consts,
                        float *state0, float *state1, int has_decay, float decay,
                        int n_terms, const distzo_source *terms, const int *term_add,
@@ -154,7 +128,17 @@ void distzo_chunk_rule(float *master, int64_t n, int64_t offset, int rule, const
     for (int64_t i0 = 0; i0 < n; i0 += TILE) {
         const int64_t m = n - i0 < TILE ? n - i0 : TILE;
         memcpy(x, master + i0, (size_t)m * sizeof(float));
-        if (rule == 1) {
+        if (rule == 0) {
+            if (has_decay)
+                for (int64_t i = 0; i < m; i++) x[i] = x[i] * decay;
+            for (int t = 0; t < n_terms; t++) {
+                const float *z = source_tile(&terms[t], offset + i0, m, buf);
+                if (term_add[t])
+                    for (int64_t i = 0; i < m; i++) x[i] = x[i] + z[i];
+                else
+                    for (int64_t i = 0; i < m; i++) x[i] = x[i] - z[i];
+            }
+        } else if (rule == 1) {
             float *d = state0 + i0;
             const float mu = consts[0];
             if (has_decay)
@@ -196,7 +180,7 @@ void distzo_chunk_rule(float *master, int64_t n, int64_t offset, int rule, const
                 for (int64_t i = 0; i < m; i++) x[i] = g[i] > 0.0f ? x[i] - lr : (g[i] < 0.0f ? x[i] + lr : x[i]);
             }
         }
-        memcpy(master + i0, x, (size_t)m * sizeof(float));
+        if (rule != 0 || has_decay || n_terms > 0) memcpy(master + i0, x, (size_t)m * sizeof(float));
         write_copies(x, i0, m, offset, n_queries, queries, n_outs, outs, out_query, out_sign, buf);
     }
 }

@@ -98,3 +98,28 @@ def launched_world_size() -> int:
     """Processes in this job as torchrun or srun report them; 1 when run plainly."""
     adopt_slurm_environment()
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def wait_for_failing_peers(timeout_s: float = 20.0) -> None:
+    """Under torchrun, the first rank to exit makes torchrun kill the others, possibly before they
+    print their own error. Input errors are deterministic, so every rank fails the same way: each
+    failing rank counts itself on torchrun's store and waits (bounded) until all ranks have reported,
+    so the job ends with every rank's line. Nothing happens outside torchrun's agent (srun, plain)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1 or "TORCHELASTIC_RUN_ID" not in os.environ:  # no agent's store to count on
+        return
+    import datetime
+    import time
+
+    try:
+        from torch.distributed import TCPStore
+
+        store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))
+        key = f"distzo/failed/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        deadline = time.time() + timeout_s
+        if store.add(key, 1) < world:
+            while store.add(key, 0) < world and time.time() < deadline:
+                time.sleep(0.05)
+    except Exception:  # the store is a courtesy; failing to reach it must not hide the error
+        pass

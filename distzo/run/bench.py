@@ -52,6 +52,7 @@ from ..parallel.shape import MeshShape
 from ..telemetry.metrics import peak_memory_bytes, reset_peak_memory
 from ..telemetry.timing import Timers, WorkClock
 from ..zo.estimators import CLEAN, Probe
+from ..zo.reference import mezo_step
 from .checks import validate
 from .components import Components, build_components
 from .rundir import RunDirectory
@@ -83,36 +84,24 @@ def forward_baseline(c: Components, steps: range) -> list[float]:
 
 def training_steps(c: Components, steps: range) -> tuple[list[float], list[dict[str, float]]]:
     times, phases = [], []
-    c.engine.timers.take()
+    c.timers.take()
     for step in steps:
         started = time.perf_counter()
         zo_step(c, step)
         if c.mesh.device.type == "cuda":
             torch.cuda.synchronize(c.mesh.device)
         times.append(time.perf_counter() - started)
-        phases.append(c.engine.timers.take())
+        phases.append(c.timers.take())
     return times, phases
 
 
 def mezo_reference_steps(c: Components, steps: range, lr: float, eps: float) -> list[float]:
-    """MeZO's Algorithm 1 as published (see the module docstring); changes the model's weights."""
+    """MeZO's Algorithm 1 as published (`distzo.zo.reference`) on the run's batches, with the
+    label-word head of MeZO's classification tasks; changes the model's weights."""
     model, device = c.model, c.mesh.device
     params = [p for _, p in model.named_parameters() if p.requires_grad]
     label_ids = c.task.label_ids.to(device)
     times = []
-
-    @torch.no_grad()
-    def perturb(seed: int, scale: float) -> None:  # Algorithm 1: theta_i <- theta_i + scale * eps * z, in place
-        torch.manual_seed(seed)
-        for p in params:
-            z = torch.normal(mean=0, std=1, size=p.size(), device=p.device, dtype=p.dtype)
-            p.add_(z, alpha=scale * eps)
-
-    @torch.inference_mode()
-    def loss(ids, mask, last, labels) -> float:
-        logits = model(input_ids=ids, attention_mask=mask).logits  # every position, the whole vocabulary
-        return float(F.cross_entropy(logits[torch.arange(ids.shape[0]), last][:, label_ids].float(), labels))
-
     for step in steps:
         batch = c.task.train_batch(c.sampler.indices(step))
         prompts = [torch.tensor(s.tokens) for s in batch.sequences]
@@ -120,19 +109,14 @@ def mezo_reference_steps(c: Components, steps: range, lr: float, eps: float) -> 
         mask = (torch.arange(ids.shape[1])[None] < torch.tensor([len(p) for p in prompts])[:, None]).to(device)
         last = torch.tensor([len(p) - 1 for p in prompts], device=device)
         labels = batch.labels.to(device)
+
+        @torch.inference_mode()
+        def loss() -> float:
+            logits = model(input_ids=ids, attention_mask=mask).logits  # every position, the whole vocabulary
+            return float(F.cross_entropy(logits[torch.arange(ids.shape[0]), last][:, label_ids].float(), labels))
+
         started = time.perf_counter()
-        seed = int(torch.randint(0, 10**9, (1,)))
-        perturb(seed, 1.0)
-        plus = loss(ids, mask, last, labels)
-        perturb(seed, -2.0)
-        minus = loss(ids, mask, last, labels)
-        perturb(seed, 1.0)
-        g = (plus - minus) / (2 * eps)
-        torch.manual_seed(seed)
-        with torch.no_grad():
-            for p in params:
-                z = torch.normal(mean=0, std=1, size=p.size(), device=p.device, dtype=p.dtype)
-                p.add_(z, alpha=-lr * g)
+        mezo_step(params, loss, lr, eps, seed=int(torch.randint(0, 10**9, (1,))))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - started)
@@ -169,7 +153,7 @@ def candidate_scoring_rounds(c: Components, rounds: int) -> dict[str, Any] | Non
 
 
 def materialize(c: Components) -> None:
-    """Apply whatever update the engine still owes (every rank, together)."""
+    """Apply whatever update the engine still awaits (every rank, together)."""
     with c.engine.materialized():
         pass
 
@@ -247,7 +231,7 @@ def _bench(cfg, c: Components, run_dir: Path) -> dict[str, Any]:
     reset_peak_memory(device)
     forward_baseline(c, [*warm, *timed])
     inference_peak = peak_memory_bytes(device)  # on the timed batches, before training allocates anything
-    clock = c.engine.directions.clock
+    clock = c.stack.directions.clock
 
     reset_peak_memory(device)
     training_steps(c, warm)
@@ -280,10 +264,10 @@ def _bench(cfg, c: Components, run_dir: Path) -> dict[str, Any]:
     forward_times, step_times, phases, breakdown_times, solo_times, ref_times = [], [], [], [], [], []
     sgd_times: list[float] = []
     for untimed, step in rounds:
-        materialize(c)  # the forwards alone pay no owed update
+        materialize(c)  # the forwards alone pay no pending update
         forward_times += forward_baseline(c, [step])
         t_untimed, p_untimed = training_steps(c, [untimed])
-        with c.engine.timers.paused() if cuda else nullcontext():
+        with c.timers.paused() if cuda else nullcontext():
             t, p = training_steps(c, [step])
         step_times += t
         phases += p_untimed if cuda else p

@@ -14,12 +14,14 @@ from ..models.checks import check_model_config
 from ..parallel.launch_env import launched_world_size
 from ..parallel.shape import MeshError, MeshShape
 from ..zo.estimators import estimator_type
+from ..zo.optimizers import check_optim
 
 
 def validate(cfg: Any, check_world: bool = True) -> None:
     """Check a composed config before any model or data is loaded. Raises ConfigError.
     check_world=False skips the mesh-vs-processes check (for commands that start no mesh)."""
     check_values(cfg)
+    check_optim(cfg)
     check_model_config(cfg.model)
     check_task_config(cfg.task)
     e, peft = cfg.estimator, str(cfg.peft.method)

@@ -18,6 +18,7 @@ from ..models import adapter_for, load_model
 from ..parallel.mesh import Mesh
 from ..peft import apply_peft
 from ..telemetry.timing import DISABLED, Timers, WorkClock
+from ..zo.directions import Directions
 from ..zo.estimators import Estimator, build_estimator
 from ..zo.optimizers import Optimizer, build_optimizer
 from ..zo.params import TrainableParams
@@ -43,10 +44,13 @@ class ModelStack:
     engine: Engine
     capture: ActivationCapture | None = None  # what the step's directions read of the activations (AGZO)
     optimizer: Optimizer | None = None
+    directions: Directions | None = None  # the step's z (its threads)
+    timers: Timers = DISABLED  # the step's phase timers (`bench`)
 
     def close(self) -> None:
         self.engine.close()
-        self.engine.directions.close()
+        if self.directions is not None:
+            self.directions.close()
 
 
 def build_model_stack(cfg, mesh: Mesh, seed: int, weights: Mapping[str, torch.Tensor] | None = None,
@@ -82,7 +86,7 @@ def build_model_stack(cfg, mesh: Mesh, seed: int, weights: Mapping[str, torch.Te
     if optimizer.slots and optimizer_state is not None:  # a snapshot's (the engine starts from zeros)
         engine.load_optimizer_state(check_optimizer_state(optimizer, params, optimizer_state))
     return ModelStack(model, tokenizer, params, estimator, engine,
-                      estimator.activation_capture(model, params, directions), optimizer)
+                      estimator.activation_capture(model, params, directions), optimizer, directions, timers)
 
 
 def check_optimizer_state(optimizer: Optimizer, params: TrainableParams,
@@ -145,6 +149,10 @@ class Components:
     @property
     def capture(self) -> ActivationCapture | None:
         return self.stack.capture
+
+    @property
+    def timers(self) -> Timers:
+        return self.stack.timers
 
     def close(self) -> None:
         self.stack.close()

@@ -1,7 +1,7 @@
 """Evaluation of the current weights on a whole split, its batches dealt over every rank; and the
 `python -m distzo eval` command, which scores a model without training.
 
-The engine materialises the weights first (owed updates applied, peers in step); each rank then
+The engine materialises the weights first (pending updates applied, peers in step); each rank then
 scores its own batches at the master weights with no collectives (ranks may hold different numbers
 of batches), and one all-reduce adds the counts.
 """

@@ -36,6 +36,19 @@ def _signal_name(code: int) -> str:
         return f"signal {-code}"
 
 
+def check_local_devices(nproc: int, mesh: str, device: str) -> None:
+    """Local workers on CUDA take one GPU each: this machine must show `nproc` of them."""
+    from ..parallel.mesh import device_type
+
+    if device_type(device) == "cuda":
+        import torch
+
+        if nproc > torch.cuda.device_count():
+            raise DistzoError(f"mesh={mesh} needs {nproc} processes, one per GPU, but this machine shows "
+                              f"{torch.cuda.device_count()} GPUs; use a mesh of at most {torch.cuda.device_count()} "
+                              "processes here, or launch across nodes (torchrun, srun; docs/cluster.md)")
+
+
 def start_local_workers(nproc: int, argv: Sequence[str], launch: Any) -> None:
     """Run `python -m distzo ARGV` as `nproc` local workers (see the module docstring) and wait for
     them. launch: the `launch` settings (rendezvous endpoint, restarts, stop timeout). Raises

@@ -85,7 +85,7 @@ def zo_step(c: Components, step: int) -> StepOutcome:
             local[0] = c.task.objective_sums(scores, batch, cfg.objective)
     for i, scores in engine.run_probes(shard, plan, step).items():             # my probes, on my shard
         local[i + estimator.shared_clean] = c.task.objective_sums(scores, shard, cfg.objective)
-    with engine.timers("comm"):
+    with c.timers("comm"):
         sums = mesh.exchange(local)                                          # global, on every rank
     losses = sums[:, 0] / sums[:, 1]
     lr = learning_rate(step, cfg.optim.lr, cfg.steps, cfg.optim.schedule, cfg.optim.warmup_steps)
@@ -216,7 +216,7 @@ class Trainer:
         return self.mesh.is_main
 
     def materialized(self):
-        """A context in which the weights are current (owed updates applied, peers in step): read
+        """A context in which the weights are current (pending updates applied, peers in step): read
         `trainer.model` or the trainable tensors inside. Collective."""
         return self.components.engine.materialized()
 
@@ -304,7 +304,7 @@ class Trainer:
     def _finish(self, first: dict[str, Any] | None, wall_start: float) -> Summary:
         """The end of a run: replica check, last snapshot, final evaluations, the saved model, the summary."""
         cfg, mesh, c, steps = self.cfg, self.mesh, self.components, self.step_count
-        with self.materialized() as weights:      # owed updates reach the master before it is checked
+        with self.materialized() as weights:      # pending updates reach the master before it is checked
             replica_checksums = check_replicas(mesh, [p.tensor for p in weights.params], steps)
         if cfg.checkpoint.every and not self.checkpoints.due(steps) and steps > self.start_step:
             self.snapshot()  # the end of the run, if not on the cadence
@@ -389,7 +389,7 @@ class Trainer:
         self.trajectory.append({"step": step + 1, "update": step,
                                 "coefficients": [list(c) for c in out.coefficients], "lr": lr,
                                 "weight_decay": cfg.optim.weight_decay, "grads": list(result.grads)})
-        transfers = self._step_transfers(moved_before) if cfg.offload.mode != "none" else {}
+        transfers = self._step_transfers(moved_before)
         self.metrics.write("train", step=step + 1, loss=result.loss, projected_grad=result.grads[0],
                            projected_grads=list(result.grads), lr=lr, tokens=batch.tokens,
                            step_time_s=round(step_time, 4), tokens_per_s=round(batch.tokens / step_time, 1),
@@ -407,20 +407,23 @@ class Trainer:
                 "optimizer_state_node_bytes": node}
 
     def _host_master_summary(self) -> dict[str, Any]:
-        """The offloaded master's host memory: one copy's size, and what the node holds resident of
-        it (summed over the node's ranks: one copy when node-shared, one per rank when not)."""
-        if self.cfg.offload.mode == "none":
+        """An offloaded master's host memory: one copy's size, and what the node holds resident of
+        it (summed over the node's ranks: one copy when node-shared, one per rank when not); nothing
+        for an engine without one."""
+        mem, node = self.components.engine.host_master_bytes(), self.mesh.node
+        if not mem:
             return {}
-        engine, node = self.components.engine, self.mesh.node
-        mem = engine.host_master_bytes()
         (node_resident,) = node.all_sum([mem["resident"]])
         return {"host_master_copy_bytes": mem["copy"], "host_master_node_bytes": int(node_resident),
-                "node_ranks": node.size, "comm_sliced": engine.mode == "offload-sliced"}
+                "node_ranks": node.size, "comm_sliced": bool(mem["node_shared"])}
 
     def _step_transfers(self, before: dict[str, float]) -> dict[str, Any]:
         """This step's offloading traffic: this rank's bytes per link and transfer time, and the bytes
-        its whole node moved over the host link (one collective over the node's ranks)."""
+        its whole node moved over the host link (one collective over the node's ranks); nothing for
+        an engine that moves no weights."""
         now = self.components.engine.transfer_stats()
+        if not now:
+            return {}
         mine = {k: now[k] - before[k] for k in now}
         h2d_node, d2h_node = self.mesh.node.all_sum([mine["h2d_bytes"], mine["d2h_bytes"]])
         return {"h2d_bytes_per_rank": int(mine["h2d_bytes"]), "d2h_bytes_per_rank": int(mine["d2h_bytes"]),

@@ -32,7 +32,7 @@ from ..telemetry.jsonl import read_jsonl, truncate_after
 from ..telemetry.metrics import Progress
 from ..zo.directions import DIRECTIONS_VERSION, gaussian_generator_id, same_directions
 from ..zo.estimators import estimator_type
-from ..zo.optimizers import OPTIMIZER_TYPES, optimizer_type
+from ..zo.optimizers import OPTIMIZERS, optimizer_type
 from .runs import RUN_FILE
 from .snapshots import (
     list_snapshots,
@@ -61,10 +61,11 @@ def config_fingerprint(cfg) -> str:
                                   ("task", "split_names", {"train": None, "validation": None, "test": None})):
         if keys[section].get(key, default) == default:
             keys[section].pop(key, None)
-    # The optimizer's name and its own keys count; sgd's fingerprint is what it was before optimizers had names.
+    # The optimizer's name and its own settings count; sgd's fingerprint is what it was before optimizers had names.
     optimizer = optimizer_type(keys["optim"].get("name", "sgd"))
-    for key in ("name", *(k for t in OPTIMIZER_TYPES.values() for k in t.keys)):
-        if optimizer.name == "sgd" or (key != "name" and key not in optimizer.keys):
+    settings = {t.settings for t in OPTIMIZERS.values() if t.settings}
+    for key in ("name", *settings):
+        if optimizer.name == "sgd" or key not in ("name", optimizer.settings):
             keys["optim"].pop(key, None)
     if str(cfg.engine.compute) != "fp32":
         keys["compute"] = str(cfg.engine.compute)  # the forward's arithmetic shapes the losses

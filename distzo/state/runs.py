@@ -27,10 +27,24 @@ def load_run_config(run_dir: str | Path, key: str = "") -> Any:
         raise RunFilesError(f"{f'{key}=' if key else ''}{run_dir} is not a distzo run directory (no {CONFIG_FILE}); give the directory "
                             "a training run wrote (its hydra.run.dir)")
     try:
-        return OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(path))
+        return OmegaConf.merge(OmegaConf.structured(Config), _nested_optimizer_settings(OmegaConf.load(path)))
     except Exception as exc:  # OmegaConf's merge errors: a key this distzo no longer has, a wrong type
         raise RunFilesError(f"{path} does not fit this distzo's configuration ({' '.join(str(exc).split())[:200]}); "
                             "use the distzo version that trained it") from None
+
+
+def _nested_optimizer_settings(saved: Any) -> Any:
+    """A configuration saved before the optimizers' settings had sections of their own
+    (optim.momentum, beta1, beta2, adam_eps) in today's layout (optim.momentum.mu, optim.adam.*)."""
+    optim = saved.get("optim") if hasattr(saved, "get") else None
+    if optim is None:
+        return saved
+    flat = {k: optim.pop(k) for k in ("beta1", "beta2", "adam_eps") if k in optim}
+    if flat:
+        optim["adam"] = {{"adam_eps": "eps"}.get(k, k): v for k, v in flat.items()}
+    if isinstance(optim.get("momentum"), (int, float)):
+        optim["momentum"] = {"mu": optim["momentum"]}
+    return saved
 
 
 def recorded_sources(run_dir: str | Path) -> dict[str, Any] | None:

@@ -1,14 +1,14 @@
 """ZO optimizers: what a step's projected gradients become in the weights, with which state (`optim.name`).
 
 An estimator turns a step's losses into coefficients c_k (the projected gradient along z_k, over
-q); the optimizer decides the update. Every rule here is element-wise and reads z_k of the step
-being paid, so it runs chunk by chunk inside the engines' passes (the owed update fused into the
+q); the optimizer decides the update. Every optimizer here is element-wise and reads z_k of the step
+being paid, so it runs chunk by chunk inside the engines' passes (the pending update fused into the
 next perturbation), on any slice of a tensor, on any rank that owns the chunk; its state is one or
 two float32 tensors shaped like the parameter (docs/optimizers.md).
 
 | name | per element (g = sum_k c_k z_k, decay = 1 - lr wd where weight decay applies) | state |
 |---|---|---|
-| sgd | x <- x decay - sum_k (lr c_k) z_k (the MeZO update, unchanged) | none |
+| sgd | x <- x decay - sum_k (lr c_k) z_k (the MeZO update) | none |
 | momentum | x <- x decay - mu d; d <- mu d + sum_k (lr c_k) z_k; x <- x - sum_k (lr c_k) z_k | d |
 | adam | m <- b1 m + (1 - b1) g; v <- b2 v + (1 - b2) g^2; x <- x decay - alpha m / (sqrt(v) / sqrt(1 - b2^t) + eps), alpha = lr / (1 - b1^t), t = step + 1 | m, v |
 | sign | x <- x decay - lr sign(g) | none |
@@ -23,10 +23,15 @@ ZO-SignSGD (Liu et al. 2019, element-wise sign of the estimate). `fzoo` is FZOO'
 al., ICLR 2026): with estimator.difference=forward the q one-sided losses l_k = l_0 + eps g_k have
 std eps std(g), so c_k / std(g) = (l_k - l_0) / (q std(l)), FZOO's coefficient (its code's form).
 
-`UpdateRule.apply` is the rule's one definition in torch ops; the fused CPU kernel
-(`distzo/native`, `distzo_chunk_rule`) performs the same float32 operations on every element, in
-the same order, so the two agree bitwise. sgd and fzoo keep the engines' original path
-(`rule() is None`).
+Each optimizer is one class, registered by name (`OPTIMIZERS`, the one list of them): its rule in
+torch ops (`update`, the definition), its state slots, its settings (`optim.<name>.*`, a dataclass of
+distzo.config.schema) and its configuration checks (`check`). The engines call nothing but a
+step's `Rule`. Where a rule has a case in the fused CPU kernel (`kernel`, `distzo_chunk_rule` in
+distzo/native/kernels.c), that case performs the same float32 operations on every element in the
+same order, so the two agree bitwise (tests/unit/test_optimizers.py checks every registered rule);
+a rule without one runs on torch ops everywhere. Adding an element-wise optimizer is one class here,
+plus its settings dataclass in the schema if it has settings, plus a kernel case if the fused CPU
+path should run it.
 """
 
 from __future__ import annotations
@@ -34,15 +39,16 @@ from __future__ import annotations
 import math
 import struct
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, ClassVar, Sequence
 
 import torch
 
+from ..errors import ConfigError
+from ..plugins import load_plugins
 from .estimators.base import StepResult
 
-OPTIMIZERS = ("sgd", "momentum", "adam", "sign", "fzoo")
-# Rule ids shared with the C kernel (distzo/native/kernels.c)
-MOMENTUM, ADAM, SIGN = 1, 2, 3
+# A term of an update: (|a_k| z_k as float32 over the chunk's elements, a_k < 0), a_k = Rule.term_scale(c_k).
+Term = tuple[torch.Tensor, bool]
 
 
 def f32(x: float) -> float:
@@ -60,82 +66,98 @@ def correctly_rounded_sqrt(v: torch.Tensor) -> torch.Tensor:
     return v.double().sqrt_().to(v.dtype)
 
 
+def estimate(terms: Sequence[Term], like: torch.Tensor) -> torch.Tensor:
+    """g = sum_k a_k z_k from a rule's terms, in float32, in the terms' order."""
+    g = torch.zeros_like(like)
+    for z, add in terms:
+        g.sub_(z) if add else g.add_(z)
+    return g
+
+
 @dataclass(frozen=True)
-class UpdateRule:
-    """One step's element-wise update with state: the rule id, its float32 constants in the kernel's
-    order, and whether a term's z is scaled by lr c_k (momentum) or by c_k (adam, sign)."""
+class Rule:
+    """One step of an optimizer's element-wise update: the optimizer and its float32 constants for
+    that step. What the engines' chunk pass (distzo.engine.chunkpass) calls."""
 
-    kind: int
+    optimizer: "Optimizer"
     constants: tuple[float, ...]
-    lr_terms: bool
-    slots: int
+    lr: float
 
-    def term_scale(self, lr: float, c: float) -> float:
-        return lr * c if self.lr_terms else c
+    @property
+    def slots(self) -> int:
+        return len(self.optimizer.slots)
 
-    def apply(self, x: torch.Tensor, state: Sequence[torch.Tensor], terms: Sequence[tuple[torch.Tensor, bool]],
+    @property
+    def kernel(self) -> int | None:
+        return self.optimizer.kernel
+
+    @property
+    def separable(self) -> bool:
+        return self.optimizer.separable
+
+    def term_scale(self, c: float) -> float:
+        """a_k: z_k enters the update scaled by lr c_k (or by c_k for a rule that says so)."""
+        return self.lr * c if self.optimizer.lr_terms else c
+
+    def apply(self, x: torch.Tensor, state: Sequence[torch.Tensor], terms: Sequence[Term],
               decay: float | None) -> None:
-        """The rule on float32 tensors, in place: x the master's elements, state this rule's slots
-        over the same elements, terms [(|a_k| z_k, a_k < 0)] with a_k = term_scale(lr, c_k)."""
-        if self.kind == MOMENTUM:
-            (mu,), (d,) = self.constants, state
-            if decay is not None:
-                x.mul_(decay)
-            if mu != 0.0:
-                x.sub_(d * mu)
-            d.mul_(mu)
-            for z, add in terms:  # x moves by -a z, d accumulates +a z
-                if add:
-                    x.add_(z)
-                    d.sub_(z)
-                else:
-                    x.sub_(z)
-                    d.add_(z)
-            return
-        g = torch.zeros_like(x)
-        for z, add in terms:  # g = sum_k c_k z_k
-            g.sub_(z) if add else g.add_(z)
-        if self.kind == ADAM:
-            b1, omb1, b2, omb2, alpha, inv_bc2s, eps = self.constants
-            m, v = state
-            m.mul_(b1).add_(g * omb1)
-            v.mul_(b2).add_(g.mul(g).mul_(omb2))
-            if decay is not None:
-                x.mul_(decay)
-            x.sub_(m.mul(alpha).div_(correctly_rounded_sqrt(v).mul_(inv_bc2s).add_(eps)))
-        elif self.kind == SIGN:
-            (lr,) = self.constants
-            if decay is not None:
-                x.mul_(decay)
-            torch.where(g > 0, x - lr, torch.where(g < 0, x + lr, x), out=x)
-        else:
-            raise ValueError(f"unknown update rule {self.kind}")
+        """The rule on float32 tensors, in place: x the master's elements, state the optimizer's
+        slots over the same elements, terms [(|a_k| z_k, a_k < 0)]."""
+        self.optimizer.update(x, state, terms, decay, self.constants)
+
+
+OPTIMIZERS: dict[str, type["Optimizer"]] = {}  # optim.name -> its class: the one registry of names
+
+
+def register(cls: type["Optimizer"]) -> type["Optimizer"]:
+    """Make an optimizer class available as `optim.name=<cls.name>`."""
+    if cls.name in OPTIMIZERS and OPTIMIZERS[cls.name] is not cls:
+        raise ValueError(f"two optimizers are called {cls.name}")
+    OPTIMIZERS[cls.name] = cls
+    return cls
 
 
 class Optimizer:
-    """ZO-SGD, the base of every optimizer (see the module docstring).
+    """An element-wise ZO optimizer (see the module docstring); the base holds what they share.
 
-    slots: the per-element float32 state tensors, by name. keys: the optimizer's own `optim.*`
-    settings (they join the resume fingerprint). state_from_trajectory: its state at step t is a
-    function of the trajectory's steps before t (zero state at step 0), so `replay` can rebuild it
-    from the trajectory alone."""
+    name: its `optim.name`. slots: its per-element float32 state tensors, by name. kernel: its case
+    in the fused CPU kernel (None: torch ops). lr_terms: a term's z is scaled by lr c_k (False: by
+    c_k). separable: the terms change x one after another and change nothing else, so a pass may
+    apply them in several kernel calls (sgd). settings: the attribute of `optim` holding its own
+    settings (None: it has none); they join the resume fingerprint. state_from_trajectory: its
+    state at step t is a function of the trajectory's steps before t (zero state at step 0), so
+    `replay` can rebuild it from the trajectory alone."""
 
-    name = "sgd"
-    slots: tuple[str, ...] = ()
-    keys: tuple[str, ...] = ()
-    state_from_trajectory = True
+    name: ClassVar[str]
+    slots: ClassVar[tuple[str, ...]] = ()
+    kernel: ClassVar[int | None] = None
+    lr_terms: ClassVar[bool] = True
+    separable: ClassVar[bool] = False
+    settings: ClassVar[str | None] = None
+    state_from_trajectory: ClassVar[bool] = True
+
+    def __init__(self, settings: Any = None):
+        """settings: this optimizer's section of the `optim` config (None: its defaults)."""
 
     @classmethod
-    def from_config(cls, cfg) -> "Optimizer":
-        return cls()
+    def check(cls, cfg: Any) -> None:
+        """Rules between this optimizer and the rest of a run's configuration (raises ConfigError)."""
+
+    def constants(self, step: int, lr: float) -> tuple[float, ...]:
+        """Step `step`'s float32 constants of the rule, in the kernel's order."""
+        return ()
+
+    def update(self, x: torch.Tensor, state: Sequence[torch.Tensor], terms: Sequence[Term], decay: float | None,
+               constants: Sequence[float]) -> None:
+        """The rule's definition in torch ops (see `Rule.apply`)."""
+        raise NotImplementedError
+
+    def rule(self, step: int, lr: float, weight_decay: float) -> Rule:
+        return Rule(self, tuple(f32(c) for c in self.constants(step, lr)), lr)
 
     def coefficients(self, result: StepResult) -> tuple[tuple[int, float], ...]:
         """The coefficients the update applies (and the trajectory logs) for a step's estimate."""
         return result.coefficients
-
-    def rule(self, step: int, lr: float, weight_decay: float) -> UpdateRule | None:
-        """Step `step`'s element-wise rule, or None for sgd's update (the engines' original path)."""
-        return None
 
     def state_bytes(self, numel: int) -> int:
         """Bytes of one copy of the state for `numel` trainable elements."""
@@ -145,69 +167,136 @@ class Optimizer:
         return self.name
 
 
+@register
 class SGD(Optimizer):
-    pass
+    """ZO-SGD: x <- x decay - sum_k (lr c_k) z_k, each term one rounded operation, in order."""
+
+    name = "sgd"
+    kernel = 0
+    separable = True
+
+    def update(self, x, state, terms, decay, constants) -> None:
+        if decay is not None:
+            x.mul_(decay)
+        for z, add in terms:
+            x.add_(z) if add else x.sub_(z)
 
 
+@register
 class Momentum(Optimizer):
     name = "momentum"
     slots = ("momentum",)
-    keys = ("momentum",)
+    kernel = 1
+    settings = "momentum"
 
-    def __init__(self, momentum: float = 0.9):
-        if not 0.0 <= momentum < 1.0:
-            raise ValueError(f"momentum {momentum} outside [0, 1)")
-        self.mu = float(momentum)
+    def __init__(self, settings: Any = None):
+        self.mu = float(settings.mu) if settings is not None else 0.9
+        if not 0.0 <= self.mu < 1.0:
+            raise ValueError(f"momentum {self.mu} outside [0, 1)")
 
     @classmethod
-    def from_config(cls, cfg) -> "Momentum":
-        return cls(cfg.momentum)
+    def check(cls, cfg: Any) -> None:
+        _below_one("optim.momentum.mu", cfg.optim.momentum.mu)
 
-    def rule(self, step: int, lr: float, weight_decay: float) -> UpdateRule:
-        return UpdateRule(MOMENTUM, (f32(self.mu),), True, 1)
+    def constants(self, step: int, lr: float) -> tuple[float, ...]:
+        return (self.mu,)
+
+    def update(self, x, state, terms, decay, constants) -> None:
+        (mu,), (d,) = constants, state
+        if decay is not None:
+            x.mul_(decay)
+        if mu != 0.0:
+            x.sub_(d * mu)
+        d.mul_(mu)
+        for z, add in terms:  # x moves by -a z, d accumulates +a z
+            if add:
+                x.add_(z)
+                d.sub_(z)
+            else:
+                x.sub_(z)
+                d.add_(z)
 
     def describe(self) -> str:
         return f"momentum (mu {self.mu:g})"
 
 
+@register
 class Adam(Optimizer):
     name = "adam"
     slots = ("exp_avg", "exp_avg_sq")
-    keys = ("beta1", "beta2", "adam_eps")
+    kernel = 2
+    lr_terms = False
+    settings = "adam"
 
-    def __init__(self, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8):
-        if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0 and eps > 0):
-            raise ValueError(f"adam betas ({beta1}, {beta2}) outside [0, 1) or eps {eps} <= 0")
-        self.beta1, self.beta2, self.eps = float(beta1), float(beta2), float(eps)
+    def __init__(self, settings: Any = None):
+        self.beta1, self.beta2, self.eps = ((float(settings.beta1), float(settings.beta2), float(settings.eps))
+                                            if settings is not None else (0.9, 0.999, 1e-8))
+        if not (0.0 <= self.beta1 < 1.0 and 0.0 <= self.beta2 < 1.0 and self.eps > 0):
+            raise ValueError(f"adam betas ({self.beta1}, {self.beta2}) outside [0, 1) or eps {self.eps} <= 0")
 
     @classmethod
-    def from_config(cls, cfg) -> "Adam":
-        return cls(cfg.beta1, cfg.beta2, cfg.adam_eps)
+    def check(cls, cfg: Any) -> None:
+        _below_one("optim.adam.beta1", cfg.optim.adam.beta1)
+        _below_one("optim.adam.beta2", cfg.optim.adam.beta2)
 
-    def rule(self, step: int, lr: float, weight_decay: float) -> UpdateRule:
+    def constants(self, step: int, lr: float) -> tuple[float, ...]:
         t = step + 1  # the update's number: bias corrections are a function of the step alone
         alpha = lr / (1.0 - self.beta1 ** t)
         inv_bc2s = 1.0 / math.sqrt(1.0 - self.beta2 ** t)
-        return UpdateRule(ADAM, tuple(f32(c) for c in (self.beta1, 1.0 - self.beta1, self.beta2, 1.0 - self.beta2,
-                                                       alpha, inv_bc2s, self.eps)), False, 2)
+        return (self.beta1, 1.0 - self.beta1, self.beta2, 1.0 - self.beta2, alpha, inv_bc2s, self.eps)
+
+    def update(self, x, state, terms, decay, constants) -> None:
+        b1, omb1, b2, omb2, alpha, inv_bc2s, eps = constants
+        m, v = state
+        g = estimate(terms, x)
+        m.mul_(b1).add_(g * omb1)
+        v.mul_(b2).add_(g.mul(g).mul_(omb2))
+        if decay is not None:
+            x.mul_(decay)
+        x.sub_(m.mul(alpha).div_(correctly_rounded_sqrt(v).mul_(inv_bc2s).add_(eps)))
 
     def describe(self) -> str:
         return f"adam (betas {self.beta1:g}, {self.beta2:g}, eps {self.eps:g})"
 
 
+@register
 class Sign(Optimizer):
     name = "sign"
+    kernel = 3
+    lr_terms = False
 
-    def rule(self, step: int, lr: float, weight_decay: float) -> UpdateRule:
-        return UpdateRule(SIGN, (f32(lr),), False, 0)
+    def constants(self, step: int, lr: float) -> tuple[float, ...]:
+        return (lr,)
+
+    def update(self, x, state, terms, decay, constants) -> None:
+        (lr,) = constants
+        g = estimate(terms, x)
+        if decay is not None:
+            x.mul_(decay)
+        torch.where(g > 0, x - lr, torch.where(g < 0, x + lr, x), out=x)
 
 
-class FZOO(Optimizer):
+@register
+class FZOO(SGD):
     """FZOO's step: the estimator's coefficients divided by the spread (population standard
-    deviation) of the step's projected gradients, i.e. of its one-sided losses over eps. A step
-    whose losses all tie has no spread and does not move (FZOO's code divides by zero there)."""
+    deviation) of the step's projected gradients, i.e. of its one-sided losses over eps, then sgd's
+    rule. A step whose losses all tie has no spread and does not move (FZOO's code divides by zero
+    there)."""
 
     name = "fzoo"
+
+    @classmethod
+    def check(cls, cfg: Any) -> None:
+        est = cfg.estimator
+        if est.name == "prge" or est.difference != "forward":
+            fix = ("use estimator=mezo estimator.difference=forward estimator.q=8" if est.name == "prge"
+                   else "add estimator.difference=forward estimator.q=8")
+            raise ConfigError(f"optim.name=fzoo normalises the step by the spread of one-sided losses; "
+                              f"estimator={est.name} with estimator.difference={est.difference} does not make "
+                              f"them: {fix}")
+        if est.q < 2:
+            raise ConfigError(f"optim.name=fzoo normalises the step by the spread of the step's estimator.q losses; "
+                              f"estimator.q={est.q} has none: use estimator.q >= 2 (FZOO uses 8)")
 
     def coefficients(self, result: StepResult) -> tuple[tuple[int, float], ...]:
         g = torch.tensor(result.grads, dtype=torch.float64)
@@ -217,14 +306,28 @@ class FZOO(Optimizer):
         return tuple((k, c / spread) for k, c in result.coefficients)
 
 
-OPTIMIZER_TYPES: dict[str, type[Optimizer]] = {"sgd": SGD, "momentum": Momentum, "adam": Adam, "sign": Sign,
-                                               "fzoo": FZOO}
+def _below_one(key: str, value: float) -> None:
+    if not value < 1:
+        raise ConfigError(f"{key}={value} is out of range; it must be >= 0 and < 1")
 
 
 def optimizer_type(name: str) -> type[Optimizer]:
-    return OPTIMIZER_TYPES[str(name)]
+    """The optimizer class `optim.name` names, among the registered ones and those your modules
+    register ($DISTZO_PLUGINS, distzo.plugins)."""
+    if str(name) not in OPTIMIZERS:
+        load_plugins()
+    try:
+        return OPTIMIZERS[str(name)]
+    except KeyError:
+        raise ConfigError(f"optim.name={name} is not an optimizer; use one of: {', '.join(OPTIMIZERS)}") from None
 
 
-def build_optimizer(cfg) -> Optimizer:
-    """The optimizer an `optim` config describes (`optim.name`, default sgd)."""
-    return optimizer_type(getattr(cfg, "name", "sgd") or "sgd").from_config(cfg)
+def check_optim(cfg: Any) -> None:
+    """optim.name names a registered optimizer, whose own checks hold (docs/optimizers.md)."""
+    optimizer_type(cfg.optim.name).check(cfg)
+
+
+def build_optimizer(optim: Any) -> Optimizer:
+    """The optimizer an `optim` config describes (`optim.name`, its settings in `optim.<name>`)."""
+    cls = optimizer_type(getattr(optim, "name", "sgd") or "sgd")
+    return cls(getattr(optim, cls.settings) if cls.settings else None)

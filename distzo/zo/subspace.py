@@ -137,7 +137,7 @@ class ActivationCapture:
     @contextmanager
     def capture(self, step: int, valid: torch.Tensor | None) -> Iterator[None]:
         """valid: [rows, cols] bool, True at the packed batch's real tokens (padding is not data)."""
-        self.directions.forget_before(step - 1)  # step - 1's bases serve the update still owed
+        self.directions.forget_before(step - 1)  # step - 1's bases serve the update still pending
         self._active = (step, valid)
         try:
             yield

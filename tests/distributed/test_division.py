@@ -25,7 +25,7 @@ LAYERS = 6
 def _engine(mesh=None, distribution="gaussian"):
     """A divided engine on a 2x1 mesh's node, or (mesh None) a single process's resident one."""
     from distzo import native
-    from distzo.engine import DividedEngine, ResidentEngine
+    from distzo.engine import divided_engine, resident_engine
     from distzo.models.loading import random_model
     from distzo.models.selection import adapter_for
     from distzo.zo.directions import Directions
@@ -35,8 +35,8 @@ def _engine(mesh=None, distribution="gaussian"):
     params = TrainableParams.from_model(model)
     directions = Directions(3, distribution, kernels=native.load("auto"))
     if mesh is None:
-        return model, ResidentEngine(model, adapter_for(model), params, directions, eps=EPS)
-    return model, DividedEngine(model, adapter_for(model), params, directions, eps=EPS, mesh=mesh, node=mesh.node)
+        return model, resident_engine(model, adapter_for(model), params, directions, eps=EPS)
+    return model, divided_engine(model, adapter_for(model), params, directions, eps=EPS, mesh=mesh, node=mesh.node)
 
 
 def _run(engine, plan):

@@ -22,6 +22,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 from tests.distributed.launch import free_port, spawn_env
+from tests.plugins import signum  # noqa: F401  registers optim.name=signum here and in the spawned workers
 
 STEPS = 5
 COMMON = ["model=tiny", "eval_every=0", "log_every=1000", f"steps={STEPS}", "batch_size=12", "seed=3", "task.val_size=12",
@@ -59,6 +60,8 @@ RUNS = {
     "sign": [*CUE, "estimator=mezo", "estimator.q=2", "optim.name=sign", "optim.lr=1e-3"],
     "fzoo": [*CUE, "estimator=mezo", "estimator.q=3", "estimator.difference=forward",
              "estimator.distribution=rademacher", "optim.name=fzoo", "optim.lr=1e-3"],
+    # an optimizer added in one file (tests/plugins/signum.py, imported above): stateful, torch ops only
+    "signum": [*CUE, "estimator=mezo", "estimator.q=2", "optim.name=signum", "optim.lr=1e-3"],
     # an optimizer with state on a trainable set of its own: LoRA-FA's B under P-RGE's batched forward
     "prge-adam": [*CUE, "estimator=prge", "peft=lora_fa", "estimator.q=2", "optim.name=adam", "optim.lr=1e-2"],
 }
@@ -70,7 +73,7 @@ MESHES = ["2x2", "4x1"]
 ONLY_2X2 = {"gpt2", "gemma3", "gpt_neox", "phi3", "falcon", "stablelm", "lora-neox", "whole", "choice", "sft",
             "prge-adam"}
 # optimizers whose update is discontinuous where the estimate is zero, and their lr (see the test)
-SIGN_LIKE = {"adam": 1e-3, "sign": 1e-3}
+SIGN_LIKE = {"adam": 1e-3, "sign": 1e-3, "signum": 1e-3}
 JOBS = [(name, mesh) for name in RUNS for mesh in MESHES if mesh == "2x2" or name not in ONLY_2X2]
 
 

@@ -40,8 +40,8 @@ def test_offloaded_run_equals_resident_run(tmp_path, model, mesh, nproc, slots):
 
 def test_idle_ranks_of_a_sliced_mesh_keep_in_step(tmp_path):
     """mesh=4x1 with MeZO's two evaluations: ranks 2 and 3 evaluate nothing, but the node's blocks reach
-    every rank through all-gathers, so they walk them (and pay the same owed updates) with their peers;
-    a rank that owed a different stage once waited in another collective until the timeout."""
+    every rank through all-gathers, so they walk them (and pay the same pending updates) with their peers;
+    a rank awaiting the update at a different stage once waited in another collective until the timeout."""
     weights_r, evals_r = run(tmp_path, "resident", 1, "model=tiny")
     weights_o, evals_o = run(tmp_path, "sliced", 4, "model=tiny", "mesh=4x1", "offload=cpu", "dist_timeout_s=60")
     assert all(torch.equal(weights_r[k], weights_o[k]) for k in weights_r)

@@ -5,7 +5,7 @@ import torch
 
 from distzo.data.objectives import accuracy_counts
 from distzo.data.tasks import PromptTask
-from distzo.engine import ResidentEngine
+from distzo.engine import resident_engine
 from distzo.models import adapter_for, load_model
 from distzo.zo.directions import Directions
 from distzo.zo.estimators import SPSA
@@ -22,7 +22,7 @@ def default_run():
     model, tokenizer = load_model(cfg.model)
     task = PromptTask(cfg.task, tokenizer)
     params = TrainableParams.from_model(model)
-    return model, task, params, ResidentEngine(model, adapter_for(model), params, Directions(0), eps=1e-3)
+    return model, task, params, resident_engine(model, adapter_for(model), params, Directions(0), eps=1e-3)
 
 
 def test_it_is_the_pretrained_smollm2(default_run):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from distzo.data.batches import Batch, TokenSequence
-from distzo.engine import ResidentEngine
+from distzo.engine import resident_engine
 from distzo.models import adapter_for, load_model
 from distzo.zo.directions import Directions
 from distzo.zo.params import TrainableParams
@@ -32,7 +32,7 @@ def test_gemma3_270m_loss_on_a_sentence_is_the_stock_forwards():
     seq = TokenSequence(tuple(ids), scored=tuple(range(cut - 1, len(ids) - 1)), targets=tuple(ids[cut:]),
                    units=(0,) * (len(ids) - cut))
     batch = Batch([seq], [0], [0], torch.zeros(1, dtype=torch.long), readout="tokens")
-    engine = ResidentEngine(model, adapter, TrainableParams.from_model(model), Directions(0))
+    engine = resident_engine(model, adapter, TrainableParams.from_model(model), Directions(0))
     with engine.materialized() as weights:
         scores = weights.score(batch)
     ours = float(scores.nll[0]) / int(scores.count[0])

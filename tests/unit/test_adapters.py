@@ -4,7 +4,7 @@ path: test_generic_adapter.py)."""
 import pytest
 import torch
 
-from distzo.engine import ResidentEngine
+from distzo.engine import resident_engine
 from distzo.engine.weights import CleanWeights
 from distzo.models.loading import random_model
 from distzo.models.selection import adapter_for
@@ -45,7 +45,7 @@ def test_packed_batch_matches_each_prompt_alone(arch):
     labels = torch.tensor([4, 250, 17])
     batch = label_batch(seqs, torch.zeros(len(seqs), dtype=torch.long), labels)
     for row_tokens in (1024, 13):  # one packed row, and several rows with padded tails
-        engine = ResidentEngine(model, adapter_for(model), TrainableParams.from_model(model), Directions(0),
+        engine = resident_engine(model, adapter_for(model), TrainableParams.from_model(model), Directions(0),
                                 row_tokens=row_tokens)
         assert (batch.pack(row_tokens).input_ids.shape[0] > 1) == (row_tokens == 13)
         packed = clean_logits(engine, batch)

@@ -4,7 +4,7 @@ weights' dtype (docs/performance.md#compute-modes)."""
 import pytest
 import torch
 
-from distzo.engine import EngineConfigError, OffloadEngine, ResidentEngine
+from distzo.engine import EngineConfigError, offload_engine, resident_engine
 from distzo.models.loading import random_model
 from distzo.models.selection import adapter_for
 from distzo.zo.directions import Directions
@@ -16,7 +16,7 @@ from tests.unit.test_offload import batches, train_steps
 def engine(compute, offload=False, dtype=torch.float32):
     model = random_model("llama", 400, {"num_hidden_layers": 3}, 0, dtype)
     params = TrainableParams.from_model(model)
-    kind = OffloadEngine if offload else ResidentEngine
+    kind = offload_engine if offload else resident_engine
     extra = {"slots": 2} if offload else {}
     return model, kind(model, adapter_for(model), params, Directions(11), eps=1e-3, compute=compute, **extra)
 

@@ -32,7 +32,7 @@ def test_config_yaml_and_the_dataclasses_agree_on_every_default():
     for key, value in written.items():
         default = OmegaConf.select(OmegaConf.create(schema), key)
         default = default.value if isinstance(default, Choice) else default
-        assert default == value, f"{key}: distzo/config/presets/config.yaml says {value!r}, distzo/config/schema.py {default!r}"
+        assert default == value, f"{key}: conf/config.yaml says {value!r}, distzo/config/schema.py {default!r}"
 
 
 def _numeric_keys(cls, prefix=""):

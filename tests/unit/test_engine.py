@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from distzo.engine import ResidentEngine
+from distzo.engine import resident_engine
 from distzo.models.loading import random_model
 from distzo.models.selection import adapter_for
 from distzo.zo.directions import Directions
@@ -18,7 +18,7 @@ def build(arch="llama", seed=0, threads=None, dtype=torch.float32, vocab=400, di
     model = random_model(arch, vocab, {}, 0, dtype)
     params = TrainableParams.from_model(model)
     directions = Directions(seed, distribution, threads=threads, kernels=kernels)
-    return model, params, ResidentEngine(model, adapter_for(model), params, directions, eps=EPS)
+    return model, params, resident_engine(model, adapter_for(model), params, directions, eps=EPS)
 
 
 LABELS = torch.tensor([5, 77])
@@ -111,7 +111,7 @@ def test_tied_head_is_updated_once():
 
 
 def test_fused_deferred_update_equals_update_then_perturb():
-    """The next step's perturbation applies the owed update chunk by chunk (fused); the result must be
+    """The next step's perturbation applies the pending update chunk by chunk (fused); the result must be
     the update applied on its own, then the perturbation."""
     model_a, _, fused = build()
     model_b, _, plain = build()

@@ -1,18 +1,14 @@
-"""`build_engine` picks each mode's class once, from the configuration and the mesh."""
+"""`build_engine` picks each mode once, from the configuration and the mesh: the one step loop, built
+with the mode's store (and P-RGE's batched probes)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from distzo.engine import (
-    EngineConfigError,
-    OffloadEngine,
-    ResidentEngine,
-    StackedLoRAEngine,
-    build_engine,
-    work_division,
-)
+from distzo.engine import EngineConfigError, StageLoop, build_engine, work_division
+from distzo.engine.offload import OffloadStore
+from distzo.engine.stores import ResidentStore
 from distzo.models.loading import random_model
 from distzo.models.selection import adapter_for
 from distzo.parallel.mesh import Mesh
@@ -39,19 +35,20 @@ def engine_for(*overrides):
 STACKED = "resident, each rank's probes in one batched forward over stacked LoRA B copies"
 
 
-@pytest.mark.parametrize("overrides,cls,mode,described", [
-    ((), ResidentEngine, "resident", "resident"),
-    (("offload=cpu",), OffloadEngine, "offload", "blocks offloaded to host memory"),
-    (("offload=cpu", "offload.transfer_dtype=bfloat16"), OffloadEngine, "offload",
+@pytest.mark.parametrize("overrides,store,batched,mode,described", [
+    ((), ResidentStore, False, "resident", "resident"),
+    (("offload=cpu",), OffloadStore, False, "offload", "blocks offloaded to host memory"),
+    (("offload=cpu", "offload.transfer_dtype=bfloat16"), OffloadStore, False, "offload",
      "blocks offloaded to host memory, moved in bfloat16"),
-    (("estimator=prge", "peft=lora_fa"), StackedLoRAEngine, "stacked-lora", STACKED + " (materialised)"),
-    (("estimator=prge", "peft=lora_fa", "estimator.prge.materialize=false"), StackedLoRAEngine, "stacked-lora",
+    (("estimator=prge", "peft=lora_fa"), ResidentStore, True, "stacked-lora", STACKED + " (materialised)"),
+    (("estimator=prge", "peft=lora_fa", "estimator.prge.materialize=false"), ResidentStore, True, "stacked-lora",
      STACKED + " (drawn inside each layer)"),
-    (("peft=lora",), ResidentEngine, "resident", "resident"),
+    (("peft=lora",), ResidentStore, False, "resident", "resident"),
 ])
-def test_the_mode_is_chosen_at_construction(overrides, cls, mode, described):
+def test_the_mode_is_chosen_at_construction(overrides, store, batched, mode, described):
     engine = engine_for(*overrides)
-    assert type(engine) is cls and engine.mode == mode
+    assert type(engine) is StageLoop and type(engine.store) is store and engine.mode == mode
+    assert (engine.batched is not None) == batched
     assert engine.describe() == described
 
 

@@ -7,7 +7,7 @@ import torch
 from torch.nn import functional as F
 
 from distzo.data.objectives import cross_entropy_sums
-from distzo.engine import ResidentEngine
+from distzo.engine import resident_engine
 from distzo.models.loading import random_model
 from distzo.models.selection import adapter_for
 from distzo.zo.directions import Directions
@@ -25,7 +25,7 @@ def setup_model(trainable=None, eps=1e-3):
         for name in trainable:
             model.get_parameter(name).requires_grad_(True)
     params = TrainableParams.from_model(model)
-    return model, params, ResidentEngine(model, adapter_for(model), params, Directions(5), eps=eps)
+    return model, params, resident_engine(model, adapter_for(model), params, Directions(5), eps=eps)
 
 
 def batch():

@@ -25,7 +25,7 @@ from torch.nn import functional as F
 
 from distzo.data.batches import Scores
 from distzo.data.objectives import cross_entropy_sums, objective_sums
-from distzo.engine import ResidentEngine, StackedLoRAEngine
+from distzo.engine import resident_engine, stacked_lora_engine
 from distzo.models.loading import random_model
 from distzo.models.selection import adapter_for
 from distzo.peft import apply_peft, attach_lora, attach_prefix
@@ -85,7 +85,7 @@ def test_nspsa_rademacher_forward_mean_points_along_the_gradient():
     params = TrainableParams.from_model(model)
     directions = Directions(7, "rademacher")
     est = SPSA(eps=1e-5, q=64, difference="forward")
-    engine, b = ResidentEngine(model, adapter_for(model), params, directions, eps=est.eps), sample_batch()
+    engine, b = resident_engine(model, adapter_for(model), params, directions, eps=est.eps), sample_batch()
     true = autograd_gradient(model, params, b)
     total = torch.zeros_like(true)
     for step in range(3):  # 192 directions in 64 dimensions
@@ -101,7 +101,7 @@ def agzo_setup(trainable, seed=5, eps=1e-4):
     model = tiny(trainable=trainable)
     params = TrainableParams.from_model(model)
     directions = SubspaceDirections(seed)
-    engine = ResidentEngine(model, adapter_for(model), params, directions, eps=eps)
+    engine = resident_engine(model, adapter_for(model), params, directions, eps=eps)
     return model, params, directions, engine, ActivationCapture(model, params, directions, 1, 3)
 
 
@@ -157,13 +157,13 @@ def test_agzo_beats_mezo_cosine_at_equal_forward_budget():
     model, params, directions, engine, capture = agzo_setup(None)
     model.model.embed_tokens.weight.requires_grad_(False)
     params = TrainableParams.from_model(model)
-    engine = ResidentEngine(model, adapter_for(model), params, directions, eps=1e-4)
+    engine = resident_engine(model, adapter_for(model), params, directions, eps=1e-4)
     capture = ActivationCapture(model, params, directions, 1, 3)
     b = sample_batch()
     true = autograd_gradient(model, params, b)
     agzo, mezo = AGZO(eps=1e-4, q=15), SPSA(eps=1e-4, q=8)
     dense = Directions(5)
-    mezo_engine = ResidentEngine(model, adapter_for(model), params, dense, eps=1e-4)
+    mezo_engine = resident_engine(model, adapter_for(model), params, dense, eps=1e-4)
     cos_a, cos_m = [], []
     for step in range(2):
         r = agzo_step(engine, capture, b, agzo, step)
@@ -187,8 +187,8 @@ def lora_fa_model(targets=("q_proj", "v_proj"), r=4, dtype=torch.float32, seed=3
                 p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.1)
     params = TrainableParams.from_model(model)
     if stacked is None:
-        return model, params, ResidentEngine(model, adapter_for(model), params, Directions(9), eps=eps)
-    return model, params, StackedLoRAEngine(model, adapter_for(model), params, Directions(9), eps=eps,
+        return model, params, resident_engine(model, adapter_for(model), params, Directions(9), eps=eps)
+    return model, params, stacked_lora_engine(model, adapter_for(model), params, Directions(9), eps=eps,
                                             materialize=stacked == "materialize")
 
 
@@ -198,7 +198,7 @@ def test_prge_batched_forward_equals_separate_evaluations(materialize):
     b = sample_batch()
     plan = PRGE(eps=1e-2, q=3).plan()
     separate = plan_logits(engine, b, plan, 4)
-    stacked = StackedLoRAEngine(model, adapter_for(model), params, engine.directions, eps=1e-2, materialize=materialize)
+    stacked = stacked_lora_engine(model, adapter_for(model), params, engine.directions, eps=1e-2, materialize=materialize)
     batched = plan_logits(stacked, b, plan, 4)
     assert batched.shape == separate.shape == (6, b.size, 2)
     assert not torch.allclose(batched[0], batched[1])  # the signs really differ
@@ -212,7 +212,7 @@ def test_prge_on_the_fly_copies_are_bitwise_the_materialised_ones():
     model, params, engine = lora_fa_model(stacked="materialize")
     b, plan = sample_batch(), PRGE(eps=1e-2, q=2).plan()
     a = plan_logits(engine, b, plan, 1)
-    on_the_fly = StackedLoRAEngine(model, adapter_for(model), params, engine.directions, eps=1e-2, materialize=False)
+    on_the_fly = stacked_lora_engine(model, adapter_for(model), params, engine.directions, eps=1e-2, materialize=False)
     assert torch.equal(a, plan_logits(on_the_fly, b, plan, 1))
 
 
@@ -278,7 +278,7 @@ def test_the_general_path_runs_prefix_tuning_as_the_stock_forward(arch):
     model = random_model(arch, 300, {}, 0, torch.float32)
     apply_peft(model, cfg.peft)
     params = TrainableParams.from_model(model)
-    engine = ResidentEngine(model, adapter_for(model), params, Directions(1), eps=1e-2)
+    engine = resident_engine(model, adapter_for(model), params, Directions(1), eps=1e-2)
     seqs = [[5, 6, 7], [8, 9, 10, 11]]
     b = label_batch(seqs, [0, 1], LABELS)
     with torch.inference_mode():
@@ -304,7 +304,7 @@ def test_peft_training_changes_only_trainable_parameters(method, estimator):
     expected = {"lora": ("lora_A", "lora_B"), "lora_fa": ("lora_B",), "prefix": ("prefix_keys", "prefix_values")}
     assert trainable and all(n.endswith(expected[method]) for n in trainable)
     directions = SubspaceDirections(1) if estimator == "agzo" else Directions(1)
-    kind = StackedLoRAEngine if estimator == "prge" else ResidentEngine
+    kind = stacked_lora_engine if estimator == "prge" else resident_engine
     engine = kind(model, adapter_for(model), params, directions, eps=1e-2)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     b = label_batch([[5, 6, 7], [8, 9, 10, 11]], [0, 1], LABELS)

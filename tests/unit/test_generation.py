@@ -14,7 +14,7 @@ from distzo.data.decoding import answer_text, greedy_decode
 from distzo.data.objectives import objective_sums
 from distzo.data.sources import DataError
 from distzo.data.tasks import PromptTask
-from distzo.engine import ResidentEngine
+from distzo.engine import resident_engine
 from distzo.models.loading import random_model
 from distzo.models.selection import adapter_for
 from distzo.zo.directions import Directions
@@ -36,7 +36,7 @@ def sft_task(tokenizer, tmp_path, *overrides, objective="loss"):
 
 def tiny(dtype=torch.float64):
     model = random_model("llama", 49152, {}, 0, dtype)
-    return model, ResidentEngine(model, adapter_for(model), TrainableParams.from_model(model), Directions(0))
+    return model, resident_engine(model, adapter_for(model), TrainableParams.from_model(model), Directions(0))
 
 
 def test_the_completion_loss_is_the_stock_loss_with_the_prompt_masked(tokenizer, tmp_path):

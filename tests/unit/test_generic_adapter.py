@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from distzo.engine import ResidentEngine
+from distzo.engine import resident_engine
 from distzo.engine.weights import CleanWeights
 from distzo.models.adapters import UnsupportedModelError
 from distzo.models.generic import GenericDecoderAdapter
@@ -54,7 +54,7 @@ def test_general_path_packs_prompts_like_each_alone(arch):
     labels = torch.tensor([4, 250, 17])
     batch = label_batch(seqs, torch.zeros(len(seqs), dtype=torch.long), labels)
     for row_tokens in (1024, 13):  # one packed row, and several rows with padded tails
-        engine = ResidentEngine(model, adapter_for(model), TrainableParams.from_model(model), Directions(0),
+        engine = resident_engine(model, adapter_for(model), TrainableParams.from_model(model), Directions(0),
                                 row_tokens=row_tokens)
         packed = clean_logits(engine, batch)
         with torch.inference_mode():
@@ -113,7 +113,7 @@ def test_a_forward_the_general_path_cannot_see_falls_back_to_the_whole_model():
     seqs = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (5, 12, 1, 9, 7)]
     labels = torch.tensor([4, 250, 17])
     batch = label_batch(seqs, torch.zeros(len(seqs), dtype=torch.long), labels)
-    engine = ResidentEngine(model, adapter, TrainableParams.from_model(model), Directions(0))
+    engine = resident_engine(model, adapter, TrainableParams.from_model(model), Directions(0))
     with torch.inference_mode():
         alone = torch.stack([model(torch.tensor([s])).logits[0, -1, labels] for s in seqs])
     torch.testing.assert_close(clean_logits(engine, batch), alone, rtol=0, atol=2e-5)
@@ -134,7 +134,7 @@ def test_the_whole_model_fallback_perturbs_like_the_staged_path():
     plan = [Probe(0, +1), Probe(0, -1), Probe(1, +1), Probe(CLEAN, 0)]
     got = {}
     for path in ("dedicated", "whole"):
-        engine = ResidentEngine(model, adapter_for(model, path), TrainableParams.from_model(model), Directions(4),
+        engine = resident_engine(model, adapter_for(model, path), TrainableParams.from_model(model), Directions(4),
                                 eps=1e-2)
         got[path] = plan_logits(engine, batch, plan, step=2)
     torch.testing.assert_close(got["whole"], got["dedicated"], rtol=0, atol=1e-5)

@@ -8,7 +8,7 @@ import torch
 
 from distzo import native
 from distzo.engine.chunkpass import chunk_pass
-from distzo.engine.update import PendingUpdate
+from distzo.engine.pending import PendingUpdate
 from distzo.zo.directions import (
     Directions,
     chunks_of,
@@ -16,6 +16,7 @@ from distzo.zo.directions import (
     stream_rows,
     stream_signs,
 )
+from distzo.zo.optimizers import SGD
 from distzo.zo.params import TrainableParam
 
 MASK = (1 << 64) - 1
@@ -92,7 +93,7 @@ def test_fused_pass_is_bitwise_the_torch_ops(kernels, distribution, case, monkey
     original = kernels.chunk
     monkeypatch.setattr(kernels, "chunk", lambda *a, **kw: (calls.append(1), original(*a, **kw))[1])
     numel = 5003  # not a multiple of 8 or 64: exercises the kernels' ragged ends
-    pending = None if coefficients is None else PendingUpdate(6, coefficients, 3e-3, wd)
+    pending = None if coefficients is None else PendingUpdate(6, coefficients, 3e-3, wd, SGD().rule(6, 3e-3, wd))
     results = []
     for k in (None, kernels):
         d = Directions(11, distribution, threads=1, kernels=k)
@@ -117,14 +118,15 @@ def test_a_gaussian_step_with_many_terms_spans_several_calls(kernels, monkeypatc
     calls = []
     original = kernels.chunk
 
-    def counting(master, offset=0, decay=None, terms=(), queries=(), outs=()):
+    def counting(master, rule, constants, state=(), offset=0, decay=None, terms=(), queries=(), outs=()):
         calls.append((len(terms), len(queries), len(outs), decay is not None))
-        return original(master, offset, decay, terms, queries, outs)
+        return original(master, rule, constants, state, offset, decay, terms, queries, outs)
 
     monkeypatch.setattr(kernels, "chunk", counting)
     d = Directions(2, "gaussian", threads=1, kernels=kernels)
     p = _param(3000, True, 0)
-    chunk_pass(d, p, chunks_of(p.key, p.shape)[0], p.tensor, PendingUpdate(1, ((0, 1.0), (1, 2.0), (2, -1.0)), 1e-3, 0.1),
+    chunk_pass(d, p, chunks_of(p.key, p.shape)[0], p.tensor,
+               PendingUpdate(1, ((0, 1.0), (1, 2.0), (2, -1.0)), 1e-3, 0.1, SGD().rule(1, 1e-3, 0.1)),
                step=2, eps=1e-3, copies={0: [(1, torch.empty(3000))], 1: [(-1, torch.empty(3000))]})
     assert calls == [(2, 0, 0, True), (1, 1, 1, False), (0, 1, 1, False)]
 
@@ -140,14 +142,19 @@ def test_subspace_chunks_are_not_streams():
 
 
 def test_kernels_refuse_tensors_they_would_misread(kernels):
+    sgd = (SGD.kernel, ())
     with pytest.raises(ValueError, match="contiguous float32"):
-        kernels.chunk(torch.zeros(10, dtype=torch.float64))
+        kernels.chunk(torch.zeros(10, dtype=torch.float64), *sgd)
     with pytest.raises(ValueError, match="contiguous float32"):
-        kernels.chunk(torch.zeros(10, 2)[:, 0])
+        kernels.chunk(torch.zeros(10, 2)[:, 0], *sgd)
     with pytest.raises(ValueError, match=">= 15 elements"):  # pre-drawn values shorter than offset + n
-        kernels.chunk(torch.zeros(10), offset=5, terms=[(torch.zeros(12), True)])
+        kernels.chunk(torch.zeros(10), *sgd, offset=5, terms=[(torch.zeros(12), True)])
     with pytest.raises(ValueError, match="expected 10 elements"):
-        kernels.chunk(torch.zeros(10), queries=[native.Stream(1, 1.0)], outs=[(torch.zeros(11), 0, 1)])
+        kernels.chunk(torch.zeros(10), *sgd, queries=[native.Stream(1, 1.0)], outs=[(torch.zeros(11), 0, 1)])
+    with pytest.raises(ValueError, match="rule 2 with 1 constants and 0 state tensors"):  # adam's needs 7 and 2
+        kernels.chunk(torch.zeros(10), 2, (0.5,))
+    with pytest.raises(ValueError, match="rule 9 with"):  # no such case
+        kernels.chunk(torch.zeros(10), 9, ())
 
 
 @pytest.fixture

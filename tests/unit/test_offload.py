@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from distzo.data.objectives import objective_sums
-from distzo.engine import OffloadEngine, ResidentEngine
+from distzo.engine import offload_engine, resident_engine
 from distzo.models.loading import random_model
 from distzo.models.selection import adapter_for
 from distzo.zo.directions import Directions
@@ -29,9 +29,9 @@ def engine(arch, offload, slots=3, transfer_dtype=None):
     params = TrainableParams.from_model(model)
     directions = Directions(11)
     if offload:
-        return model, OffloadEngine(model, adapter_for(model), params, directions, slots=slots,
+        return model, offload_engine(model, adapter_for(model), params, directions, slots=slots,
                                     transfer_dtype=transfer_dtype, eps=1e-3)
-    return model, ResidentEngine(model, adapter_for(model), params, directions, eps=1e-3)
+    return model, resident_engine(model, adapter_for(model), params, directions, eps=1e-3)
 
 
 def train_steps(eng, steps=6, lr=1e-2):
@@ -66,7 +66,7 @@ def test_flush_is_what_evaluation_needs():
     off_model, off = engine("llama", offload=True, slots=2)
     train_steps(res, steps=2)
     train_steps(off, steps=2)
-    block = off.host_blocks[0]
+    block = off.store.host_blocks[0]
     stale = block.flat.clone()
     materialize(off)
     materialize(res)
@@ -76,9 +76,9 @@ def test_flush_is_what_evaluation_needs():
 
 def test_blocks_live_in_host_buffers_and_move_each_step():
     model, off = engine("llama", offload=True, slots=2)
-    assert len(off.host_blocks) == 4
+    assert len(off.store.host_blocks) == 4
     p = model.model.layers[2].self_attn.q_proj.weight
-    flat = off.host_blocks[2].flat
+    flat = off.store.host_blocks[2].flat
     # a view into the block's buffer: its storage, and its bytes within the buffer's
     assert p.data.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
     start, end = flat.data_ptr(), flat.data_ptr() + flat.numel() * flat.element_size()
@@ -86,7 +86,7 @@ def test_blocks_live_in_host_buffers_and_move_each_step():
     before = off.transfer_stats()
     train_steps(off, steps=2)
     moved = off.transfer_stats()
-    block_bytes = sum(b.numel for b in off.host_blocks) * 4
+    block_bytes = sum(b.numel for b in off.store.host_blocks) * 4
     assert moved["h2d_bytes"] - before["h2d_bytes"] >= block_bytes  # every block uploaded each step
     assert moved["d2h_bytes"] - before["d2h_bytes"] >= block_bytes  # and written back after its update
 

@@ -1,7 +1,8 @@
-"""The ZO optimizers (docs/optimizers.md): each update rule against its formula computed in float64
-by a plain loop; the fused kernels and the torch ops bitwise alike; momentum at 0 is sgd bitwise;
-FZOO's normalisation; offloaded = resident with state (every slot count, reduced precision within
-its tolerance); the state in snapshots, resume and replay; configuration errors; sgd's fingerprint."""
+"""The ZO optimizers (docs/optimizers.md), every registered one including a test-only rule added in one
+file (tests/plugins/signum.py): each update rule against its formula computed in float64 by a plain
+loop; every kernel case bitwise its rule's torch form; momentum at 0 is sgd bitwise; FZOO's
+normalisation; offloaded = resident with state (every slot count, reduced precision within its
+tolerance); the state in snapshots, resume and replay; configuration errors; sgd's fingerprint."""
 
 from __future__ import annotations
 
@@ -12,27 +13,23 @@ import torch
 
 from distzo import native
 from distzo.data.objectives import objective_sums
-from distzo.engine import OffloadEngine, ResidentEngine
-from distzo.engine.chunkpass import PendingUpdate, chunk_pass
+from distzo.engine import offload_engine, resident_engine
+from distzo.engine.chunkpass import chunk_pass
 from distzo.engine.optstate import state_key
-from distzo.engine.update import Target, apply_update
+from distzo.engine.pending import PendingUpdate, Target, apply_pending
 from distzo.models.loading import random_model
 from distzo.models.selection import adapter_for
 from distzo.zo.directions import Directions, chunks_of, param_key
 from distzo.zo.estimators import SPSA, StepResult
-from distzo.zo.optimizers import (
-    FZOO,
-    OPTIMIZERS,
-    SGD,
-    Adam,
-    Momentum,
-    Sign,
-    build_optimizer,
-)
+from distzo.zo.optimizers import FZOO, OPTIMIZERS, SGD, Adam, build_optimizer
 from distzo.zo.params import TrainableParam
+from tests.plugins import signum
 from tests.unit.test_offload import batches, train_steps
 
-STATEFUL = {"momentum": lambda: Momentum(0.9), "adam": lambda: Adam(0.9, 0.999, 1e-8), "sign": Sign}
+PLUGIN = {"DISTZO_PLUGINS": signum.__name__}  # what makes optim.name=signum known to another process
+NAMES = list(OPTIMIZERS)  # every registered optimizer, the test-only one included (imported above)
+KERNEL_CASES = [n for n in NAMES if OPTIMIZERS[n].kernel is not None]
+STATEFUL = [n for n in NAMES if OPTIMIZERS[n].slots]
 # (step, coefficients, lr, weight decay) of three updates: two queries, signs of both kinds
 STEPS = [(0, ((0, 0.83), (1, -1.7)), 3e-3, 0.1), (1, ((0, -0.4), (1, 2.2)), 3e-3, 0.1),
          (2, ((0, 1.1), (1, 0.05)), 2e-3, 0.1)]
@@ -55,7 +52,7 @@ def reference(name: str, params, directions: Directions) -> tuple[list[list[floa
     """The optimizer's three updates in float64, element by element, from the z the directions
     draw (float32 values, read exactly): ZO-Bench's / torch's definitions with decoupled weight decay."""
     xs = [[float(v) for v in p.tensor.view(-1)] for p in params]
-    slots = {"momentum": 1, "adam": 2}.get(name, 0)
+    slots = len(OPTIMIZERS[name].slots)
     state = [[[0.0] * len(x) for _ in range(slots)] for x in xs]
     for step, coefficients, lr, wd in STEPS:
         if name == "fzoo":
@@ -81,6 +78,11 @@ def reference(name: str, params, directions: Directions) -> tuple[list[list[floa
                     x[i] = x[i] * decay - lr * m_hat / (math.sqrt(v_hat) + 1e-8)
                 elif name == "sign":
                     x[i] = x[i] * decay - lr * ((g > 0) - (g < 0))
+                elif name == "signum":
+                    st[0][i] = signum.BETA * st[0][i] + (1 - signum.BETA) * g
+                    x[i] = x[i] * decay - lr * ((st[0][i] > 0) - (st[0][i] < 0))
+                else:
+                    raise AssertionError(f"no float64 reference for optimizer {name}: add one here")
     return xs, state
 
 
@@ -92,20 +94,21 @@ def run_engine_updates(name: str, params, directions: Directions) -> tuple[list,
         if name == "fzoo":
             coefficients = opt.coefficients(StepResult(0.0, tuple(c * 2 for _, c in coefficients), coefficients))
         u = PendingUpdate(step, coefficients, lr, wd, rule=opt.rule(step, lr, wd))
-        apply_update(directions, [Target(p, p.tensor, state=state[p.name]) for p in params], u)
+        apply_pending(directions, [Target(p, p.tensor, state=state[p.name]) for p in params], u)
     return [p.tensor.view(-1).tolist() for p in params], [[t.view(-1).tolist() for t in state[p.name]] for p in params]
 
 
 def build_optimizer_by_name(name: str):
-    return {"sgd": SGD, "fzoo": FZOO, **STATEFUL}[name]()
+    return OPTIMIZERS[name]()
 
 
 @pytest.mark.parametrize("native_kernels", [False, True])
-@pytest.mark.parametrize("name", ["sgd", "momentum", "adam", "sign", "fzoo"])
+@pytest.mark.parametrize("name", NAMES)
 def test_each_update_is_its_formula_in_float64(name, native_kernels, kernels):
     """Three steps of two queries with weight decay (the bias exempt): weights and state within
     float32 rounding of the float64 loop (relative 1e-5 of what the updates moved; measured: a few
-    1e-7). Sign's update is lr times +-1, so its weights agree to rounding exactly as well."""
+    1e-7). Sign's and Signum's updates are lr times +-1, so their weights agree to rounding exactly as
+    well. With the kernels loaded, a rule with a kernel case runs in it, one without on torch ops."""
     directions = Directions(5, "gaussian", threads=1, kernels=kernels if native_kernels else None)
     start = small_params()
     want_x, want_state = reference(name, small_params(), directions)
@@ -130,14 +133,17 @@ RULE_CASES = {  # terms, decay, queries written, part of the chunk
 
 
 @pytest.mark.parametrize("distribution", ["gaussian", "rademacher"])
-@pytest.mark.parametrize("name", list(STATEFUL))
+@pytest.mark.parametrize("name", KERNEL_CASES)
 @pytest.mark.parametrize("case", list(RULE_CASES))
-def test_fused_rule_is_bitwise_the_torch_ops(kernels, name, distribution, case, monkeypatch):
+def test_every_kernel_case_is_bitwise_its_rules_torch_form(kernels, name, distribution, case, monkeypatch):
+    """Each registered optimizer with a case in the fused CPU kernel: the pass (update with state,
+    then the copies) in the kernel equals the torch form (`Optimizer.update`) bitwise, over whole
+    chunks and slices, with and without copies and terms."""
     terms, wd, queries, part = RULE_CASES[case]
     calls = []
-    original = kernels.chunk_rule
-    monkeypatch.setattr(kernels, "chunk_rule", lambda *a, **kw: (calls.append(1), original(*a, **kw))[1])
-    opt = STATEFUL[name]()
+    original = kernels.chunk
+    monkeypatch.setattr(kernels, "chunk", lambda *a, **kw: (calls.append(a[1]), original(*a, **kw))[1])
+    opt = build_optimizer_by_name(name)
     numel = 5003
     results = []
     for k in (None, kernels):
@@ -152,25 +158,24 @@ def test_fused_rule_is_bitwise_the_torch_ops(kernels, name, distribution, case, 
             u = PendingUpdate(step, terms, 3e-3, wd, rule=opt.rule(step, 3e-3, wd))
             chunk_pass(d, p, ref, p.tensor[lo:hi], u, step=step + 1, eps=1e-3, copies=copies, part=part, state=state)
         results.append([p.tensor, *state, *(out for outs in copies.values() for _, out in outs)])
-    assert calls  # the second run really ran in the kernels
+    assert OPTIMIZERS[name].kernel in calls  # the second run really ran in the rule's kernel case
     for torch_ops, fused in zip(*results):
         assert torch.equal(torch_ops, fused)
 
 
 def test_a_gaussian_rule_step_with_many_copies_spans_two_calls(kernels, monkeypatch):
     """The rule's call holds every term; copies whose z no longer fits in the value slots follow in
-    the plain kernel, reading the updated master."""
-    rule_calls, plain_calls = [], []
-    for attr, log in (("chunk_rule", rule_calls), ("chunk", plain_calls)):
-        original = getattr(kernels, attr)
-        monkeypatch.setattr(kernels, attr, lambda *a, _o=original, _l=log, **kw: (_l.append(1), _o(*a, **kw))[1])
+    a call that writes copies only (sgd's case with nothing to apply), reading the updated master."""
+    calls = []
+    original = kernels.chunk
+    monkeypatch.setattr(kernels, "chunk", lambda *a, **kw: (calls.append(a[1]), original(*a, **kw))[1])
     d = Directions(2, "gaussian", threads=1, kernels=kernels)
     p = TrainableParam("w", torch.randn(3000), param_key("w"), True)
     u = PendingUpdate(1, ((0, 1.0), (1, 2.0)), 1e-3, 0.0, rule=Adam().rule(1, 1e-3, 0.0))
     state = [torch.zeros(3000), torch.zeros(3000)]
     chunk_pass(d, p, chunks_of(p.key, p.shape)[0], p.tensor, u, step=2, eps=1e-3, state=state,
                copies={0: [(1, torch.empty(3000))], 1: [(-1, torch.empty(3000))], 2: [(1, torch.empty(3000))]})
-    assert len(rule_calls) == 1 and len(plain_calls) == 1
+    assert calls == [Adam.kernel, SGD.kernel]
 
 
 def tiny_run(tmp_path, name, *overrides):
@@ -190,7 +195,7 @@ def test_momentum_at_zero_is_sgd_bitwise(tmp_path, distribution):
 
     common = ["estimator.q=2", f"estimator.distribution={distribution}", "optim.weight_decay=0.1"]
     tiny_run(tmp_path, "sgd", *common)
-    tiny_run(tmp_path, "momentum", *common, "optim.name=momentum", "optim.momentum=0")
+    tiny_run(tmp_path, "momentum", *common, "optim.name=momentum", "optim.momentum.mu=0")
     a = load_file(tmp_path / "sgd" / "final" / "model.safetensors")
     b = load_file(tmp_path / "momentum" / "final" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -211,10 +216,18 @@ def test_fzoo_divides_by_the_spread_of_the_one_sided_losses():
     assert tied == ((0, 0.0), (1, 0.0), (2, 0.0), (3, 0.0))  # no spread: no step
 
 
-def test_the_optimizer_lists_agree():
-    from distzo.config import validation
+def test_every_optimizer_is_documented_and_the_registry_is_the_one_list():
+    """optim.name is checked against the registry (no list of its own elsewhere); docs/optimizers.md
+    has a section for every built-in optimizer."""
+    from pathlib import Path
 
-    assert validation.OPTIMIZERS == OPTIMIZERS
+    import distzo
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "optimizers.md").read_text()
+    for name in (n for n in NAMES if n != "signum"):
+        assert f"`{name}`" in text, name
+    with pytest.raises(distzo.ConfigError, match=r"use one of: sgd, momentum, adam, sign, fzoo, signum"):
+        distzo.compose("optim.name=adamw")
 
 
 def test_sgd_keeps_its_resume_fingerprint():
@@ -224,16 +237,17 @@ def test_sgd_keeps_its_resume_fingerprint():
     from distzo.state.resume import config_fingerprint
 
     assert config_fingerprint(distzo.compose(validate=False)) == "b2b1e3f36e13a274"
-    assert config_fingerprint(distzo.compose("optim.name=sgd", "optim.beta2=0.5", validate=False)) == "b2b1e3f36e13a274"
+    assert config_fingerprint(distzo.compose("optim.name=sgd", "optim.adam.beta2=0.5", validate=False)) == "b2b1e3f36e13a274"
     adam = config_fingerprint(distzo.compose("optim.name=adam", validate=False))
     assert adam != "b2b1e3f36e13a274"
-    assert config_fingerprint(distzo.compose("optim.name=adam", "optim.momentum=0.1", validate=False)) == adam
-    assert config_fingerprint(distzo.compose("optim.name=adam", "optim.beta2=0.99", validate=False)) != adam
+    assert config_fingerprint(distzo.compose("optim.name=adam", "optim.momentum.mu=0.1", validate=False)) == adam
+    assert config_fingerprint(distzo.compose("optim.name=adam", "optim.adam.beta2=0.99", validate=False)) != adam
 
 
 @pytest.mark.parametrize("overrides,message", [
     (["optim.name=adamw"], "optim.name=adamw is not an optimizer; use one of: sgd, momentum, adam, sign, fzoo"),
-    (["optim.name=momentum", "optim.momentum=1"], "optim.momentum=1.0 is out of range; it must be >= 0 and < 1"),
+    (["optim.name=momentum", "optim.momentum.mu=1"], "optim.momentum.mu=1.0 is out of range; it must be >= 0 and < 1"),
+    (["optim.name=adam", "optim.adam.beta1=1"], "optim.adam.beta1=1.0 is out of range; it must be >= 0 and < 1"),
     (["optim.name=fzoo"], "add estimator.difference=forward estimator.q=8"),
     (["optim.name=fzoo", "estimator.difference=forward"], "use estimator.q >= 2 (FZOO uses 8)"),
     (["optim.name=fzoo", "estimator=prge", "peft=lora_fa"], "use estimator=mezo estimator.difference=forward"),
@@ -245,16 +259,16 @@ def test_configuration_errors(overrides, message):
         distzo.compose("model=tiny", *overrides)
 
 
-def offload_engine(name: str, offload: bool, slots: int = 3, transfer_dtype=None):
+def engine_pair(name: str, offload: bool, slots: int = 3, transfer_dtype=None):
     model = random_model("llama", 400, {"num_hidden_layers": 4}, 0, torch.float32)
     from distzo.zo.params import TrainableParams
 
     params = TrainableParams.from_model(model)
     kwargs = dict(eps=1e-3, optimizer=build_optimizer_by_name(name))
     if offload:
-        return model, OffloadEngine(model, adapter_for(model), params, Directions(11), slots=slots,
+        return model, offload_engine(model, adapter_for(model), params, Directions(11), slots=slots,
                                     transfer_dtype=transfer_dtype, **kwargs)
-    return model, ResidentEngine(model, adapter_for(model), params, Directions(11), **kwargs)
+    return model, resident_engine(model, adapter_for(model), params, Directions(11), **kwargs)
 
 
 def train(eng, steps=5, lr=1e-3):
@@ -262,14 +276,14 @@ def train(eng, steps=5, lr=1e-3):
     return train_steps(eng, steps=steps, lr=lr)
 
 
-@pytest.mark.parametrize("name", ["momentum", "adam"])
+@pytest.mark.parametrize("name", STATEFUL)
 @pytest.mark.parametrize("slots", [1, 3])
 def test_offloaded_state_is_streamed_and_bitwise_resident(name, slots):
     """The blocks' state lives beside their host masters and moves with them; weights and state
     equal the resident engine's bitwise (1 slot: every block uploaded each step; 3 slots: blocks
     stay in their slots, their state too)."""
-    res_model, res = offload_engine(name, offload=False)
-    off_model, off = offload_engine(name, offload=True, slots=slots)
+    res_model, res = engine_pair(name, offload=False)
+    off_model, off = engine_pair(name, offload=True, slots=slots)
     before = off.transfer_stats()
     assert train(res) == train(off)
     with res.materialized(), off.materialized():
@@ -278,7 +292,7 @@ def test_offloaded_state_is_streamed_and_bitwise_resident(name, slots):
         assert all(torch.equal(r[k], o[k]) for k in r) and any(float(v.abs().max()) > 0 for v in r.values())
     rs, os_ = res_model.state_dict(), off_model.state_dict()
     assert all(torch.equal(rs[k], os_[k]) for k in rs)
-    state_bytes = sum(t.numel() * 4 for b in off.host_blocks for t in b.state)
+    state_bytes = sum(t.numel() * 4 for b in off.store.host_blocks for t in b.state)
     moved = off.transfer_stats()["h2d_bytes"] - before["h2d_bytes"]
     assert state_bytes > 0 and moved >= 4 * state_bytes  # the state went up with the blocks, every step
     assert off.optimizer_state_bytes()["copy"] == res.optimizer_state_bytes()["copy"] == (
@@ -291,13 +305,13 @@ def test_reduced_precision_transfer_keeps_the_state_at_full_precision():
     does (tests/unit/test_offload.py's 2% of what training moved). Adam's normalised step does not
     shrink with the estimate, so a projected gradient whose sign the rounding flips moves whole
     elements by lr: docs/optimizers.md says so, and this test keeps to momentum."""
-    res_model, res = offload_engine("momentum", offload=False)
-    off_model, off = offload_engine("momentum", offload=True, slots=2, transfer_dtype=torch.bfloat16)
+    res_model, res = engine_pair("momentum", offload=False)
+    off_model, off = engine_pair("momentum", offload=True, slots=2, transfer_dtype=torch.bfloat16)
     init = {k: v.clone() for k, v in res_model.state_dict().items()}
     train(res)
     train(off)
-    assert all(t.dtype == torch.float32 for b in off.host_blocks for t in b.state)
-    assert all(t.dtype == torch.float32 for ts in off.streamer.state_slots for t in ts)
+    assert all(t.dtype == torch.float32 for b in off.store.host_blocks for t in b.state)
+    assert all(t.dtype == torch.float32 for ts in off.store.streamer.state_slots for t in ts)
     with res.materialized(), off.materialized():
         r, o = res.optimizer_state(), off.optimizer_state()
         scale = max(float(v.abs().max()) for v in r.values())
@@ -312,12 +326,12 @@ def test_loaded_state_continues_bitwise(tmp_path):
     """A snapshot's state loaded into a fresh engine (resident, and offloaded with one slot)
     continues exactly as the engine that wrote it."""
     for offload in (False, True):
-        _, a = offload_engine("adam", offload=offload, slots=1)
+        _, a = engine_pair("adam", offload=offload, slots=1)
         train(a, steps=3)
         with a.materialized():
             weights = {p.name: p.tensor.clone() for p in a.params}
             state = {k: v.clone() for k, v in a.optimizer_state().items()}
-        model_b, b = offload_engine("adam", offload=offload, slots=1)
+        model_b, b = engine_pair("adam", offload=offload, slots=1)
         b.params.load(weights)
         b.load_optimizer_state(state)
         rest = list(batches(5))[3:]
@@ -336,7 +350,7 @@ def test_loaded_state_continues_bitwise(tmp_path):
         assert all(torch.equal(wa[k], wb[k]) for k in wa) and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
-@pytest.mark.parametrize("name", ["momentum", "adam"])
+@pytest.mark.parametrize("name", STATEFUL)
 def test_replay_rebuilds_weights_from_a_snapshot_and_from_the_trajectory_alone(tmp_path, name):
     """The state is written in snapshots and rebuilt by replay: from the step-2 snapshot (its
     weights and state), and from the initial weights with zero state (--from-step 0), bitwise."""
@@ -361,5 +375,31 @@ def test_build_optimizer_reads_the_config():
     import distzo
 
     assert isinstance(build_optimizer(distzo.compose(validate=False).optim), SGD)
-    adam = build_optimizer(distzo.compose("optim.name=adam", "optim.beta2=0.99", validate=False).optim)
+    adam = build_optimizer(distzo.compose("optim.name=adam", "optim.adam.beta2=0.99", validate=False).optim)
     assert isinstance(adam, Adam) and adam.beta2 == 0.99 and state_key("exp_avg", "w") == "exp_avg/w"
+
+
+def test_your_own_optimizer_by_name_on_the_command_line(tmp_path):
+    """DISTZO_PLUGINS names a module that registers an optimizer; every rank of a 2x1 job imports it,
+    so optim.name=signum is checked, trained and logged as a built-in one is (docs/optimizers.md)."""
+    import json
+
+    from tests.distributed.launch import run_forked
+
+    r = run_forked(2, ["train", "model=tiny", "task=synthetic-cue", "mesh=2x1", "optim.name=signum", "optim.lr=1e-3",
+                       "steps=3", "eval_every=0", "task.val_size=8", "task.test_size=8", "checkpoint.every=3",
+                       f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, timeout=300, env=PLUGIN)
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["optimizer"] == "signum" and summary["optimizer_state_bytes"] > 0
+    assert len(set(summary["replica_checksums"])) == 1
+    state = read_state(tmp_path / "run" / "checkpoints" / "step-00000003")
+    assert state and all(k.startswith("momentum/") for k in state)
+    r = run_forked(1, ["train", "model=tiny", "optim.name=signum"], cwd=tmp_path, timeout=300)  # without the plugin
+    assert r.returncode == 2 and "optim.name=signum is not an optimizer" in r.stderr
+
+
+def read_state(snapshot):
+    from distzo.state.snapshots import read_optimizer_state
+
+    return read_optimizer_state(snapshot)

@@ -8,7 +8,7 @@ import torch
 
 from distzo.data.batches import NO_TARGET, Batch, Scores, TokenSequence
 from distzo.data.objectives import objective_sums
-from distzo.engine import ResidentEngine
+from distzo.engine import resident_engine
 from distzo.models.loading import random_model
 from distzo.models.selection import adapter_for
 from distzo.zo.directions import Directions
@@ -40,7 +40,7 @@ def test_target_log_likelihoods_are_the_stock_forwards(arch):
     """Float64: a packed row runs other matrix shapes than each sequence alone, so the two agree to
     float64 rounding (observed ~1e-15), far below any wrong position or target (O(1))."""
     model = random_model(arch, VOCAB, {}, 0, torch.float64)
-    engine = ResidentEngine(model, adapter_for(model), TrainableParams.from_model(model), Directions(0))
+    engine = resident_engine(model, adapter_for(model), TrainableParams.from_model(model), Directions(0))
     data = pairs()
     with engine.materialized() as weights:
         scores = weights.score(completion_batch(data))
@@ -59,7 +59,7 @@ def test_completion_loss_is_the_stock_loss_with_the_prompt_masked():
     transformers computes its loss from float32 logits even for a float64 model, so the two agree to
     float32 rounding: 1e-6 relative (observed 5e-8); a wrong token or position is off by O(1)."""
     model = random_model("llama", VOCAB, {}, 0, torch.float64)
-    engine = ResidentEngine(model, adapter_for(model), TrainableParams.from_model(model), Directions(0))
+    engine = resident_engine(model, adapter_for(model), TrainableParams.from_model(model), Directions(0))
     data = pairs(seed=1)
     batch = completion_batch(data)
     with engine.materialized() as weights:
@@ -82,7 +82,7 @@ def test_candidate_logits_and_targets_in_one_batch():
     """A label-word position (candidate logits) and target positions of another unit: each readout sees
     its own, the logits equal the full head's columns at that position."""
     model = random_model("llama", VOCAB, {}, 0, torch.float64)
-    engine = ResidentEngine(model, adapter_for(model), TrainableParams.from_model(model), Directions(0))
+    engine = resident_engine(model, adapter_for(model), TrainableParams.from_model(model), Directions(0))
     seqs = [TokenSequence((5, 6, 7), scored=(2,), targets=(NO_TARGET,), units=(0,)),
             TokenSequence((8, 9, 10, 11), scored=(1, 2), targets=(10, 11), units=(1, 1))]
     batch = Batch(seqs, [0, 1], [0, 1], torch.tensor([0, 0]), candidates=torch.tensor([4, 250]))
@@ -136,7 +136,7 @@ def test_candidates_after_a_shared_prompt_score_as_the_stock_forward_of_each(arc
     gemma3_text run on the general path, which hands the branch masks to the stock forward. Float64;
     agreement to rounding (observed ~1e-15)."""
     model = random_model(arch, VOCAB, {}, 0, torch.float64)
-    engine = ResidentEngine(model, adapter_for(model), TrainableParams.from_model(model), Directions(0))
+    engine = resident_engine(model, adapter_for(model), TrainableParams.from_model(model), Directions(0))
     data = mc_examples()
     batch = branched_batch(data)
     with engine.materialized() as weights:

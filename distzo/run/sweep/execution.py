@@ -1,47 +1,21 @@
-"""`python -m distzo sweep`: run every combination of comma-separated override values as its own
-training job, then tabulate and plot what each run's metrics.jsonl says.
-
-    python -m distzo sweep mesh=1x4,2x2,4x1 model=tiny steps=100
-
-Each combination n (the cartesian product, in Hydra's order) runs in `<hydra.sweep.dir>/<n>` as a
-torchrun job of P*D processes: locally one after another (so their timings do not compete), or with
-`sweep.launcher=slurm` all submitted at once through `slurm/train.sbatch` and waited for. A failing
-job is a row of the table, not the end of the sweep; the command exits 1 if any failed.
-
-Table columns, all computed from the run's metrics.jsonl (rank 0's view):
-  tokens_per_s   tokens of all logged steps / their summed step time
-  step_time_s    median step time
-  peak_mem_bytes the largest peak_mem_bytes logged (CUDA allocator peak, or peak RSS on CPU)
-  val_accuracy / val_loss   the last validation evaluation
-"""
+"""Running a sweep's jobs: locally one after another (their timings do not compete), or all submitted
+to SLURM at once and waited for; each finished job becomes a row of the report."""
 
 from __future__ import annotations
 
-import csv
-import itertools
-import json
-import math
 import os
 import re
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Callable
 
-from ..errors import DistzoError
-from ..telemetry.jsonl import read_jsonl
-
-COLUMNS = ("n", "label", "mesh", "status", "exit_code", "tokens_per_s", "step_time_s", "peak_mem_bytes",
-           "val_accuracy", "val_loss", "steps", "wall_s", "run_dir")
-
-
-class SweepError(DistzoError):
-    """A sweep that cannot start; the message names the fix."""
+from .expansion import SweepError
+from .report import Row, summarize_metrics, write_outputs
 
 
 @dataclass
@@ -64,89 +38,6 @@ class Job:
         return p * d
 
 
-@dataclass
-class Row:
-    n: int
-    label: str
-    mesh: str
-    status: str = "ok"
-    exit_code: int | None = 0
-    tokens_per_s: float = math.nan
-    step_time_s: float = math.nan
-    peak_mem_bytes: float = math.nan
-    val_accuracy: float = math.nan
-    val_loss: float = math.nan
-    steps: int = 0
-    wall_s: float = math.nan
-    run_dir: str = ""
-    error: str = field(default="", repr=False)
-
-
-# --- expanding the command line --------------------------------------------------------------------
-
-def _key(override: str) -> str:
-    return override.split("=", 1)[0].lstrip("+~")
-
-
-def split_overrides(overrides: Sequence[str]) -> tuple[list[str], list[str]]:
-    """(overrides for the runs, overrides of the sweep itself: sweep.* and hydra.sweep.*)."""
-    runs, own = [], []
-    for o in overrides:
-        key = _key(o)
-        if key == "hydra.run.dir":
-            raise SweepError("a sweep sets each run's directory to <hydra.sweep.dir>/<n>; set hydra.sweep.dir=... "
-                             "instead of hydra.run.dir")
-        (own if key.startswith(("sweep.", "hydra.sweep.")) else runs).append(o)
-    return runs, own
-
-
-def expand(overrides: Sequence[str]) -> list[tuple[list[str], list[str]]]:
-    """Every combination of the sweep values (cartesian product, first key outermost like Hydra's
-    basic sweeper): [(full override list, swept key=value pairs)]."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    parsed = OverridesParser.create().parse_overrides(list(overrides))
-    choices: list[list[str]] = []
-    swept_at: list[int] = []
-    for i, o in enumerate(parsed):
-        if o.is_sweep_override():
-            values = [f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()]
-            if not values:
-                raise SweepError(f"{o.input_line}: the sweep has no values; list them as key=a,b,c")
-            choices.append(values)
-            swept_at.append(i)
-        else:
-            choices.append([o.input_line])
-    if not swept_at:
-        raise SweepError("nothing to sweep: give at least one key several comma-separated values, e.g. "
-                         "python -m distzo sweep mesh=1x2,2x1 model=tiny")
-    return [(list(combo), [combo[i] for i in swept_at]) for combo in itertools.product(*choices)]
-
-
-# --- reading a run ---------------------------------------------------------------------------------
-
-def summarize_metrics(path: Path) -> dict[str, Any]:
-    """The table's numbers from one run's metrics.jsonl (see the module docstring)."""
-    records = read_jsonl(path)
-    train = [r for r in records if r.get("type") == "train" and not r.get("skipped")]
-    evals = [r for r in records if r.get("type") == "eval" and r.get("split") == "validation"]
-    summary = [r for r in records if r.get("type") == "summary"]
-    timed = [r for r in train if r.get("step_time_s")]
-    total_time = sum(r["step_time_s"] for r in timed)
-    peaks = [r["peak_mem_bytes"] for r in train + summary if r.get("peak_mem_bytes") is not None]
-    return {
-        "tokens_per_s": sum(r["tokens"] for r in timed) / total_time if total_time else math.nan,
-        "step_time_s": statistics.median(r["step_time_s"] for r in timed) if timed else math.nan,
-        "peak_mem_bytes": max(peaks) if peaks else math.nan,
-        "val_accuracy": evals[-1]["accuracy"] if evals and evals[-1]["accuracy"] is not None else math.nan,
-        "val_loss": evals[-1]["loss"] if evals else math.nan,
-        "steps": max((r["step"] for r in train), default=0),
-        "finished": bool(summary),
-    }
-
-
-# --- launching -------------------------------------------------------------------------------------
-
 def local_command(job: Job) -> list[str]:
     """One process runs plainly; more run under torchrun --standalone (a private rendezvous)."""
     train = ["-m", "distzo", "train", *job.overrides, f"hydra.run.dir={job.run_dir}"]
@@ -157,7 +48,7 @@ def local_command(job: Job) -> list[str]:
 
 def default_script() -> Path | None:
     """slurm/train.sbatch of the source tree distzo runs from (None for an installed wheel)."""
-    candidate = Path(__file__).resolve().parents[2] / "slurm" / "train.sbatch"
+    candidate = Path(__file__).resolve().parents[3] / "slurm" / "train.sbatch"
     return candidate if candidate.is_file() else None
 
 
@@ -345,67 +236,3 @@ def slurm_job_state(job_id: str, scontrol: str = "scontrol") -> tuple[str, int]:
     if code and not exit_code and int(code.group(2)):
         exit_code = 128 + int(code.group(2))  # killed by a signal
     return (state.group(1) if state else "UNKNOWN"), exit_code
-
-
-# --- outputs -------------------------------------------------------------------------------------
-
-def _fmt(value: Any, spec: str) -> str:
-    if isinstance(value, float) and math.isnan(value):
-        return "-"
-    return format(value, spec)
-
-
-def markdown_table(rows: Sequence[Row]) -> str:
-    head = ("| n | run | mesh | tokens/s | median step (s) | peak memory (MiB) | val accuracy | val loss | steps "
-            "| status |")
-    lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
-    for r in rows:
-        mem = r.peak_mem_bytes / 2**20 if not math.isnan(r.peak_mem_bytes) else math.nan
-        lines.append(f"| {r.n} | {r.label} | {r.mesh} | {_fmt(r.tokens_per_s, '.1f')} | {_fmt(r.step_time_s, '.4f')} | "
-                     f"{_fmt(mem, '.0f')} | {_fmt(r.val_accuracy, '.4f')} | {_fmt(r.val_loss, '.4f')} | {r.steps} | "
-                     f"{r.status}{': ' + r.error.replace('|', '/') if r.error else ''} |")
-    return "\n".join(lines) + "\n"
-
-
-def _json_safe(value: Any) -> Any:
-    return None if isinstance(value, float) and math.isnan(value) else value
-
-
-def write_outputs(rows: Sequence[Row], root: Path) -> None:
-    """sweep.json (every field), sweep.csv (the table's columns, full precision), sweep.md, sweep.png."""
-    records = [{k: _json_safe(v) for k, v in asdict(r).items()} for r in rows]
-    (root / "sweep.json").write_text(json.dumps({"columns": list(COLUMNS), "runs": records}, indent=1) + "\n")
-    with open(root / "sweep.csv", "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=COLUMNS, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(records)
-    (root / "sweep.md").write_text(markdown_table(rows))
-    plot(rows, root / "sweep.png")
-
-
-def plot(rows: Sequence[Row], path: Path) -> None:
-    """Four bar charts, one bar per run (failed runs: an empty slot marked 'failed')."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: no display on cluster nodes
-    import matplotlib.pyplot as plt
-
-    panels = [("tokens_per_s", "throughput (tokens/s)", 1.0), ("step_time_s", "median step time (s)", 1.0),
-              ("peak_mem_bytes", "peak memory (MiB)", 2.0**-20), ("val_accuracy", "final validation accuracy", 1.0)]
-    labels = [r.label for r in rows]
-    fig, axes = plt.subplots(2, 2, figsize=(max(8.0, 1.3 * len(rows) + 4), 7), constrained_layout=True)
-    for ax, (key, title, scale) in zip(axes.flat, panels):
-        values = [getattr(r, key) * scale for r in rows]
-        xs = range(len(rows))
-        ax.bar(xs, [0.0 if math.isnan(v) else v for v in values],
-               color=["tab:blue" if r.status == "ok" else "tab:red" for r in rows])
-        for x, v, r in zip(xs, values, rows):
-            if r.status != "ok":
-                ax.text(x, 0, "failed", ha="center", va="bottom", color="tab:red", rotation=90)
-            elif not math.isnan(v):
-                ax.text(x, v, f"{v:.3g}", ha="center", va="bottom", fontsize=8)
-        ax.set_title(title)
-        ax.set_xticks(list(xs), labels, rotation=30 if len(rows) > 4 else 0, ha="right" if len(rows) > 4 else "center")
-    fig.suptitle(f"distzo sweep: {len(rows)} runs")
-    fig.savefig(path, dpi=100)
-    plt.close(fig)

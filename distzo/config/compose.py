@@ -31,6 +31,20 @@ def register_configs() -> None:
     ConfigStore.instance().store(name="distzo_schema", node=Config)
 
 
+def typed(cfg: Any) -> Config:
+    """A composed configuration as the schema's dataclasses (`Config`, its sections `ModelConfig`,
+    `TaskConfig`, ...; choices as their Enums): what the model, data, estimator, optimizer and engine
+    code receive. The run layer converts once where it builds a run (distzo.run.components, the
+    checks); Hydra's own `hydra` section, if present, is not part of the schema. Idempotent."""
+    if isinstance(cfg, Config):
+        return cfg
+    from omegaconf import OmegaConf
+
+    if "hydra" in cfg:  # the copy without it is a plain DictConfig: typed again by the schema
+        cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]))
+    return OmegaConf.to_object(cfg)
+
+
 def config_dir() -> str:
     """The packaged presets: config.yaml and its groups, in conf/ at the top of the source tree,
     which the package reaches as distzo/config/presets (a link in the tree, real files in a wheel)."""

@@ -81,13 +81,6 @@ def check_values(cfg: Any) -> None:
         value = str(OmegaConf.select(cfg, key)).lower()
         if value not in SWITCH_VALUES:
             raise ConfigError(f"{key}={value!r} is not supported; use one of: {', '.join(SWITCH_VALUES)}")
-    generation = cfg.task.kind == "generation"
-    if cfg.objective in ("f1", "exact_match") and not generation:
-        raise ConfigError(f"objective={cfg.objective} scores generated answers; task {cfg.task.name} is "
-                          f"{cfg.task.kind}: use objective=loss or objective=accuracy")
-    if cfg.objective == "accuracy" and generation:
-        raise ConfigError(f"objective=accuracy compares candidates; task {cfg.task.name} generates answers: use "
-                          "objective=loss, objective=exact_match or objective=f1")
     pe = cfg.peft
     if pe.method in ("lora", "lora_fa") and not pe.targets:
         raise ConfigError(f"peft={pe.method} needs at least one target layer name in peft.targets (e.g. [q_proj,v_proj])")

@@ -22,31 +22,30 @@ ICL baseline): a fixed draw (`split_seed`) shared by every example and every ran
 
 from __future__ import annotations
 
-import logging
 import random
 from typing import Iterator, Sequence
 
 import torch
 
 from .. import hub
+from ..config.schema import TaskConfig
 from .answers import exact_match, f1_score
 from .batches import Batch, Scores, label_word_batch
 from .batches import TokenSequence as Seq
 from .bundled import BUNDLED, bundled_records
 from .decoding import answer_text
 from .examples import RecordFormatter
+from .kinds import kind_type
 from .objectives import objective_sums
-from .presets import JSON_OBJECTS, READERS
+from .readers import JSON_OBJECTS, READERS
 from .sources import DataError, hub_records, read_records, split_names
 from .splits import Splits, make_splits
 from .trivia import trivia_records
 
-log = logging.getLogger("distzo")
-
 SPLITS = ("train", "validation", "test")
 
 
-def load_examples(cfg, chat=None, pin: hub.Pin | None = None) -> tuple[Splits, str]:
+def load_examples(cfg: TaskConfig, chat=None, pin: hub.Pin | None = None) -> tuple[Splits, str]:
     """The task's splits of examples, and where they come from (for messages). chat: renders a chat's
     messages as a prompt (generation from `task.messages_field`). pin: the commit of a hub dataset
     the run fetched (distzo.run.sources; a process on its own fetches it here when None)."""
@@ -66,7 +65,7 @@ def load_examples(cfg, chat=None, pin: hub.Pin | None = None) -> tuple[Splits, s
                             "docs/tasks.md)")
         parts = read_records(cfg.path, str(cfg.format), JSON_OBJECTS.get(name), cfg.subset, split_names(cfg))
         origin = cfg.path
-    formatter = RecordFormatter(cfg, READERS.get(name), chat)
+    formatter = RecordFormatter(cfg, kind_type(cfg.kind), READERS.get(name), chat)
     examples = {split: formatter.examples(records, split, origin) for split, records in parts.items()}
     splits = make_splits(examples, cfg.val_size, cfg.test_size, cfg.train_size, cfg.split_seed, origin)
     for split in SPLITS:
@@ -80,8 +79,10 @@ class PromptTask:
     """A classification or multiple-choice task over prompts (see the module docstring). pin: the
     commit of a hub dataset the run fetched (`task.path=org/name`; None: fetched here)."""
 
-    def __init__(self, cfg, tokenizer, objective: str = "loss", pin: hub.Pin | None = None):
+    def __init__(self, cfg: TaskConfig, tokenizer, objective: str = "loss", pin: hub.Pin | None = None):
         self.name, self.kind, self.max_length = cfg.name, str(cfg.kind), cfg.max_length
+        self.kind_type = kind_type(cfg.kind)  # what this kind reads, scores and trains on (distzo.data.kinds)
+        self.scores_candidates = self.kind_type.scores_candidates  # evaluation: accuracy over candidates
         self.messages_field = cfg.messages_field
         self.tokenizer = tokenizer
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -89,15 +90,12 @@ class PromptTask:
         self.stop, self.max_new_tokens = cfg.stop, cfg.max_new_tokens
         self.origin = cfg.path or cfg.dataset  # for messages while the data is read
         self.splits, self.origin = load_examples(cfg, self._render_chat, pin)
-        # Generation whose records are plain texts (no answers to decode) is language modelling:
-        # evaluated by its token loss and perplexity.
-        self.decodes = self.kind == "generation" and any(ex.answers for s in SPLITS for ex in getattr(self.splits, s))
+        self.decodes = self.kind_type.decodes([ex for s in SPLITS for ex in getattr(self.splits, s)])
         self.num_demos = cfg.demos
         self.demos = self._demonstrations(cfg.demos, cfg.demo_separator, cfg.split_seed)
         self.decoding_objective = str(objective) in ("f1", "exact_match")
-        self.teacher_forcing = self.kind == "generation" or (str(cfg.loss) == "teacher_forcing"
-                                                              and str(objective) != "accuracy")
-        self.label_ids = self._single_token_words()  # None unless every candidate is one shared token
+        self.teacher_forcing = self.kind_type.teacher_forcing(str(cfg.loss), str(objective))
+        self.label_ids = self.kind_type.label_ids(self)  # None unless every candidate is one shared token
         self._prompts = {s: [self.encode(ex.prompt) for ex in getattr(self.splits, s)] for s in SPLITS}
         self._candidates: dict[str, list[list[list[int]]]] = {}
         if self.label_ids is None:
@@ -154,34 +152,20 @@ class PromptTask:
             cache[text] = ids
         return cache[text]
 
-    def _single_token_words(self) -> torch.Tensor | None:
-        """The label words' token ids when the task is classification and each word is one token
-        (the label-word head); None otherwise."""
-        if self.kind != "classification":
-            return None
-        ids = [self.tokenizer(w, add_special_tokens=False).input_ids for w in self.label_words]
-        empty = [w for w, t in zip(self.label_words, ids) if not t]
-        if empty:
-            raise DataError(f"task.label_words: {empty[0]!r} encodes to no token; use a non-empty word")
-        if any(len(t) != 1 for t in ids):
-            log.info("task %s: label words of several tokens %s; each is scored by its mean token log-likelihood",
-                     self.name, [w for w, t in zip(self.label_words, ids) if len(t) > 1])
-            return None
-        if len({t[0] for t in ids}) != len(ids):
-            raise DataError(f"task.label_words={self.label_words} encode to the same token; choose words that differ")
-        return torch.tensor([t[0] for t in ids], dtype=torch.long)
-
     # --- batches ---------------------------------------------------------------------------------
 
     def size(self, split: str) -> int:
         return len(self._prompts[split])
 
     def batch(self, split: str, indices: Sequence[int]) -> Batch:
-        """A scoring batch: every candidate of every example (see the module docstring); for
-        generation, the completion's tokens (its loss; what is generated is scored by `answers`)."""
-        indices = list(indices)
-        if self.kind == "generation":
-            return self._completion_batch(split, indices)
+        """A scoring batch, as the kind scores its examples: every candidate of every example (see the
+        module docstring); for generation, the completion's tokens (its loss; what is generated is
+        scored by `answers`)."""
+        return self.kind_type.batch(self, split, list(indices))
+
+    def candidate_batch(self, split: str, indices: list[int]) -> Batch:
+        """Every candidate of every example after its prompt (the label-word head when each
+        candidate is one shared token); readout `likelihoods`."""
         prompts = [self._prompts[split][i] for i in indices]
         labels = self._labels[split][indices]
         extra = {"gold": [self._gold[split][i] for i in indices]}
@@ -203,7 +187,7 @@ class PromptTask:
             return self.decode_batch("train", indices)
         if not self.teacher_forcing:
             return self.batch("train", indices)
-        return self._completion_batch("train", list(indices))
+        return self.completion_batch("train", list(indices))
 
     def decode_batch(self, split: str, indices: Sequence[int]) -> Batch:
         """The prompts alone, to be continued greedily by `max_new_tokens` tokens under each
@@ -225,7 +209,7 @@ class PromptTask:
         total = sum(metric(a, ok) for a, ok in zip(answers, batch.extra["answers"]))
         return torch.tensor([-total, float(batch.size)], dtype=torch.float64)
 
-    def _completion_batch(self, split: str, indices: list[int]) -> Batch:
+    def completion_batch(self, split: str, indices: list[int]) -> Batch:
         """The right candidate's (the completion's) tokens after each prompt, one unit per example;
         readout `tokens`. Prompts and answers ride along for decoding objectives (`extra`)."""
         sequences = []
@@ -245,12 +229,7 @@ class PromptTask:
             yield self.batch(split, range(lo, min(lo + batch_size, n)))
 
     def describe(self) -> str:
-        words = {"classification": f"label words {self.label_words}", "multiple_choice": "per-example candidates",
-                 "generation": (f"greedy decoding of up to {self.max_new_tokens} tokens, stop {self.stop!r}"
-                                if self.decodes else "language modelling on whole texts, scored by perplexity")}[self.kind]
-        loss = "teacher forcing on the right candidate" if self.teacher_forcing else "cross-entropy over the candidates"
-        if self.kind == "generation":
-            loss = "teacher forcing on the completion" if self.decodes else "token loss of the whole text"
+        words, loss = self.kind_type.describe(self)
         return (f"Task {self.name} ({self.kind}, {words}; training loss: {loss}): {self.size('train')} train / "
                 f"{self.size('validation')} validation / {self.size('test')} test examples from {self.origin}"
                 + (f"; {self.num_demos} solved examples before each prompt" if self.num_demos else ""))

@@ -5,17 +5,17 @@ Raises ConfigError with the path and the fix."""
 
 from __future__ import annotations
 
-from typing import Any
 
 import torch
 
+from ..config.schema import ModelConfig
 from ..errors import ConfigError
 from ..hub import is_hub_id
 from .assets import check_installed
 from .loading import _readable_dir, check_local_model, random_model
 
 
-def check_model_config(m: Any) -> None:
+def check_model_config(m: ModelConfig) -> None:
     """The `model` group: its files exist and are readable, its architecture builds. A hub id is
     checked when it is fetched (distzo.run.sources), not here: checks make no request."""
     if m.tokenizer not in (None, "smollm2") and not is_hub_id(m.tokenizer):

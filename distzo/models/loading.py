@@ -14,6 +14,7 @@ from typing import Any, Mapping
 import torch
 
 from .. import hub
+from ..config.schema import ModelConfig
 from ..errors import ConfigError
 from .assets import WHEEL_MODELS, smollm2_folder, wheel_model_folder
 
@@ -252,7 +253,7 @@ def random_model(arch: str, vocab_size: int, overrides: dict[str, Any], init_see
     return model.eval()  # dropout off: ZO forwards must be deterministic
 
 
-def model_folder(cfg, pins: Mapping[str, hub.Pin] | None = None) -> Path:
+def model_folder(cfg: ModelConfig, pins: Mapping[str, hub.Pin] | None = None) -> Path:
     """The folder a (non-random) model configuration loads from: a wheel model's converted folder, a
     local folder, or a hub repository's cached snapshot (at the pinned commit; fetched here when
     nothing is pinned)."""
@@ -265,7 +266,7 @@ def model_folder(cfg, pins: Mapping[str, hub.Pin] | None = None) -> Path:
     return Path(os.path.expanduser(cfg.path))
 
 
-def load_model(cfg, pins: Mapping[str, hub.Pin] | None = None) -> tuple[torch.nn.Module, Any]:
+def load_model(cfg: ModelConfig, pins: Mapping[str, hub.Pin] | None = None) -> tuple[torch.nn.Module, Any]:
     """(model in eval mode with dropout off, tokenizer) for a ModelConfig. pins: the hub commits the
     run fetched (distzo.run.sources), by role (model, tokenizer)."""
     from transformers import AutoModelForCausalLM

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from torch import nn
 
+from ..config.schema import PeftConfig
 from .lora import attach_lora, lora_layers
 from .prefix import attach_prefix
 
 
-def apply_peft(model: nn.Module, cfg) -> None:
+def apply_peft(model: nn.Module, cfg: PeftConfig) -> None:
     """Freeze the model and attach the trainable parameters `cfg` (a PeftConfig) asks for."""
     if cfg.method == "none":
         return

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..config.compose import typed
 from ..config.validation import check_values
 from ..data.checks import check_task_config
 from ..errors import ConfigError
@@ -21,9 +22,10 @@ def validate(cfg: Any, check_world: bool = True) -> None:
     """Check a composed config before any model or data is loaded. Raises ConfigError.
     check_world=False skips the mesh-vs-processes check (for commands that start no mesh)."""
     check_values(cfg)
+    cfg = typed(cfg)  # each layer's checks receive its dataclass section
     check_optim(cfg)
     check_model_config(cfg.model)
-    check_task_config(cfg.task)
+    check_task_config(cfg.task, str(cfg.objective))
     e, peft = cfg.estimator, str(cfg.peft.method)
     estimator = estimator_type(e.name)
     if cfg.objective in ("f1", "exact_match") and not estimator.decodes:

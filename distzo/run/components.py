@@ -11,6 +11,7 @@ from typing import Any, Mapping
 import torch
 
 from .. import native
+from ..config.compose import typed
 from ..data.tasks import PromptTask, TrainSampler
 from ..engine import Engine, build_engine
 from ..errors import DistzoError
@@ -64,6 +65,7 @@ def build_model_stack(cfg, mesh: Mesh, seed: int, weights: Mapping[str, torch.Te
     engine whatever the configuration's offloading and division (replay). optimizer_state: the
     optimizer's state to start from (a snapshot's; zeros when None). sources: the hub commits to read
     (fetched already; None: fetched here, once per node)."""
+    cfg = typed(cfg)
     kernels = native.load(cfg.engine.native, mesh.device)  # None: torch ops (same values); first, it may fail
     if model is None:
         sources = sources if sources is not None else fetch_sources(cfg, mesh)
@@ -167,14 +169,15 @@ def build_components(cfg, mesh: Mesh, seed: int, weights: Mapping[str, torch.Ten
     The task is read first, right after the model and tokenizer load, so a mistake in the data costs
     no engine set-up. sources: the hub commits to read (`fetch_sources`; None: fetched here, once
     per node, at the configuration's revisions)."""
+    settings = typed(cfg)  # the dataclass sections the layers below receive
     native.load(cfg.engine.native, mesh.device)  # first: a required build that fails costs nothing else
     if sources is None:
         sources = fetch_sources(cfg, mesh) if model is None or task is None else Sources()
     if model is None:
-        model, tokenizer = load_model(cfg.model, sources.pins)
+        model, tokenizer = load_model(settings.model, sources.pins)
     if task is None:
-        task = PromptTask(cfg.task, tokenizer, str(cfg.objective), sources.get("dataset"))
-    stack = build_model_stack(cfg, mesh, seed, weights, timers, clock, model, tokenizer,
+        task = PromptTask(settings.task, tokenizer, str(cfg.objective), sources.get("dataset"))
+    stack = build_model_stack(settings, mesh, seed, weights, timers, clock, model, tokenizer,
                               optimizer_state=optimizer_state, sources=sources)
     return Components(cfg, mesh, seed, stack, task, TrainSampler(task.size("train"), cfg.batch_size, seed), sources)
 
@@ -184,8 +187,9 @@ def prepare(cfg) -> str:
     the task's data, the fused kernels), so the first training run starts at once, also where the
     hub cannot be reached (HF_HUB_OFFLINE=1 then reads the cache); a line saying what is ready."""
     sources = fetch_sources(cfg, Mesh.single())
-    _, tokenizer = load_model(cfg.model, sources.pins)
-    task = PromptTask(cfg.task, tokenizer, str(cfg.objective), sources.get("dataset"))
+    settings = typed(cfg)
+    _, tokenizer = load_model(settings.model, sources.pins)
+    task = PromptTask(settings.task, tokenizer, str(cfg.objective), sources.get("dataset"))
     kernels = native.load(cfg.engine.native)  # compiled once into the cache
     fused = f"fused kernels {kernels.path}" if kernels else "no fused kernels (torch ops)"
     fetched = "".join(f", {role} {pin}" for role, pin in sources.pins.items())

@@ -48,7 +48,7 @@ class Evaluator:
         mesh = self.mesh
         batches = list(self.task.batches(split, self.batch_size))
         mine = batches[mesh.rank::mesh.world_size]
-        generation = self.task.kind == "generation"
+        generation = not self.task.scores_candidates  # answers (decoded) or tokens (language modelling)
         decodes = generation and self.task.decodes
         progress = Progress(f"eval {split}", len(batches), enabled=mesh.is_main)
         correct = seen = 0

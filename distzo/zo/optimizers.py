@@ -43,6 +43,7 @@ from typing import Any, ClassVar, Sequence
 
 import torch
 
+from ..config.schema import Config, OptimConfig
 from ..errors import ConfigError
 from ..plugins import load_plugins
 from .estimators.base import StepResult
@@ -140,7 +141,7 @@ class Optimizer:
         """settings: this optimizer's section of the `optim` config (None: its defaults)."""
 
     @classmethod
-    def check(cls, cfg: Any) -> None:
+    def check(cls, cfg: Config) -> None:
         """Rules between this optimizer and the rest of a run's configuration (raises ConfigError)."""
 
     def constants(self, step: int, lr: float) -> tuple[float, ...]:
@@ -195,7 +196,7 @@ class Momentum(Optimizer):
             raise ValueError(f"momentum {self.mu} outside [0, 1)")
 
     @classmethod
-    def check(cls, cfg: Any) -> None:
+    def check(cls, cfg: Config) -> None:
         _below_one("optim.momentum.mu", cfg.optim.momentum.mu)
 
     def constants(self, step: int, lr: float) -> tuple[float, ...]:
@@ -235,7 +236,7 @@ class Adam(Optimizer):
             raise ValueError(f"adam betas ({self.beta1}, {self.beta2}) outside [0, 1) or eps {self.eps} <= 0")
 
     @classmethod
-    def check(cls, cfg: Any) -> None:
+    def check(cls, cfg: Config) -> None:
         _below_one("optim.adam.beta1", cfg.optim.adam.beta1)
         _below_one("optim.adam.beta2", cfg.optim.adam.beta2)
 
@@ -286,7 +287,7 @@ class FZOO(SGD):
     name = "fzoo"
 
     @classmethod
-    def check(cls, cfg: Any) -> None:
+    def check(cls, cfg: Config) -> None:
         est = cfg.estimator
         if est.name == "prge" or est.difference != "forward":
             fix = ("use estimator=mezo estimator.difference=forward estimator.q=8" if est.name == "prge"
@@ -322,12 +323,12 @@ def optimizer_type(name: str) -> type[Optimizer]:
         raise ConfigError(f"optim.name={name} is not an optimizer; use one of: {', '.join(OPTIMIZERS)}") from None
 
 
-def check_optim(cfg: Any) -> None:
+def check_optim(cfg: Config) -> None:
     """optim.name names a registered optimizer, whose own checks hold (docs/optimizers.md)."""
     optimizer_type(cfg.optim.name).check(cfg)
 
 
-def build_optimizer(optim: Any) -> Optimizer:
+def build_optimizer(optim: OptimConfig) -> Optimizer:
     """The optimizer an `optim` config describes (`optim.name`, its settings in `optim.<name>`)."""
     cls = optimizer_type(getattr(optim, "name", "sgd") or "sgd")
     return cls(getattr(optim, cls.settings) if cls.settings else None)

@@ -34,7 +34,7 @@ def test_the_sweeps_own_overrides_stay_with_the_sweep():
 
 def test_a_failing_run_is_a_row_and_the_sweep_exits_1(tmp_path, monkeypatch, capsys):
     """The launcher replaced by a stand-in: seed=0 'trains' (writes metrics.jsonl), seed=1 fails."""
-    import distzo.run.sweep
+    import distzo.run.sweep.execution
     from distzo.cli.main import main
 
     fake = ("import json, pathlib, sys\n"
@@ -45,7 +45,7 @@ def test_a_failing_run_is_a_row_and_the_sweep_exits_1(tmp_path, monkeypatch, cap
             "         {'type': 'eval', 'step': 2, 'split': 'validation', 'accuracy': 0.75, 'loss': 0.5},\n"
             "         {'type': 'summary', 'steps': 2, 'peak_mem_bytes': 8}]\n"
             "(d / 'metrics.jsonl').write_text(''.join(json.dumps(x) + '\\n' for x in lines))\n")
-    monkeypatch.setattr(distzo.run.sweep, "local_command",
+    monkeypatch.setattr(distzo.run.sweep.execution, "local_command",
                         lambda job: [sys.executable, "-c", fake, str(job.run_dir), job.swept[0]])
     out = tmp_path / "sweep"
     with pytest.raises(SystemExit) as exit_:

@@ -69,8 +69,9 @@ def test_an_installed_wheel_trains_outside_the_source_tree(wheel, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     work = tmp_path / "elsewhere"
     work.mkdir()
+    outside = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # nothing points at the tree
     where = subprocess.run([str(python), "-c", "import distzo, pathlib; print(pathlib.Path(distzo.__file__).parent)"],
-                           capture_output=True, text=True, cwd=work, timeout=300)
+                           capture_output=True, text=True, cwd=work, timeout=300, env=outside)
     assert Path(where.stdout.strip()).is_relative_to(venv), where.stdout + where.stderr  # the wheel's, not the tree's
     r = subprocess.run([str(python), "-m", "distzo", "train", "model=tiny", "task=synthetic-cue", "steps=3",
                         "eval_every=0", "task.val_size=16", "task.test_size=16", "hydra.run.dir=run"],

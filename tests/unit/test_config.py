@@ -64,3 +64,44 @@ def test_non_finite_numbers_are_refused(key, value):
     cfg = compose_config([f"{key}={value}"])
     with pytest.raises(ConfigError, match=f"^{key}=.* is not a finite number"):
         check_numbers(cfg)
+
+
+def test_the_layers_below_the_run_receive_the_schema_dataclasses(monkeypatch):
+    """The configuration is converted once where a run is built (distzo.config.compose.typed): the
+    model loader, the task, the estimator, the optimizer, PEFT and the engine receive the schema's
+    dataclass sections, their choices as Enums, not Hydra's DictConfig."""
+    from omegaconf import DictConfig
+
+    from distzo.config import schema
+    from distzo.config.compose import typed
+    from distzo.parallel.mesh import Mesh
+    from distzo.run import components
+    from tests.conftest import make_config
+
+    seen = {}
+
+    def spy(name, label, pick):
+        real = getattr(components, name)
+
+        def call(*args, **kwargs):
+            seen[label] = pick(args, kwargs)
+            return real(*args, **kwargs)
+        monkeypatch.setattr(components, name, call)
+
+    spy("load_model", "model", lambda a, k: a[0])
+    spy("PromptTask", "task", lambda a, k: a[0])
+    spy("build_estimator", "estimator", lambda a, k: a[0])
+    spy("build_optimizer", "optim", lambda a, k: a[0])
+    spy("apply_peft", "peft", lambda a, k: a[1])
+    spy("build_engine", "engine", lambda a, k: (k["engine"], k["offload"]))
+    cfg = make_config("model=tiny", "task=synthetic-cue", "optim.name=adam", "peft=lora")
+    assert isinstance(cfg, DictConfig)
+    c = components.build_components(cfg, Mesh.single(), 0)
+    c.close()
+    assert isinstance(seen["model"], schema.ModelConfig) and isinstance(seen["task"], schema.TaskConfig)
+    assert isinstance(seen["estimator"], schema.EstimatorConfig) and isinstance(seen["optim"], schema.OptimConfig)
+    assert isinstance(seen["peft"], schema.PeftConfig)
+    assert isinstance(seen["engine"][0], schema.EngineConfig) and isinstance(seen["engine"][1], schema.OffloadConfig)
+    assert isinstance(seen["estimator"].name, schema.EstimatorName) and isinstance(seen["optim"].adam,
+                                                                                 schema.AdamSettings)
+    assert typed(typed(cfg)) == typed(cfg)

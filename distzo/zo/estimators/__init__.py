@@ -1,5 +1,6 @@
 """Zeroth-order gradient estimators, chosen with `estimator=<name>`."""
 
+from ...config.schema import EstimatorConfig
 from .agzo import AGZO
 from .base import CLEAN, Estimator, Probe, StepResult
 from .prge import PRGE
@@ -13,7 +14,7 @@ def estimator_type(name: str) -> type[Estimator]:
     return ESTIMATORS[str(name)]
 
 
-def build_estimator(cfg) -> Estimator:
+def build_estimator(cfg: EstimatorConfig) -> Estimator:
     """The estimator an `estimator` config group describes."""
     return estimator_type(cfg.name).from_config(cfg)
 

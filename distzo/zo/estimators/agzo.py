@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from ...config.schema import EstimatorConfig
 from ...errors import ConfigError
 from ..subspace import ActivationCapture, SubspaceDirections
 from .base import CLEAN, Estimator, Probe, StepResult
@@ -36,12 +37,12 @@ class AGZO(Estimator):
         self.tied_embeddings = tied_embeddings
 
     @classmethod
-    def from_config(cls, cfg) -> "AGZO":
+    def from_config(cls, cfg: EstimatorConfig) -> "AGZO":
         return cls(eps=cfg.eps, q=cfg.q, rank=cfg.agzo.rank, power_iters=cfg.agzo.power_iters,
                    tied_embeddings=str(cfg.agzo.tied_embeddings))
 
     @classmethod
-    def check_config(cls, cfg, peft_method: str) -> None:
+    def check_config(cls, cfg: EstimatorConfig, peft_method: str) -> None:
         if cfg.difference != "forward":
             raise ConfigError("estimator=agzo is one-sided (AGZO Algorithm 2); it needs estimator.difference=forward")
         if cfg.distribution != "gaussian":

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ...config.schema import EstimatorConfig
 from ..directions import Directions
 
 CLEAN = -1  # query index of an unperturbed probe
@@ -66,12 +67,12 @@ class Estimator(ABC):
     decodes: bool = False
 
     @classmethod
-    def from_config(cls, cfg) -> "Estimator":
+    def from_config(cls, cfg: EstimatorConfig) -> "Estimator":
         """The estimator of an `estimator` config group."""
         return cls(eps=cfg.eps, q=cfg.q)
 
     @classmethod
-    def check_config(cls, cfg, peft_method: str) -> None:
+    def check_config(cls, cfg: EstimatorConfig, peft_method: str) -> None:
         """Settings of the `estimator` group (and the trainable set) this estimator cannot run with:
         raises ConfigError naming the fix."""
 

@@ -11,6 +11,7 @@ copy of B with a batched matmul (the outer loop over queries and the inner loop 
 
 from __future__ import annotations
 
+from ...config.schema import EstimatorConfig
 from ...errors import ConfigError
 from .spsa import SPSA
 
@@ -25,11 +26,11 @@ class PRGE(SPSA):
         super().__init__(eps=eps, q=q, difference="central")
 
     @classmethod
-    def from_config(cls, cfg) -> "PRGE":
+    def from_config(cls, cfg: EstimatorConfig) -> "PRGE":
         return cls(eps=cfg.eps, q=cfg.q)
 
     @classmethod
-    def check_config(cls, cfg, peft_method: str) -> None:
+    def check_config(cls, cfg: EstimatorConfig, peft_method: str) -> None:
         if peft_method != "lora_fa":
             raise ConfigError(f"estimator=prge perturbs LoRA-FA's B matrices only; add peft=lora_fa (now "
                               f"peft={peft_method})")

@@ -128,5 +128,9 @@ class Engine(ABC):
         """How this engine runs a step, in a few words (for the log)."""
         return type(self).__name__
 
+    def summary(self) -> dict[str, str]:
+        """What a run's summary records of its engine: the mode's short name and its description."""
+        return {"engine": self.mode, "engine_description": self.describe()}
+
     def close(self) -> None:
         """Release threads and buffers."""

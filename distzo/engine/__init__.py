@@ -8,12 +8,12 @@ build each mode's loop.
 
 from .base import Engine, EngineConfigError, Materialized
 from .build import (
+    build_engine,
     divided_engine,
     offload_engine,
     resident_engine,
     sliced_offload_engine,
     stacked_lora_engine,
-    build_engine,
     work_division,
 )
 from .divided import division_applies

@@ -36,7 +36,7 @@ class Materialized:
     forward of a batch on this rank alone (no collectives, so ranks may score different numbers of
     batches); `params` and `model` are the trainable tensors and the stock model."""
 
-    def __init__(self, engine: "Engine"):
+    def __init__(self, engine: Engine):
         self._engine = engine
         self.params: TrainableParams = engine.params
         self.model: nn.Module = engine.model

@@ -11,7 +11,7 @@ needs, and `build_engine`, which picks the mode once from the configuration and 
 | `stacked-lora` | `ResidentStore` | none | `BatchedProbes` | estimator=prge (P-RGE's batched forward) |
 
 Each mode is one function here; a new mode is a new store (or division) and one function.
-"""
+"""  # noqa: E501 (a markdown table above: its rows cannot wrap)
 
 from __future__ import annotations
 

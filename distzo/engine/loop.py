@@ -57,7 +57,7 @@ class Division:
     # Keeps the update's chunks this rank owns among its node's ranks (None: all of them).
     mine: Callable | None = None
 
-    def stage_noise(self, loop: "StageLoop", i: int, step: int, plan: Sequence[Probe], perturbed: bool,
+    def stage_noise(self, loop: StageLoop, i: int, step: int, plan: Sequence[Probe], perturbed: bool,
                     full_plan: Sequence[Probe] | None) -> StageNoise:
         """The object that builds block i's working copies for `plan`."""
         return loop.noise(step, plan)
@@ -96,7 +96,7 @@ class StageLoop(Engine):
     store holds where it holds the master; store / division / batched: the mode's parts."""
 
     def __init__(self, model: nn.Module, adapter: DecoderAdapter, params: TrainableParams, directions: Directions,
-                 store: WeightStore, *, division: Division | None = None, batched: "BatchedProbes | None" = None,
+                 store: WeightStore, *, division: Division | None = None, batched: BatchedProbes | None = None,
                  eps: float = 1e-3, mesh: Mesh | None = None, row_tokens: int = 1024, fuse_update: bool = True,
                  micro_batch_size: int | None = None, compute: str = "fp32", timers: Timers = DISABLED,
                  optimizer: Optimizer | None = None, mode: str = "resident"):

@@ -54,7 +54,7 @@ class WeightStore:
 
     walks_with_peers = False
 
-    def __init__(self, adapter: "DecoderAdapter", params: TrainableParams, optimizer: Optimizer, device: torch.device):
+    def __init__(self, adapter: DecoderAdapter, params: TrainableParams, optimizer: Optimizer, device: torch.device):
         for p in params:
             if not p.tensor.is_contiguous():
                 raise ValueError(f"parameter {p.name} is not contiguous; the chunked update needs flat views")
@@ -62,13 +62,13 @@ class WeightStore:
         self.block_params = [[p for p in params if p.name.startswith(prefix + ".")] for prefix, _ in adapter.blocks]
         in_blocks = {p.name for ps in self.block_params for p in ps}
         self.outer_params = [p for p in params if p.name not in in_blocks]
-        self.loop: "StageLoop | None" = None
+        self.loop: StageLoop | None = None
 
     @property
     def blocks(self) -> int:
         return len(self.block_params)
 
-    def attach(self, loop: "StageLoop") -> None:
+    def attach(self, loop: StageLoop) -> None:
         """The loop whose pending update this store's blocks await (stores that update a block
         during its transfer call `loop.update_stage`)."""
         self.loop = loop
@@ -139,7 +139,7 @@ class WeightStore:
 class ResidentStore(WeightStore):
     """Every weight on the compute device: the parameters are the masters, the state beside them."""
 
-    def __init__(self, adapter: "DecoderAdapter", params: TrainableParams, optimizer: Optimizer, device: torch.device,
+    def __init__(self, adapter: DecoderAdapter, params: TrainableParams, optimizer: Optimizer, device: torch.device,
                  state: StateBuffers | None = None):
         super().__init__(adapter, params, optimizer, device)
         self.state = state if state is not None else StateBuffers(optimizer.slots, list(params), device)

@@ -206,7 +206,8 @@ class RotaryDecoderAdapter(DecoderAdapter):
         super().__init__(model)
         base = model.model
         self.base = base
-        self.blocks = [(f"model.layers.{i}", layer) for i, layer in enumerate(base.layers[: self.config.num_hidden_layers])]
+        self.blocks = [(f"model.layers.{i}", layer)
+                       for i, layer in enumerate(base.layers[: self.config.num_hidden_layers])]
         self.embed_weight = "model.embed_tokens.weight"
 
     def context(self, input_ids: torch.Tensor, position_ids: torch.Tensor,

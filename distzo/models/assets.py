@@ -42,7 +42,7 @@ class WheelModel:
     title: str
     install: str
     folder: str
-    gguf: Callable[["WheelModel", Path], Path]
+    gguf: Callable[[WheelModel, Path], Path]
 
 
 def _smollm2_gguf(model: WheelModel, work: Path) -> Path:

@@ -5,7 +5,6 @@ Raises ConfigError with the path and the fix."""
 
 from __future__ import annotations
 
-
 import torch
 
 from ..config.schema import ModelConfig

@@ -263,7 +263,8 @@ class GenericDecoderAdapter(DecoderAdapter):
     # --- the adapter interface ---------------------------------------------------------------------
 
     def describe(self) -> str:
-        check = f", self-check max |logit difference| {self.check_difference:.2g}" if self.check_difference is not None else ""
+        check = (f", self-check max |logit difference| {self.check_difference:.2g}"
+                 if self.check_difference is not None else "")
         return (f"{self.arch} on the general path ({len(self.blocks)} blocks, "
                 f"{'distzo' if self.own_masks else 'stock'} masks{check})")
 

@@ -223,11 +223,12 @@ def load_tokenizer(spec: str | None, pin: hub.Pin | None = None):
         folder = os.path.expanduser(spec)
     try:
         tok = AutoTokenizer.from_pretrained(folder)
-    except (OSError, ValueError, TypeError, KeyError, RuntimeError, EnvironmentError) as exc:
+    except (OSError, ValueError, TypeError, KeyError, RuntimeError) as exc:
         reason = " ".join(str(exc).split())[:200]
-        raise ConfigError(f"cannot read a tokenizer from {folder} ({type(exc).__name__}: {reason}); the folder needs the "
-                          "files a tokenizer's save_pretrained writes (tokenizer.json, or the vocabulary files and "
-                          "tokenizer_config.json), or name another folder with model.tokenizer=PATH") from None
+        raise ConfigError(f"cannot read a tokenizer from {folder} ({type(exc).__name__}: {reason}); "
+                          "the folder needs the files a tokenizer's save_pretrained writes (tokenizer.json, "
+                          "or the vocabulary files and tokenizer_config.json), "
+                          "or name another folder with model.tokenizer=PATH") from None
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok

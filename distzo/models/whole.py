@@ -49,7 +49,8 @@ class WholeModelAdapter(DecoderAdapter):
             self._self_check()
 
     def describe(self) -> str:
-        check = f", self-check max |logit difference| {self.check_difference:.2g}" if self.check_difference is not None else ""
+        check = (f", self-check max |logit difference| {self.check_difference:.2g}"
+                 if self.check_difference is not None else "")
         return (f"{self.arch} on the whole-model fallback (stock forward, every parameter perturbed at once, no "
                 f"offloading; {'distzo' if self.own_masks else 'stock'} masks{check})")
 

@@ -30,7 +30,7 @@ import os
 import platform
 import subprocess
 from pathlib import Path
-from typing import NamedTuple, Sequence, Union
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -57,7 +57,7 @@ class NativeUnavailable(DistzoError):
 
 # A noise source of one chunk: a counter stream, or the chunk's pre-drawn, pre-scaled values
 # (float32, contiguous, indexed by the chunk's elements).
-Source = Union[Stream, torch.Tensor]
+Source = Stream | torch.Tensor
 
 
 class _CSource(ctypes.Structure):
@@ -92,7 +92,8 @@ class Kernels:
         self._lib.distzo_rademacher_fill(out.data_ptr(), out.numel(), stream.seed, offset, stream.scale)
         return out
 
-    def rademacher_rows(self, out: torch.Tensor, seeds: Sequence[int], offsets: Sequence[int], scale: float) -> torch.Tensor:
+    def rademacher_rows(self, out: torch.Tensor, seeds: Sequence[int], offsets: Sequence[int],
+                        scale: float) -> torch.Tensor:
         """Row r of out ([rows, row_numel]) = stream seeds[r] (unit magnitude times scale) from element offsets[r]."""
         rows = len(seeds)
         if out.dim() != 2 or out.shape[0] != rows or len(offsets) != rows:
@@ -127,7 +128,7 @@ class Kernels:
                                     int(decay is not None), 1.0 if decay is None else decay, *a.terms, *a.copies)
 
     def _arguments(self, master: torch.Tensor, offset: int, terms: Sequence[tuple[Source, bool]],
-                   queries: Sequence[Source], outs: Sequence[tuple[torch.Tensor, int, int]]) -> "_Arguments":
+                   queries: Sequence[Source], outs: Sequence[tuple[torch.Tensor, int, int]]) -> _Arguments:
         """The ctypes arguments of a chunk call's terms and copies, every tensor checked first."""
         n = master.numel()
         _check_f32(master, "master", 0)
@@ -219,8 +220,9 @@ def _built_library() -> Path:
         cpp_extension.JIT_EXTENSION_VERSIONER.entries.pop(NAME, None)
         output = io.StringIO()
         with redirect_stdout(output):  # the builder prints its progress
-            cpp_extension.load(name=NAME, sources=[str(SOURCE)], extra_cflags=list(FLAGS), build_directory=str(directory),
-                               is_python_module=False, is_standalone=False, verbose=False)
+            cpp_extension.load(name=NAME, sources=[str(SOURCE)], extra_cflags=list(FLAGS),
+                               build_directory=str(directory), is_python_module=False, is_standalone=False,
+                               verbose=False)
     except PermissionError as exc:
         raise _cache_error(exc) from exc
     except OSError as exc:  # read-only cache, no home directory, ...

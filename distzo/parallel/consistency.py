@@ -1,4 +1,5 @@
-"""Replica consistency (docs/architecture.md#invariants, I1): every rank must hold bit-identical master weights after every step.
+"""Replica consistency (docs/architecture.md#invariants, I1): every rank must hold bit-identical master
+weights after every step.
 
 The check is an exact checksum of the weights' bit patterns (the integer sum of each tensor viewed
 as integers, so it is order-independent and any single changed bit changes it), all-gathered and

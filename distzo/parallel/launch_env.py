@@ -68,7 +68,8 @@ def adopt_slurm_environment() -> bool:
     if launcher() != "srun" or "WORLD_SIZE" in os.environ:
         return False
     env = os.environ
-    missing = [k for k in ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_STEP_TASKS_PER_NODE") if k not in env]
+    missing = [k for k in ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_STEP_TASKS_PER_NODE")
+               if k not in env]
     if missing:
         raise LaunchError(f"srun started this task without {', '.join(missing)}; launch with srun (one task per rank) "
                           "inside an allocation, or with torchrun")
@@ -116,7 +117,8 @@ def wait_for_failing_peers(timeout_s: float = 20.0) -> None:
 
         store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
                          timeout=datetime.timedelta(seconds=timeout_s))
-        key = f"distzo/failed/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        key = (f"distzo/failed/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/"
+               f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")
         deadline = time.time() + timeout_s
         if store.add(key, 1) < world:
             while store.add(key, 0) < world and time.time() < deadline:

@@ -91,7 +91,7 @@ class Mesh:
             self._pert_group, self._data_group = device_mesh.get_group("pert"), device_mesh.get_group("data")
 
     @classmethod
-    def single(cls, device: torch.device | str = "cpu") -> "Mesh":
+    def single(cls, device: torch.device | str = "cpu") -> Mesh:
         """The 1x1 mesh of a process on its own (no torch.distributed)."""
         return cls(MeshShape(1, 1), torch.device(device))
 
@@ -104,7 +104,7 @@ class Mesh:
         return self.device_mesh is not None
 
     @classmethod
-    def create(cls, text: str, device: str = "cpu", timeout_s: float = 600.0) -> "Mesh":
+    def create(cls, text: str, device: str = "cpu", timeout_s: float = 600.0) -> Mesh:
         """Parse and check the mesh against the launched world, then (for more than one process)
         initialise the process group and a DeviceMesh with named dims ("data", "pert").
         device: auto (CUDA where visible), cpu or cuda."""

@@ -2,8 +2,9 @@
 
 torchrun gives every agent a contiguous range of global ranks (`GROUP_RANK` numbers the agent,
 `LOCAL_RANK` / `LOCAL_WORLD_SIZE` the process within it), so the node of global rank r is
-r // LOCAL_WORLD_SIZE. Every rank holds the same weights (I1, docs/architecture.md#invariants), so a node needs only one copy
-of what it keeps in host memory: `Node.shared_tensor` maps one buffer into every local rank.
+r // LOCAL_WORLD_SIZE. Every rank holds the same weights (I1, docs/architecture.md#invariants), so a
+node needs only one copy of what it keeps in host memory: `Node.shared_tensor` maps one buffer into
+every local rank.
 
 Shared buffers are files in /dev/shm, created by local rank 0, mapped by every local rank, then
 unlinked as soon as all have mapped them. From then on the memory has no name: it is freed when the
@@ -82,11 +83,11 @@ class Node:
         self.device_group = device_group if device_group is not None else group
 
     @classmethod
-    def single(cls) -> "Node":
+    def single(cls) -> Node:
         return cls()
 
     @classmethod
-    def create(cls, device_backend: str, timeout: datetime.timedelta) -> "Node":
+    def create(cls, device_backend: str, timeout: datetime.timedelta) -> Node:
         """Build the node groups of an initialised default group (every rank must call this, in the
         same order, since creating groups is collective)."""
         world, rank = dist.get_world_size(), dist.get_rank()

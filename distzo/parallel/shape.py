@@ -25,7 +25,7 @@ class MeshShape:
         return f"{self.pert}x{self.data}"
 
     @classmethod
-    def parse(cls, text: str) -> "MeshShape":
+    def parse(cls, text: str) -> MeshShape:
         m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", str(text))
         if not m:
             raise MeshError(f"mesh={text!r} is not PxD; write it as mesh=2x2 (P perturbation ranks x D data ranks)")
@@ -41,6 +41,7 @@ class MeshShape:
         if world == 1:
             raise MeshError(f"mesh={self} needs {self.size} processes but this is a single process; run "
                             f"python -m distzo train mesh={self} (it starts its {self.size} workers), or launch "
-                            f"{self.size} processes with torchrun --nproc-per-node {self.size} or srun --ntasks {self.size}")
+                            f"{self.size} processes with torchrun --nproc-per-node {self.size} or "
+                            f"srun --ntasks {self.size}")
         raise MeshError(f"mesh={self} needs {self.size} processes but the job has {world}; use a mesh whose "
                         f"product is {world} ({fits}) or launch {self.size} processes")

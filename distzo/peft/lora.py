@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
-from typing import Callable, Iterator, Mapping, Union
+from typing import Callable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -26,7 +26,7 @@ from torch.nn import functional as F
 from ..zo.directions import param_key
 
 # module -> stacked B copies [E, out, r], or a zero-argument function producing them (on the fly)
-_STACKS: dict[nn.Module, Union[torch.Tensor, Callable[[], torch.Tensor]]] = {}
+_STACKS: dict[nn.Module, torch.Tensor | Callable[[], torch.Tensor]] = {}
 
 
 def linear_features(module: nn.Module) -> tuple[int, int] | None:
@@ -91,7 +91,7 @@ def lora_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 @contextmanager
-def stacked_b(stacks: Mapping[nn.Module, Union[torch.Tensor, Callable[[], torch.Tensor]]]) -> Iterator[None]:
+def stacked_b(stacks: Mapping[nn.Module, torch.Tensor | Callable[[], torch.Tensor]]) -> Iterator[None]:
     """Within the block, these LoRA layers apply per-evaluation B copies (P-RGE's batched forward)."""
     _STACKS.update(stacks)
     try:

@@ -111,7 +111,7 @@ def mezo_reference_steps(c: Components, steps: range, lr: float, eps: float) -> 
         labels = batch.labels.to(device)
 
         @torch.inference_mode()
-        def loss() -> float:
+        def loss(ids=ids, mask=mask, last=last, labels=labels) -> float:  # this step's batch, bound now
             logits = model(input_ids=ids, attention_mask=mask).logits  # every position, the whole vocabulary
             return float(F.cross_entropy(logits[torch.arange(ids.shape[0]), last][:, label_ids].float(), labels))
 

@@ -14,19 +14,19 @@ if TYPE_CHECKING:
 class Callback:
     """Override the methods you need; each does nothing by default."""
 
-    def on_train_begin(self, trainer: "Trainer") -> None:
+    def on_train_begin(self, trainer: Trainer) -> None:
         """`fit` starts its loop (after the validation before training, when the run starts at step 0)."""
 
-    def on_step_end(self, trainer: "Trainer", record: "StepRecord") -> None:
+    def on_step_end(self, trainer: Trainer, record: StepRecord) -> None:
         """A step is done and logged (`record.step` steps done)."""
 
-    def on_evaluate(self, trainer: "Trainer", split: str, result: dict[str, Any]) -> None:
+    def on_evaluate(self, trainer: Trainer, split: str, result: dict[str, Any]) -> None:
         """An evaluation of `split` at `trainer.step_count` steps is done."""
 
-    def on_snapshot(self, trainer: "Trainer", step: int, path: Path | None) -> None:
+    def on_snapshot(self, trainer: Trainer, step: int, path: Path | None) -> None:
         """A snapshot of the weights after `step` steps is written (its path on rank 0, None elsewhere)."""
 
-    def on_train_end(self, trainer: "Trainer", summary: "Summary") -> None:
+    def on_train_end(self, trainer: Trainer, summary: Summary) -> None:
         """`fit` has finished: the final evaluations are done, the model saved, the summary written."""
 
 

@@ -76,7 +76,8 @@ def build_model_stack(cfg, mesh: Mesh, seed: int, weights: Mapping[str, torch.Te
     estimator.prepare_model(model)
     params = TrainableParams.from_model(model)
     if len(params) == 0:
-        raise NothingToTrain("nothing to train: every parameter is frozen (check peft and estimator.agzo.tied_embeddings)")
+        raise NothingToTrain("nothing to train: every parameter is frozen "
+                             "(check peft and estimator.agzo.tied_embeddings)")
     if weights is not None:
         params.load(weights)
     directions = estimator.directions(seed, str(cfg.estimator.distribution), mesh.device, kernels=kernels,

@@ -158,7 +158,8 @@ def evaluate(cfg, run_dir: str | Path | RunDirectory | None = None, *, overrides
         c = build_components(cfg, mesh, session.seed(), weights=adapter, sources=fetch_sources(cfg, mesh, recorded))
         try:
             log.info("%s", c.task.describe())
-            metrics = MetricsWriter(run_dir / "metrics.jsonl" if mesh.is_main else None, static={"mesh": str(mesh.shape)})
+            metrics = MetricsWriter(run_dir / "metrics.jsonl" if mesh.is_main else None,
+                                    static={"mesh": str(mesh.shape)})
             split = str(cfg.eval.split)
             result = Evaluator(c.task, c.engine, mesh, cfg.eval_batch_size, metrics).run(split, 0)
             result = {"split": split, "model": cfg.model.name, "task": cfg.task.name, "demos": cfg.task.demos,

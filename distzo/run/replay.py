@@ -49,7 +49,7 @@ def replay(run_dir: Path, step: int | None = None, out: Path | None = None, devi
     before `from_step` (default: at or before `step`). Returns the written path."""
     run_dir = Path(run_dir)
     cfg = load_run_config(run_dir)
-    records = [r for r in read_jsonl(run_dir / "trajectory.jsonl")]
+    records = list(read_jsonl(run_dir / "trajectory.jsonl"))
     if not records:
         raise ReplayError(f"{run_dir}/trajectory.jsonl is missing or empty: nothing to replay")
     target = step if step is not None else records[-1]["step"]
@@ -69,9 +69,9 @@ def replay(run_dir: Path, step: int | None = None, out: Path | None = None, devi
     drawn_by = state.get("gaussian_generator") or state.get("device_type", "cpu")
     if state["distribution"] == "gaussian" and drawn_by != gaussian_generator_id(torch.device(device)):
         raise ReplayError(f"the run drew its Gaussian directions by {drawn_by}, and this machine draws by "
-                          f"{gaussian_generator_id(torch.device(device))} (CUDA Gaussian z uses the GPU architecture's own log "
-                          "and cos); replay on a GPU of the recorded architecture, or train with "
-                          "estimator.distribution=rademacher, whose directions are the same everywhere")
+                          f"{gaussian_generator_id(torch.device(device))} (CUDA Gaussian z uses the GPU "
+                          "architecture's own log and cos); replay on a GPU of the recorded architecture, "
+                          "or train with estimator.distribution=rademacher, whose directions are the same everywhere")
     todo = [r for r in records if state["step"] < r["step"] <= target]
     missing = sorted(set(range(state["step"] + 1, target + 1)) - {r["step"] for r in todo})
     if missing:

@@ -58,7 +58,7 @@ class RunDirectory:
     created_from: Path | None = None
 
     @classmethod
-    def claim(cls, cfg, path: str | os.PathLike | None, key: str = "hydra.run.dir", fixed: bool = True) -> "RunDirectory":
+    def claim(cls, cfg, path: str | os.PathLike | None, key: str = "hydra.run.dir", fixed: bool = True) -> RunDirectory:
         """Check that `path` can hold this run (see the module docstring); raises ConfigError.
         fixed=False: `path` is only the fixed part of a directory that will be named at run time
         (Hydra's timestamped default), which cannot hold a run yet."""

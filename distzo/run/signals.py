@@ -47,7 +47,7 @@ class StopRequests:
         self._held: list[int] = []
         self._previous: dict[int, object] = {}
 
-    def __enter__(self) -> "StopRequests":
+    def __enter__(self) -> StopRequests:
         if threading.current_thread() is threading.main_thread():
             for sig in STOP_SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)

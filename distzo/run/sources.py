@@ -36,7 +36,7 @@ class Sources:
         return {role: pin.record() for role, pin in self.pins.items()}
 
     @classmethod
-    def from_record(cls, record: Mapping[str, Any] | None) -> "Sources":
+    def from_record(cls, record: Mapping[str, Any] | None) -> Sources:
         return cls({role: hub.Pin.from_record(r) for role, r in (record or {}).items()})
 
     def revisions(self) -> dict[str, str]:

@@ -360,7 +360,7 @@ class Trainer:
             if self.mesh.is_main:
                 self.session.directory.remove_if_unused()
 
-    def __enter__(self) -> "Trainer":
+    def __enter__(self) -> Trainer:
         return self
 
     def __exit__(self, *exc) -> None:

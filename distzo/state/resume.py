@@ -199,7 +199,8 @@ def _resume_point(cfg, run_dir: Path, device: torch.device) -> ResumePoint | Non
         point.records = logged_steps_after(run_dir, point.snapshot_step)
     else:
         why = (f"estimator={cfg.estimator.name}'s directions depend on each step's activations" if not replayable else
-               f"its Gaussian directions were drawn by {point.identity.get('gaussian_generator') or point.identity.get('device_type')}, "
+               "its Gaussian directions were drawn by "
+               f"{point.identity.get('gaussian_generator') or point.identity.get('device_type')}, "
                f"this run draws by {here}")
         log.warning("resume=auto: the steps logged after the snapshot cannot be re-applied (%s); continuing from "
                     "the snapshot", why)

@@ -24,8 +24,8 @@ def load_run_config(run_dir: str | Path, key: str = "") -> Any:
     written take their defaults). key: the setting that named the directory, for messages."""
     path = Path(run_dir) / CONFIG_FILE
     if not path.is_file():
-        raise RunFilesError(f"{f'{key}=' if key else ''}{run_dir} is not a distzo run directory (no {CONFIG_FILE}); give the directory "
-                            "a training run wrote (its hydra.run.dir)")
+        raise RunFilesError(f"{f'{key}=' if key else ''}{run_dir} is not a distzo run directory "
+                            f"(no {CONFIG_FILE}); give the directory a training run wrote (its hydra.run.dir)")
     try:
         return OmegaConf.merge(OmegaConf.structured(Config), _nested_optimizer_settings(OmegaConf.load(path)))
     except Exception as exc:  # OmegaConf's merge errors: a key this distzo no longer has, a wrong type

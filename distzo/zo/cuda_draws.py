@@ -83,7 +83,8 @@ if triton is not None:
 
 
 def _launch(out: torch.Tensor, rows: int, n_cols: int, key_hash: int, scale: float, gaussian: bool,
-            first_chunk: int = 0, chunks: torch.Tensor | None = None, bases: torch.Tensor | None = None) -> torch.Tensor:
+            first_chunk: int = 0, chunks: torch.Tensor | None = None,
+            bases: torch.Tensor | None = None) -> torch.Tensor:
     require()
     total = out.numel()
     if total == 0 or rows == 0:

@@ -32,7 +32,7 @@ same order, so the two agree bitwise (tests/unit/test_optimizers.py checks every
 a rule without one runs on torch ops everywhere. Adding an element-wise optimizer is one class here,
 plus its settings dataclass in the schema if it has settings, plus a kernel case if the fused CPU
 path should run it.
-"""
+"""  # noqa: E501 (a markdown table above: its rows cannot wrap)
 
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ class Rule:
     """One step of an optimizer's element-wise update: the optimizer and its float32 constants for
     that step. What the engines' chunk pass (distzo.engine.chunkpass) calls."""
 
-    optimizer: "Optimizer"
+    optimizer: Optimizer
     constants: tuple[float, ...]
     lr: float
 
@@ -107,10 +107,10 @@ class Rule:
         self.optimizer.update(x, state, terms, decay, self.constants)
 
 
-OPTIMIZERS: dict[str, type["Optimizer"]] = {}  # optim.name -> its class: the one registry of names
+OPTIMIZERS: dict[str, type[Optimizer]] = {}  # optim.name -> its class: the one registry of names
 
 
-def register(cls: type["Optimizer"]) -> type["Optimizer"]:
+def register(cls: type[Optimizer]) -> type[Optimizer]:
     """Make an optimizer class available as `optim.name=<cls.name>`."""
     if cls.name in OPTIMIZERS and OPTIMIZERS[cls.name] is not cls:
         raise ValueError(f"two optimizers are called {cls.name}")

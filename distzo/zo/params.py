@@ -53,7 +53,7 @@ class TrainableParams:
                 self._by_name[alias] = p
 
     @classmethod
-    def from_model(cls, model: nn.Module) -> "TrainableParams":
+    def from_model(cls, model: nn.Module) -> TrainableParams:
         owners = {}
         for mod_name, module in model.named_modules():
             for p_name, _ in module.named_parameters(recurse=False):

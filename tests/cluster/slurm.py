@@ -107,7 +107,7 @@ class LocalSlurm:
         self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
         self._pidfiles = [self.root / "slurmd.pid", self.root / "slurmctld.pid", self.root / "munge" / "munged.pid"]
 
-    def start(self, timeout_s: float = 60.0) -> "LocalSlurm":
+    def start(self, timeout_s: float = 60.0) -> LocalSlurm:
         ensure_installed(self.root / "apt.log")
         for d in ("state", "spool", "munge"):
             (self.root / d).mkdir(parents=True, exist_ok=True)

@@ -94,7 +94,8 @@ def test_a_killed_worker_ends_the_self_launched_job_with_one_line(tmp_path):
     # says so in one line of its own. No traceback, no Hydra report.
     assert "was killed by SIGKILL, so the job stopped" in ours[-1], err[-3000:]
     assert all(re.fullmatch(r"distzo: error: rank [0-3] lost its peers \(.+\): another rank of the job stopped "
-                            r"first, and its own message, or the launcher's, says why", line) for line in ours[:-1]), ours
+                            r"first, and its own message, or the launcher's, says why", line)
+               for line in ours[:-1]), ours
     assert "Traceback" not in err and "Error executing job" not in err, err[-3000:]
 
 

@@ -22,7 +22,8 @@ import threading
 import time
 from pathlib import Path
 
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+       "TOKENIZERS_PARALLELISM": "false"}
 
 
 def free_port() -> int:
@@ -45,8 +46,8 @@ def spawn_env(rank: int, world: int, port: int) -> None:
 
 # --- forked runs ------------------------------------------------------------------------------------
 
-PRELOAD = ["distzo.__main__", "distzo.run.training", "distzo.run.bench", "distzo.run.replay", "distzo.run.checks", "transformers",
-           "transformers.models.llama.modeling_llama", "transformers.models.opt.modeling_opt",
+PRELOAD = ["distzo.__main__", "distzo.run.training", "distzo.run.bench", "distzo.run.replay", "distzo.run.checks",
+           "transformers", "transformers.models.llama.modeling_llama", "transformers.models.opt.modeling_opt",
            "transformers.models.qwen2.modeling_qwen2"]
 _server_lock = threading.Lock()
 _context = None

@@ -1,5 +1,6 @@
-"""Each estimator is layout invariant (I2, docs/architecture.md#invariants): the same run on 1x1, 2x2 and 4x1 ends with the
-same weights, within the tolerance tests/distributed/test_mesh.py states for data-parallel layouts.
+"""Each estimator is layout invariant (I2, docs/architecture.md#invariants): the same run on 1x1, 2x2
+and 4x1 ends with the same weights, within the tolerance tests/distributed/test_mesh.py states for
+data-parallel layouts.
 
 To stay cheap, one set of four gloo processes (torch.multiprocessing) trains every estimator on
 both four-rank meshes in turn, each on a fresh process group; the 1x1 references run in the test
@@ -25,8 +26,8 @@ from tests.distributed.launch import free_port, spawn_env
 from tests.plugins import signum  # noqa: F401  registers optim.name=signum here and in the spawned workers
 
 STEPS = 5
-COMMON = ["model=tiny", "eval_every=0", "log_every=1000", f"steps={STEPS}", "batch_size=12", "seed=3", "task.val_size=12",
-          "task.test_size=12", "threads=1", "checkpoint.every=0"]
+COMMON = ["model=tiny", "eval_every=0", "log_every=1000", f"steps={STEPS}", "batch_size=12", "seed=3",
+          "task.val_size=12", "task.test_size=12", "threads=1", "checkpoint.every=0"]
 CUE = ["task=synthetic-cue"]
 RUNS = {
     "mezo": [*CUE, "estimator=mezo", "estimator.q=2", "optim.lr=1e-3"],

@@ -1,5 +1,5 @@
-"""Nothing lost (I6, docs/architecture.md#invariants): runs killed at any point resume to the weights of an uninterrupted run.
-Every test starts real processes and kills them for real (SIGKILL)."""
+"""Nothing lost (I6, docs/architecture.md#invariants): runs killed at any point resume to the weights of
+an uninterrupted run. Every test starts real processes and kills them for real (SIGKILL)."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def assert_bitwise(a, b):
 
 
 def trained_steps(run_dir: Path) -> int:
-    records = [r for r in read_jsonl(run_dir / "metrics.jsonl")] if (run_dir / "metrics.jsonl").exists() else []
+    records = list(read_jsonl(run_dir / "metrics.jsonl")) if (run_dir / "metrics.jsonl").exists() else []
     return max([r["step"] for r in records if r["type"] == "train"], default=0)
 
 

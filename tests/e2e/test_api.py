@@ -158,7 +158,8 @@ def test_your_own_config_directory(tmp_path):
     assert (cfg.task.name, cfg.task.val_size) == ("cue16", 16)
     with pytest.raises(distzo.ConfigError, match="unknown task preset 'cue16'"):
         distzo.compose("model=tiny", "task=cue16")
-    r = run_forked(1, ["train", "model=tiny", "task=cue16", "steps=1", "eval_every=0", f"hydra.run.dir={tmp_path / 'r'}"],
+    r = run_forked(1, ["train", "model=tiny", "task=cue16", "steps=1", "eval_every=0",
+                       f"hydra.run.dir={tmp_path / 'r'}"],
                    cwd=tmp_path, timeout=600, env={"DISTZO_CONFIG_PATH": str(tmp_path / "presets")})
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads((tmp_path / "r" / "summary.json").read_text())["steps"] == 1
@@ -192,7 +193,8 @@ def test_the_api_under_torchrun_on_a_2x2_mesh_is_the_cli_run(tmp_path):
                        timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.count("saved ") == 1  # rank 0 alone writes and reports
-    assert_same_weights(tmp_path / "cli" / "final" / "model.safetensors", tmp_path / "api" / "final" / "model.safetensors")
+    assert_same_weights(tmp_path / "cli" / "final" / "model.safetensors",
+                        tmp_path / "api" / "final" / "model.safetensors")
 
 
 def test_two_runs_in_one_process_leave_nothing_behind(tmp_path):

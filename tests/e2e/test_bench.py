@@ -24,7 +24,8 @@ def test_bench_writes_every_figure(tmp_path, nproc, mesh):
     assert out["overhead_ratio"] > 0
     rounds = out["rounds"]  # every ratio is the median of the rounds' ratios, taken in this one run
     assert len(rounds) == 2
-    assert out["overhead_ratio"] == pytest.approx(median(r["step_s"] / r["forward_s"] for r in rounds), abs=1e-3)  # rounded to 3 decimals
+    # rounded to 3 decimals
+    assert out["overhead_ratio"] == pytest.approx(median(r["step_s"] / r["forward_s"] for r in rounds), abs=1e-3)
     assert out["step_time_s"] == pytest.approx(median(r["pace_s"] for r in rounds), abs=1e-4)  # rounded to 0.1 ms
     assert set(out["breakdown_s"]) == {"noise", "perturb", "update", "wait", "comm", "transfer", "forward"}
     assert all(v >= 0 for v in out["breakdown_s"].values())

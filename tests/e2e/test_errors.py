@@ -63,7 +63,8 @@ def folders(tmp_path_factory, hub_server):
     mamba = root / "mamba"  # a recurrent causal LM: no path can score packed prompts with it
     from transformers import MambaConfig, MambaForCausalLM
 
-    MambaForCausalLM(MambaConfig(hidden_size=16, num_hidden_layers=1, vocab_size=49152, state_size=4)).save_pretrained(mamba)
+    MambaForCausalLM(MambaConfig(hidden_size=16, num_hidden_layers=1, vocab_size=49152,
+                                 state_size=4)).save_pretrained(mamba)
     used = root / "used"
     used.mkdir()
     (used / "metrics.jsonl").write_text('{"type": "train", "step": 1}\n')
@@ -111,18 +112,21 @@ def folders(tmp_path_factory, hub_server):
     write = lambda name, rows: (data / name).write_text("".join(json.dumps(r) + "\n" for r in rows))  # noqa: E731
     write("reviews.jsonl", reviews)
     write("odd-label.jsonl", reviews + [{"text": "so-so", "label": "mixed"}])
-    write("quiz.jsonl", [{"q": f"q{i}", "options": ["a", "b"], "answer": 0} for i in range(8)] + [{"q": "x", "answer": 1}])
+    write("quiz.jsonl",
+          [{"q": f"q{i}", "options": ["a", "b"], "answer": 0} for i in range(8)] + [{"q": "x", "answer": 1}])
     (data / "not-json.jsonl").write_text('{"text": "a", "label": "negative"}\nthis is not JSON\n')
     (data / "nothing").mkdir()  # a folder with no data in it
     empty_test = data / "empty-test"  # a training file and an empty validation file (the test split)
     empty_test.mkdir()
     (empty_test / "train.jsonl").write_text((data / "reviews.jsonl").read_text())
     (empty_test / "val.jsonl").write_text("")
-    return {"$CLIP": str(clip), "$MAMBA": str(mamba), "$USED_RUN": str(used), "$OTHER_RUN": str(other), "$EMPTY_DIR": str(empty),
+    return {"$CLIP": str(clip), "$MAMBA": str(mamba), "$USED_RUN": str(used), "$OTHER_RUN": str(other),
+            "$EMPTY_DIR": str(empty),
             "$NO_WEIGHTS": str(no_weights), "$BAD_CONFIG": str(bad_config), "$NO_FINAL_RUN": str(no_final),
             "$NO_SNAPSHOT_RUN": str(no_snapshot),
             "$REVIEWS": str(data / "reviews.jsonl"), "$ODD_LABEL": str(data / "odd-label.jsonl"),
-            "$QUIZ": str(data / "quiz.jsonl"), "$NOT_JSON": str(data / "not-json.jsonl"), "$EMPTY_TEST": str(empty_test),
+            "$QUIZ": str(data / "quiz.jsonl"), "$NOT_JSON": str(data / "not-json.jsonl"),
+            "$EMPTY_TEST": str(empty_test),
             "$NO_DATA": str(data / "nothing"), "$TRUNCATED_MODEL": str(broken["truncated"]),
             "$CORRUPT_MODEL": str(broken["corrupt"]), "$MISSING_SHARD": str(broken["missing-shard"]),
             "$BAD_TOKENIZER": str(broken["bad-tokenizer"]), "$HUB": hub_server.url, "$NO_HUB": closed_endpoint()}

@@ -55,10 +55,11 @@ def served(tmp_path_factory):
 
 def test_a_hub_model_trains_on_1x1_and_2x2_fetching_each_file_once_per_node(served, tmp_path):
     """`model.path=org/name` and `task=sst2` (its hub dataset) on one process and on a 2x2 mesh of one
-    node (four ranks as torchrun starts them): each fetches every file it needs exactly once (the server's log), every rank
-    reads the same commit and trains the same weights (replica checksums), and the 2x2 weights equal
-    the 1x1 run's within the data-parallel bound of tests/distributed/test_mesh.py (1e-6: data shards
-    pack fewer prompts per row, which moves per-example losses by float32 rounding)."""
+    node (four ranks as torchrun starts them): each fetches every file it needs exactly once (the
+    server's log), every rank reads the same commit and trains the same weights (replica checksums),
+    and the 2x2 weights equal the 1x1 run's within the data-parallel bound of
+    tests/distributed/test_mesh.py (1e-6: data shards pack fewer prompts per row, which moves
+    per-example losses by float32 rounding)."""
     finals = {}
     for mesh in ("1x1", "2x2"):
         served.clear_log()
@@ -119,7 +120,8 @@ def test_sst2_from_the_hub_is_what_the_file_reader_reads(served, tmp_path, monke
     from tests.conftest import make_config
 
     monkeypatch.setattr(constants, "ENDPOINT", served.url)  # as HF_ENDPOINT would have set it at import
-    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", served.url + "/{repo_id}/resolve/{revision}/{filename}")
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE",
+                        served.url + "/{repo_id}/resolve/{revision}/{filename}")
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
     monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)

@@ -57,8 +57,9 @@ def test_the_quick_start_sets_up_runs_the_main_job_and_runs_what_ci_runs():
     assert len(QUICK_START) == 2
     main, tests = QUICK_START
     assert main == "bash launch/setup.sh && torchrun --nproc-per-node 4 -m distzo train mesh=2x2"
-    ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line and not line.startswith(("#", "set ", "cd "))]
-    assert ci == [tests] == ["bash launch/setup.sh && python -m pytest -q"]
+    ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines()
+          if line and not line.startswith(("#", "set ", "cd "))]
+    assert ci == [tests] == ["bash launch/setup.sh && python -m ruff check . && python -m pytest -q"]
 
 
 def readme_distzo_commands() -> list[list[str]]:
@@ -100,7 +101,8 @@ def main_run(tmp_path_factory):
 def test_the_main_job_prints_what_the_readme_shows_and_writes_the_run_directory(main_run):
     _, run, r = main_run
     for shown in ("Task mr-polarity (classification, label words [' terrible', ' great']",
-                  "Training 134.52M parameters (peft=none) with mezo (q=1, eps=0.001, gaussian directions), seed 0, mesh 2x2",
+                  "Training 134.52M parameters (peft=none) with mezo (q=1, eps=0.001, gaussian directions), "
+                  "seed 0, mesh 2x2",
                   "step 0: validation accuracy", "Validation accuracy", "test accuracy"):
         assert shown in r.stdout + r.stderr, shown
     summary = json.loads((run / "summary.json").read_text())

@@ -186,7 +186,7 @@ def test_objective_f1_trains_on_decoded_answers(tmp_path):
     path = write_jsonl(tmp_path / "qa.jsonl", rows)
     out = tmp_path / "f1"
     train(make_config(*FAST, "task=custom", "task.kind=generation", f"task.path={path}",
-                      "task.template='Q: {question} A:'", "task.val_size=6", "task.test_size=6", "task.max_new_tokens=3",
-                      "objective=f1", "steps=3", "save_final=false"), out)
+                      "task.template='Q: {question} A:'", "task.val_size=6", "task.test_size=6",
+                      "task.max_new_tokens=3", "objective=f1", "steps=3", "save_final=false"), out)
     steps = [r for r in read_jsonl(out / "metrics.jsonl") if r["type"] == "train"]
     assert [r["step"] for r in steps] == [1, 2, 3] and all(-1.0 <= r["loss"] <= 0.0 for r in steps)

@@ -33,8 +33,10 @@ def test_offloaded_equals_resident_on_cuda(tmp_path, model, slots):
     """Blocks uploaded on the upload stream, written back on the offload stream, ordered by events:
     the same weights and evaluations as resident training, bitwise (same kernels, same shapes)."""
     res = train(make_config(*FAST, f"model={model}", "steps=6"), tmp_path / "r")
-    off = train(make_config(*FAST, f"model={model}", "steps=6", "offload=cpu", f"offload.slots={slots}"), tmp_path / "o")
-    a, b = load_file(tmp_path / "r" / "final" / "model.safetensors"), load_file(tmp_path / "o" / "final" / "model.safetensors")
+    off = train(make_config(*FAST, f"model={model}", "steps=6", "offload=cpu", f"offload.slots={slots}"),
+                tmp_path / "o")
+    a = load_file(tmp_path / "r" / "final" / "model.safetensors")
+    b = load_file(tmp_path / "o" / "final" / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert res["validation_accuracy_after"] == off["validation_accuracy_after"]
 
@@ -49,7 +51,8 @@ def test_offloaded_equals_resident_on_cuda(tmp_path, model, slots):
 def test_every_estimator_trainable_set_and_compute_mode_trains_on_cuda(tmp_path, run):
     summary = train(make_config(*FAST, "model=tiny", "steps=4", *run), tmp_path / "run")
     assert summary["steps"] == 4 and 0 <= summary["test_accuracy"] <= 1
-    tested = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if r["type"] == "eval" and r["split"] == "test"][-1]
+    tested = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")
+              if r["type"] == "eval" and r["split"] == "test"][-1]
     assert tested["step"] == 4 and tested["examples"] == 32  # task.test_size=32
     assert summary["test_accuracy"] == tested["accuracy"]
     assert tested["accuracy"] * 32 == pytest.approx(round(tested["accuracy"] * 32), abs=1e-9)  # k of 32 right
@@ -60,7 +63,8 @@ def test_sliced_offload_on_two_ranks_of_one_gpu_equals_one_process(tmp_path):
         pytest.skip("sliced offloading over NCCL needs two GPUs")
     ref = tmp_path / "ref"
     train(make_config(*FAST, "model=tiny", "steps=4"), ref)
-    r = run_forked(2, ["train", *FAST, "model=tiny", "steps=4", "mesh=2x1", "offload=cpu", f"hydra.run.dir={tmp_path / 's'}"],
+    r = run_forked(2, ["train", *FAST, "model=tiny", "steps=4", "mesh=2x1", "offload=cpu",
+                       f"hydra.run.dir={tmp_path / 's'}"],
                    cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     a, b = load_file(ref / "final" / "model.safetensors"), load_file(tmp_path / "s" / "final" / "model.safetensors")

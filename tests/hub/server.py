@@ -92,7 +92,7 @@ class HubServer:
 
     # --- running ----------------------------------------------------------------------------------
 
-    def start(self, port: int = 0) -> "HubServer":
+    def start(self, port: int = 0) -> HubServer:
         server = self
 
         class Handler(_Handler):

@@ -27,7 +27,8 @@ def _leaves(node, prefix=""):
 
 
 def test_config_yaml_and_the_dataclasses_agree_on_every_default():
-    written = {k: v for k, v in _leaves(yaml.safe_load(CONF.read_text())) if k != "defaults" and not k.startswith("hydra")}
+    written = {k: v for k, v in _leaves(yaml.safe_load(CONF.read_text()))
+               if k != "defaults" and not k.startswith("hydra")}
     schema = OmegaConf.to_container(OmegaConf.structured(Config), resolve=False)
     for key, value in written.items():
         default = OmegaConf.select(OmegaConf.create(schema), key)

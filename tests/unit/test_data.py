@@ -24,11 +24,13 @@ def test_movie_review_endings_are_four_way_multiple_choice():
     records = movie_review_endings()
     assert len(records) == 9581 and records == movie_review_endings()  # the same draw each call
     # and the same draw across versions: a changed draw would silently change the task's data
-    assert records[0] == {"context": "The Rock is destined to be the 21st Century's new ''Conan'' and that he's going to "
-                                     "make a splash even greater than Arnold Schwarzenegger, Jean Claud Van Damme",
+    assert records[0] == {"context": "The Rock is destined to be the 21st Century's new ''Conan'' and that he's "
+                                     "going to make a splash even greater than Arnold Schwarzenegger, Jean Claud "
+                                     "Van Damme",
                           "endings": ["stoke the conversation.", "is more original.", "or Steven Segal.",
                                       "great cinematic innovation."], "label": 2}
-    assert records[-1]["endings"] == ["the reality check.", "torture seem appealing.", "this case zero.", "of Tim Allen."]
+    assert records[-1]["endings"] == ["the reality check.", "torture seem appealing.", "this case zero.",
+                                      "of Tim Allen."]
     digest = hashlib.sha256(json.dumps(records, sort_keys=True).encode()).hexdigest()
     assert digest == "1cd296b2242d3a790e8c5695c356f7d76e1ead5f7532d50587d0a3a320bd8a70"
     reviews = {" ".join(r["sentence"].split()) for r in movie_reviews()}  # words joined by single spaces
@@ -43,7 +45,7 @@ def test_splits_are_deterministic_and_disjoint(tokenizer):
     c = PromptTask(make_config("task.split_seed=1").task, tokenizer).splits
     assert (len(a.train), len(a.validation), len(a.test)) == (9103, 500, 1000)
     assert a == b and a.validation != c.validation
-    texts = [set(e.prompt for e in s) for s in (a.train, a.validation, a.test)]
+    texts = [{e.prompt for e in s} for s in (a.train, a.validation, a.test)]
     assert not (texts[0] & texts[1]) and not (texts[0] & texts[2]) and not (texts[1] & texts[2])
     assert 0.4 < sum(e.label for e in a.validation) / 500 < 0.6
 
@@ -54,7 +56,8 @@ def test_prompt_and_label_words(tokenizer):
                                        tokenizer(" great", add_special_tokens=False).input_ids[0]]
     ids = task.encode("A fine film. It was")
     assert tokenizer.decode(ids) == "A fine film. It was"
-    assert task.splits.train[0].prompt.endswith(" It was") and task.splits.train[0].candidates == (" terrible", " great")
+    assert task.splits.train[0].prompt.endswith(" It was")
+    assert task.splits.train[0].candidates == (" terrible", " great")
 
 
 def test_packing_keeps_every_prompt_and_restarts_positions():

@@ -198,7 +198,8 @@ def test_prge_batched_forward_equals_separate_evaluations(materialize):
     b = sample_batch()
     plan = PRGE(eps=1e-2, q=3).plan()
     separate = plan_logits(engine, b, plan, 4)
-    stacked = stacked_lora_engine(model, adapter_for(model), params, engine.directions, eps=1e-2, materialize=materialize)
+    stacked = stacked_lora_engine(model, adapter_for(model), params, engine.directions, eps=1e-2,
+                                  materialize=materialize)
     batched = plan_logits(stacked, b, plan, 4)
     assert batched.shape == separate.shape == (6, b.size, 2)
     assert not torch.allclose(batched[0], batched[1])  # the signs really differ
@@ -310,8 +311,8 @@ def test_peft_training_changes_only_trainable_parameters(method, estimator):
     b = label_batch([[5, 6, 7], [8, 9, 10, 11]], [0, 1], LABELS)
     est = {"mezo": SPSA(1e-2, 2), "prge": PRGE(1e-2, 2), "agzo": AGZO(1e-2, 2)}[estimator]
     for step in range(2):
-        l = losses(engine, b, est.plan(), step)
-        engine.apply(step, est.combine(l).coefficients, 1.0, 0.0)
+        values = losses(engine, b, est.plan(), step)
+        engine.apply(step, est.combine(values).coefficients, 1.0, 0.0)
     materialize(engine)
     after = model.state_dict()
     changed = {k for k in before if not torch.equal(before[k], after[k])}

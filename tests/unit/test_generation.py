@@ -69,11 +69,13 @@ def test_chat_messages_render_with_the_tokenizers_template(tokenizer, tmp_path):
     chats = [{"messages": [{"role": "user", "content": f"Say {w}."}, {"role": "assistant", "content": w}]}
              for w in ["yes", "no", "maybe", "never", "always", "soon", "later", "now"]]
     path = write_jsonl(tmp_path / "chat.jsonl", chats)
-    task = PromptTask(make_config("task=custom", "task.kind=generation", f"task.path={path}", "task.messages_field=messages",
-                                  "task.val_size=2", "task.test_size=2").task, tokenizer)
+    task = PromptTask(make_config("task=custom", "task.kind=generation", f"task.path={path}",
+                                  "task.messages_field=messages", "task.val_size=2", "task.test_size=2").task,
+                      tokenizer)
     ex = task.splits.train[0]
     user = ex.prompt.split("user\n")[1].split("<|im_end|>")[0]
-    want = tokenizer.apply_chat_template([{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True)
+    want = tokenizer.apply_chat_template([{"role": "user", "content": user}], tokenize=False,
+                                         add_generation_prompt=True)
     assert ex.prompt == want and ex.prompt.endswith("<|im_start|>assistant\n")
     assert ex.candidates == (ex.answers[0] + "\n",)
 
@@ -148,7 +150,8 @@ def test_squad_reads_its_distributed_json_and_the_datasets_export(tokenizer, tmp
     task = PromptTask(make_config("task=squad", f"task.path={folder}", "task.val_size=2").task, tokenizer)
     assert (task.size("train"), task.size("validation"), task.size("test")) == (10, 2, 4)
     ex = next(e for e in task.splits.test if "What is" in e.prompt)
-    assert ex.prompt.startswith("Title: Topic") and "\nContext: Context " in ex.prompt and ex.prompt.endswith("?\nAnswer:")
+    assert (ex.prompt.startswith("Title: Topic") and "\nContext: Context " in ex.prompt
+            and ex.prompt.endswith("?\nAnswer:"))
     assert ex.answers[1] == f"the {ex.answers[0]}" and ex.candidates == (f" {ex.answers[0]}\n",)
 
     import datasets

@@ -46,7 +46,8 @@ def train_steps(eng, steps=6, lr=1e-2):
     return losses
 
 
-@pytest.mark.parametrize("arch", ["llama", "opt", "qwen2", "qwen3", "gpt2", "gpt_neox"])  # tied, tied, untied, tied; general path: tied, untied
+# tied, tied, untied, tied; general path: tied, untied
+@pytest.mark.parametrize("arch", ["llama", "opt", "qwen2", "qwen3", "gpt2", "gpt_neox"])
 @pytest.mark.parametrize("slots", [1, 2, 3])
 def test_offloaded_training_is_bitwise_resident(arch, slots):
     res_model, res = engine(arch, offload=False)

@@ -123,7 +123,8 @@ def branched_batch(examples):
 def mc_examples(seed=2):
     gen = torch.Generator().manual_seed(seed)
     draw = lambda n: torch.randint(3, VOCAB, (n,), generator=gen).tolist()  # noqa: E731
-    return [(draw(6), [draw(3), draw(1), draw(4), draw(2)]), (draw(3), [draw(2), draw(5)]), (draw(9), [draw(1), draw(1)]),
+    return [(draw(6), [draw(3), draw(1), draw(4), draw(2)]), (draw(3), [draw(2), draw(5)]),
+            (draw(9), [draw(1), draw(1)]),
             (draw(2), [draw(1), draw(2)])]  # 5 tokens: within mistral's window of 8, branched there too
 
 

@@ -136,16 +136,19 @@ def _sst2(root):
 
 @preset("rte")
 def _rte(root):
-    row = lambda i: {"premise": f"P{i}.", "hypothesis": f"H{i}.", "label": ["entailment", "not_entailment"][i % 2], "idx": i}  # noqa: E731
+    row = lambda i: {"premise": f"P{i}.", "hypothesis": f"H{i}.",  # noqa: E731
+                     "label": ["entailment", "not_entailment"][i % 2], "idx": i}
     folder = superglue(root, "RTE", repeat(row, 10), repeat(row, 4),
                        repeat(lambda i: {"premise": "p", "hypothesis": "h", "idx": i}, 3))
-    return folder, lambda ex: (ex.prompt.endswith('\nDoes this mean that "' + ex.prompt.split('"')[1] + '" is true? Yes or No?\n')
+    return folder, lambda ex: (ex.prompt.endswith('\nDoes this mean that "' + ex.prompt.split('"')[1]
+                                                  + '" is true? Yes or No?\n')
                                and ex.candidates == ("Yes", "No"))
 
 
 @preset("cb")
 def _cb(root):
-    row = lambda i: {"premise": f"P{i}", "hypothesis": f"H{i}", "label": ["entailment", "contradiction", "neutral"][i % 3], "idx": i}  # noqa: E731
+    row = lambda i: {"premise": f"P{i}", "hypothesis": f"H{i}",  # noqa: E731
+                     "label": ["entailment", "contradiction", "neutral"][i % 3], "idx": i}
     return superglue(root, "CB", repeat(row, 12), repeat(row, 4)), \
         lambda ex: ex.prompt.startswith("Suppose P") and ex.candidates == ("Yes", "No", "Maybe")
 
@@ -177,16 +180,17 @@ def _wic(root):
 def _multirc(root):
     def row(i):
         answers = [{"text": f"answer {i}.{j}", "idx": j, "label": j % 2} for j in range(3)]
-        return {"idx": i, "version": 1.1, "passage": {"text": f"<b>Sent 1: </b>Paragraph {i}.<br>",
-                                                      "questions": [{"question": f"Q{i}?", "answers": answers, "idx": 0}]}}
+        return {"idx": i, "version": 1.1,
+                "passage": {"text": f"<b>Sent 1: </b>Paragraph {i}.<br>",
+                            "questions": [{"question": f"Q{i}?", "answers": answers, "idx": 0}]}}
     return superglue(root, "MultiRC", repeat(row, 4), repeat(row, 2)), \
         lambda ex: ex.prompt.endswith('". Is that correct? Yes or No?\n') and "Question: Q" in ex.prompt
 
 
 @preset("copa")
 def _copa(root):
-    row = lambda i: {"premise": f"My body cast shadow {i}.", "choice1": "The sun was rising.", "choice2": "I cut the grass.",  # noqa: E731
-                     "question": ["cause", "effect"][i % 2], "idx": i, "label": i % 2}
+    row = lambda i: {"premise": f"My body cast shadow {i}.", "choice1": "The sun was rising.",  # noqa: E731
+                     "choice2": "I cut the grass.", "question": ["cause", "effect"][i % 2], "idx": i, "label": i % 2}
     return superglue(root, "COPA", repeat(row, 10), repeat(row, 4)), \
         lambda ex: (ex.prompt.startswith("My body cast shadow") and ex.prompt.endswith((" because", " so"))
                     and ex.candidates == (" the sun was rising.", " I cut the grass."))
@@ -224,16 +228,19 @@ def test_presets_read_datasets_exports_too(tokenizer, tmp_path):
     labels; ReCoRD's entities and answers as strings, one record per query)."""
     import datasets
 
-    rte = datasets.Dataset.from_list([{"premise": f"P{i}", "hypothesis": "H", "label": i % 2, "idx": i} for i in range(8)])
+    rte = datasets.Dataset.from_list([{"premise": f"P{i}", "hypothesis": "H", "label": i % 2, "idx": i}
+                                      for i in range(8)])
     datasets.DatasetDict({"train": rte, "validation": rte.select(range(4)),
                           "test": rte.map(lambda r: {"label": -1})}).save_to_disk(str(tmp_path / "rte"))
     t = task(tokenizer, "task=rte", f"task.path={tmp_path / 'rte'}", "task.val_size=2")
     assert [ex.label for ex in t.splits.test] and {ex.label for ex in t.splits.test} <= {0, 1}
     # the test split is the export's validation (rows 0-3); its label 0 is entailment, the class of "Yes"
-    assert sorted((ex.prompt.split("\n")[0], ex.label) for ex in t.splits.test) == [("P0", 0), ("P1", 1), ("P2", 0), ("P3", 1)]
+    assert (sorted((ex.prompt.split("\n")[0], ex.label) for ex in t.splits.test)
+            == [("P0", 0), ("P1", 1), ("P2", 0), ("P3", 1)])
     assert all(ex.label == int(ex.prompt[1]) % 2 for ex in t.splits.train + t.splits.validation)
     assert t.splits.test[0].candidates == ("Yes", "No")
-    rec = datasets.Dataset.from_list([{"passage": "A and B.\n@highlight\nC", "query": "@placeholder wins", "idx": {"passage": i},
+    rec = datasets.Dataset.from_list([{"passage": "A and B.\n@highlight\nC", "query": "@placeholder wins",
+                                       "idx": {"passage": i},
                                        "entities": ["A", "B", "A"], "entity_spans": {"start": [0, 6, 0]},
                                        "answers": ["B"]} for i in range(8)])
     rec.save_to_disk(str(tmp_path / "record"))
@@ -251,21 +258,24 @@ def test_candidates_follow_one_shared_prompt(tokenizer, tmp_path):
     seq = batch.sequences[0]
     prompt = t._prompts["train"][0]
     cands = t._candidates["train"][0]
-    assert seq.tokens == tuple(prompt + cands[0] + cands[1]) and seq.branches == (len(prompt), len(prompt) + len(cands[0]))
+    assert seq.tokens == tuple(prompt + cands[0] + cands[1])
+    assert seq.branches == (len(prompt), len(prompt) + len(cands[0]))
     assert seq.targets == tuple(cands[0] + cands[1]) and batch.unit_example == [0, 0, 1, 1]
     assert seq.scored[0] == seq.scored[len(cands[0])] == len(prompt) - 1  # both candidates' first tokens
     tf = t.train_batch([0, 1])  # teacher forcing: the right candidate only, its tokens the targets
     gold = cands[t.splits.train[0].label]
-    assert tf.readout == "tokens" and tf.sequences[0].tokens == tuple(prompt + gold) and tf.sequences[0].targets == tuple(gold)
-    assert task(tokenizer, "task=copa", f"task.path={folder}", "task.val_size=2", objective="accuracy").train_batch([0]).readout == "likelihoods"
+    assert tf.readout == "tokens" and tf.sequences[0].tokens == tuple(prompt + gold)
+    assert tf.sequences[0].targets == tuple(gold)
+    scored = task(tokenizer, "task=copa", f"task.path={folder}", "task.val_size=2", objective="accuracy")
+    assert scored.train_batch([0]).readout == "likelihoods"
 
 
 def test_an_example_with_several_right_answers_counts_any_of_them():
     from distzo.data.batches import Batch, Scores, TokenSequence
     from distzo.data.objectives import accuracy_counts
 
-    batch = Batch([TokenSequence((1,)), TokenSequence((2,))], [0, 1], [0, 0, 0, 1, 1], torch.tensor([0, 1]), readout="likelihoods",
-                  extra={"gold": [(0, 2), (1,)]})
+    batch = Batch([TokenSequence((1,)), TokenSequence((2,))], [0, 1], [0, 0, 0, 1, 1], torch.tensor([0, 1]),
+                  readout="likelihoods", extra={"gold": [(0, 2), (1,)]})
     scores = Scores(torch.tensor([3.0, 2.0, 1.0, 5.0, 1.0], dtype=torch.float64), torch.ones(5, dtype=torch.float64))
     assert accuracy_counts(scores, batch) == (2, 2)  # example 0 picks candidate 2, also right
 
@@ -283,17 +293,21 @@ def test_demonstrations_come_from_train_and_precede_every_prompt(tokenizer, tmp_
 # --- errors: one line naming the file, the record and the fix ---------------------------------------
 
 def test_errors_name_the_file_the_record_and_the_fix(tokenizer, tmp_path):
-    path = write_jsonl(tmp_path / "d.jsonl", [{"text": f"t{i}", "label": "positive" if i % 2 else "negative"} for i in range(12)]
+    path = write_jsonl(tmp_path / "d.jsonl",
+                       [{"text": f"t{i}", "label": "positive" if i % 2 else "negative"} for i in range(12)]
                        + [{"text": "odd", "label": "mixed"}])
-    with pytest.raises(DataError, match=r"record 12 of the all split of .*d.jsonl has label 'mixed', which is not in task.labels"):
+    with pytest.raises(DataError, match=r"record 12 of the all split of .*d.jsonl has label 'mixed', "
+                                        r"which is not in task.labels"):
         task(tokenizer, "task=custom", f"task.path={path}", "task.labels=[negative,positive]",
              "task.label_words=[' bad',' good']", *SMALL)
     with pytest.raises(DataError, match=r"has label 'negative', not a class index; set task.labels"):
         task(tokenizer, "task=custom", f"task.path={path}", "task.label_words=[' bad',' good']", *SMALL)
-    with pytest.raises(DataError, match=r"task.template='\{review\}' reads the field 'review', but record 0 .* has only \['label', 'text'\]"):
-        task(tokenizer, "task=custom", f"task.path={path}", "task.template='{review}'", "task.labels=[negative,positive]",
-             "task.label_words=[' bad',' good']", *SMALL)
-    mc = write_jsonl(tmp_path / "mc.jsonl", [{"q": "x", "options": ["a", "b"], "answer": 0}] * 8 + [{"q": "y", "answer": 1}])
+    with pytest.raises(DataError, match=r"task.template='\{review\}' reads the field 'review', "
+                                        r"but record 0 .* has only \['label', 'text'\]"):
+        task(tokenizer, "task=custom", f"task.path={path}", "task.template='{review}'",
+             "task.labels=[negative,positive]", "task.label_words=[' bad',' good']", *SMALL)
+    mc = write_jsonl(tmp_path / "mc.jsonl",
+                     [{"q": "x", "options": ["a", "b"], "answer": 0}] * 8 + [{"q": "y", "answer": 1}])
     with pytest.raises(DataError, match=r"record 8 .* has no list of candidates in field 'options'"):
         task(tokenizer, "task=custom", f"task.path={mc}", "task.kind=multiple_choice", "task.template='{q}'",
              "task.candidates_field=options", "task.label_field=answer", *SMALL)

@@ -37,7 +37,7 @@ class AGZO(Estimator):
         self.tied_embeddings = tied_embeddings
 
     @classmethod
-    def from_config(cls, cfg: EstimatorConfig) -> "AGZO":
+    def from_config(cls, cfg: EstimatorConfig) -> AGZO:
         return cls(eps=cfg.eps, q=cfg.q, rank=cfg.agzo.rank, power_iters=cfg.agzo.power_iters,
                    tied_embeddings=str(cfg.agzo.tied_embeddings))
 

@@ -67,7 +67,7 @@ class Estimator(ABC):
     decodes: bool = False
 
     @classmethod
-    def from_config(cls, cfg: EstimatorConfig) -> "Estimator":
+    def from_config(cls, cfg: EstimatorConfig) -> Estimator:
         """The estimator of an `estimator` config group."""
         return cls(eps=cfg.eps, q=cfg.q)
 

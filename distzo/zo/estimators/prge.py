@@ -26,7 +26,7 @@ class PRGE(SPSA):
         super().__init__(eps=eps, q=q, difference="central")
 
     @classmethod
-    def from_config(cls, cfg: EstimatorConfig) -> "PRGE":
+    def from_config(cls, cfg: EstimatorConfig) -> PRGE:
         return cls(eps=cfg.eps, q=cfg.q)
 
     @classmethod

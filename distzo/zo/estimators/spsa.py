@@ -23,7 +23,7 @@ class SPSA(Estimator):
         self.eps, self.q, self.difference = float(eps), int(q), difference
 
     @classmethod
-    def from_config(cls, cfg: EstimatorConfig) -> "SPSA":
+    def from_config(cls, cfg: EstimatorConfig) -> SPSA:
         return cls(eps=cfg.eps, q=cfg.q, difference=str(cfg.difference))
 
     def plan(self) -> list[Probe]:

@@ -173,7 +173,7 @@ def build_components(cfg, mesh: Mesh, seed: int, weights: Mapping[str, torch.Ten
     settings = typed(cfg)  # the dataclass sections the layers below receive
     native.load(cfg.engine.native, mesh.device)  # first: a required build that fails costs nothing else
     if sources is None:
-        sources = fetch_sources(cfg, mesh) if model is None or task is None else Sources()
+        sources = fetch_sources(cfg, mesh, model=model is None, data=task is None)
     if model is None:
         model, tokenizer = load_model(settings.model, sources.pins)
     if task is None:

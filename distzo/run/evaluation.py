@@ -70,6 +70,10 @@ class Evaluator:
                     correct, seen = correct + c, seen + n
                 progress.update(min(len(batches), (i + 1) * mesh.world_size))
         correct, seen, loss_sum, loss_count, f1_total = mesh.all_sum([correct, seen, loss_sum, loss_count, f1_total])
+        if not seen:  # an empty split (a task without one): nothing to score
+            result = {"accuracy": None, "loss": math.nan, "examples": 0}
+            log.info("step %d: %s split is empty; nothing to evaluate", step, split)
+            return result
         result = {"accuracy": correct / seen if not generation or decodes else None, "loss": loss_sum / loss_count,
                   "examples": int(seen)}
         if generation:
@@ -88,6 +92,8 @@ class Evaluator:
 def headline(result: dict[str, Any]) -> str:
     """An evaluation's main figures as text: accuracy (classification, multiple choice), exact match
     and F1 (generation), or perplexity (language modelling on whole texts)."""
+    if not result.get("examples"):
+        return "no examples"
     if "f1" in result:
         return f"exact match {result['exact_match']:.4f}, F1 {result['f1']:.4f}"
     if result.get("accuracy") is None:

@@ -58,14 +58,17 @@ class RunDirectory:
     created_from: Path | None = None
 
     @classmethod
-    def claim(cls, cfg, path: str | os.PathLike | None, key: str = "hydra.run.dir", fixed: bool = True) -> RunDirectory:
+    def claim(cls, cfg, path: str | os.PathLike | None, key: str = "hydra.run.dir", fixed: bool = True,
+              continuing: bool = False) -> RunDirectory:
         """Check that `path` can hold this run (see the module docstring); raises ConfigError.
         fixed=False: `path` is only the fixed part of a directory that will be named at run time
-        (Hydra's timestamped default), which cannot hold a run yet."""
+        (Hydra's timestamped default), which cannot hold a run yet. continuing: the run continues
+        from a snapshot given by path (the library's `resume_from`), so the run it holds is this one's
+        own earlier part, whose logs after that snapshot are cut off."""
         path = Path(path) if path is not None else default_run_dir()
         base = writable_ancestor(path, key)
         created_from = base.resolve() if not fixed or not path.exists() else None
-        if fixed:
+        if fixed and not continuing:
             if (path / "metrics.jsonl").exists() and cfg.resume != "auto":
                 raise ConfigError(f"{path} already holds a run (metrics.jsonl); choose another {key} or add "
                                   "resume=auto to continue it")

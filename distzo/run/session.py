@@ -36,9 +36,11 @@ def under_hydra() -> bool:
 class Session:
     """A run's mesh and directory (see the module docstring). Collective: every rank constructs it
     with the same configuration. run_dir: a claimed RunDirectory (the command line claims it before
-    Hydra writes), a path, or None (outputs/<date>/<time>); rank 0's is every rank's."""
+    Hydra writes), a path, or None (outputs/<date>/<time>); rank 0's is every rank's. continuing:
+    the run continues from a snapshot named by path (see RunDirectory.claim)."""
 
-    def __init__(self, cfg: Any, run_dir: RunDirectory | str | Path | None = None):
+    def __init__(self, cfg: Any, run_dir: RunDirectory | str | Path | None = None, continuing: bool = False):
+        self.continuing = continuing
         self.cfg = cfg
         self._handlers: list[logging.Handler] = []
         torch.set_num_threads(cfg.threads or _DEFAULT_THREADS)  # set (or restored) per run: a sweep runs several
@@ -69,7 +71,7 @@ class Session:
         if self.mesh.is_main:
             try:
                 claimed = run_dir if isinstance(run_dir, RunDirectory) else RunDirectory.claim(
-                    self.cfg, run_dir, key="run_dir")
+                    self.cfg, run_dir, key="run_dir", continuing=self.continuing)
             except DistzoError as exc:
                 error = exc
         claimed, error = self.mesh.broadcast_object((claimed, error))

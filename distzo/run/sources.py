@@ -47,24 +47,29 @@ class Sources:
         return self.pins.get(role)
 
 
-def uses_hub(cfg: Any) -> bool:
-    """Whether a configuration names anything on the hub (decided alike on every rank, no request)."""
+def uses_hub(cfg: Any, model: bool = True, data: bool = True) -> bool:
+    """Whether a configuration names anything on the hub (decided alike on every rank, no request):
+    its model and tokenizer (`model`), its data (`data`)."""
     m, t = cfg.model, cfg.task
-    return ((str(m.source) == "local" and hub.is_hub_id(m.path)) or (m.tokenizer not in (None, "smollm2")
-            and hub.is_hub_id(m.tokenizer)) or (t.dataset not in ("trivia",) and hub.is_hub_id(t.path)))
+    return ((model and ((str(m.source) == "local" and hub.is_hub_id(m.path))
+                        or (m.tokenizer not in (None, "smollm2") and hub.is_hub_id(m.tokenizer))))
+            or (data and t.dataset not in ("trivia",) and hub.is_hub_id(t.path)))
 
 
-def fetch_sources(cfg: Any, mesh: Mesh, recorded: Sources | None = None) -> Sources:
+def fetch_sources(cfg: Any, mesh: Mesh, recorded: Sources | None = None, *, model: bool = True,
+                  data: bool = True) -> Sources:
     """Resolve, fetch (once per node) and pin what `cfg` names on the hub; collective. recorded: the
     pins of an earlier run of this configuration (resume, eval.run), read instead of a branch's
-    current commit. Raises HubError (the same line on every rank)."""
-    if not uses_hub(cfg):
+    current commit. model / data: whether the run reads the configuration's model and tokenizer, its
+    data (not where you hand over your own). Raises HubError (the same line on every rank)."""
+    if not uses_hub(cfg, model, data):
         return Sources()
     recorded = recorded or Sources()
     plan, error = None, None
     if mesh.is_main:
         try:
-            plan = [*model_fetches(cfg.model, recorded.pins), dataset_fetch(cfg.task, recorded.get("dataset"))]
+            plan = [*(model_fetches(cfg.model, recorded.pins) if model else []),
+                    dataset_fetch(cfg.task, recorded.get("dataset")) if data else None]
             plan = [f for f in plan if f is not None]
         except DistzoError as exc:
             error = exc

@@ -19,7 +19,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -31,6 +31,7 @@ from ..state.resume import (
     catch_up,
     check_identity,
     find_resume_point,
+    resume_point_at,
     run_identity,
     truncate_logs,
 )
@@ -71,8 +72,9 @@ class StepOutcome:
     coefficients: tuple = ()  # what the update applied (the optimizer's view of the estimate)
 
 
-def zo_step(c: Components, step: int) -> StepOutcome:
-    """One ZO step on the mesh; every rank returns the same outcome."""
+def zo_step(c: Components, step: int, lr_at: Callable[[int], float] | None = None) -> StepOutcome:
+    """One ZO step on the mesh; every rank returns the same outcome. lr_at: the learning rate of a
+    step (default: the configuration's schedule, `optim.schedule`)."""
     cfg, mesh, engine, estimator = c.cfg, c.mesh, c.engine, c.estimator
     batch = c.task.train_batch(c.sampler.indices(step))                     # the global batch
     shard = batch.shard(mesh.data_rank, mesh.shape.data)                     # my data shard
@@ -88,7 +90,8 @@ def zo_step(c: Components, step: int) -> StepOutcome:
     with c.timers("comm"):
         sums = mesh.exchange(local)                                          # global, on every rank
     losses = sums[:, 0] / sums[:, 1]
-    lr = learning_rate(step, cfg.optim.lr, cfg.steps, cfg.optim.schedule, cfg.optim.warmup_steps)
+    lr = (lr_at(step) if lr_at is not None
+          else learning_rate(step, cfg.optim.lr, cfg.steps, cfg.optim.schedule, cfg.optim.warmup_steps))
     if not torch.isfinite(losses).all():                                     # skip, never update
         return StepOutcome(batch, losses, None, lr)
     result = estimator.combine(losses)                                       # projected gradients
@@ -129,7 +132,10 @@ class Trainer:
     run_dir: where the run writes (default outputs/<date>/<time>; rank 0's is every rank's).
     model / tokenizer / task: your own transformers model and tokenizer, and a task built on them
     (`distzo.PromptTask`), instead of those the configuration names. callbacks: `distzo.Callback`s.
-    validate: check the configuration first (the command line has checked it already).
+    validate: check the configuration first (the command line has checked it already). lr_at: each
+    step's learning rate, in place of `optim.schedule` (a transformers scheduler's, say).
+    resume_from: a snapshot folder (`<run>/checkpoints/step-N`) to continue from at its step, its
+    weights and optimizer state, whatever resume= says (the logs after it are cut off).
 
     `fit()` runs the loop to `cfg.steps` (evaluations, snapshots, replica checks on their cadences,
     a graceful stop on SIGTERM / SIGUSR1 / SIGINT; a callback may end it early by setting
@@ -139,12 +145,13 @@ class Trainer:
 
     def __init__(self, cfg, run_dir: str | Path | RunDirectory | None = None, *,
                  model: torch.nn.Module | None = None, tokenizer: Any = None, task: PromptTask | None = None,
-                 callbacks: Sequence[Callback] = (), validate_config: bool = True):
+                 callbacks: Sequence[Callback] = (), validate_config: bool = True,
+                 lr_at: Callable[[int], float] | None = None, resume_from: str | Path | None = None):
         if validate_config:
             validate(cfg)
-        self.cfg = cfg
+        self.cfg, self.lr_at, self.resume_from = cfg, lr_at, resume_from
         self.callbacks = CallbackList(callbacks)
-        self.session = Session(cfg, run_dir)
+        self.session = Session(cfg, run_dir, continuing=resume_from is not None)
         self.mesh, self.run_dir = self.session.mesh, self.session.run_dir
         self.components: Components | None = None
         try:
@@ -157,11 +164,15 @@ class Trainer:
         """Everything the loop needs; with resume=auto, the weights and logs of the step an
         interrupted run reached (its newest snapshot, then the steps logged after it, re-applied)."""
         cfg, mesh, run_dir = self.cfg, self.mesh, self.run_dir
-        point = find_resume_point(cfg, run_dir, mesh)
+        if self.resume_from is not None:
+            point = mesh.broadcast_object(resume_point_at(cfg, Path(self.resume_from)) if mesh.is_main else None)
+        else:
+            point = find_resume_point(cfg, run_dir, mesh)
         self.seed = self.session.seed(check_identity(cfg, point.snapshot or str(run_dir), point.identity)
                                       if point is not None else None)
         # The hub commits the run read before it was interrupted, not a branch's newer one.
-        sources = fetch_sources(cfg, mesh, Sources.from_record(point.identity.get("sources")) if point else None)
+        sources = fetch_sources(cfg, mesh, Sources.from_record(point.identity.get("sources")) if point else None,
+                                model=model is None, data=task is None)
         self.components = c = build_components(cfg, mesh, self.seed, point.weights() if point is not None else None,
                                                model=model, tokenizer=tokenizer, task=task,
                                                optimizer_state=point.optimizer_state() if point is not None else None,
@@ -228,7 +239,7 @@ class Trainer:
         c, step = self.components, self.step_count
         moved_before = c.engine.transfer_stats()
         started = time.perf_counter()
-        out = zo_step(c, step)                        # batch, plan, forwards, exchange, update
+        out = zo_step(c, step, self.lr_at)            # batch, plan, forwards, exchange, update
         step_time = time.perf_counter() - started
         self.step_count = step + 1
         if out.result is None:                        # non-finite losses: skipped, weights unchanged
@@ -249,10 +260,11 @@ class Trainer:
         self.callbacks.on_evaluate(self, split, result)
         return result
 
-    def snapshot(self) -> Path | None:
+    def snapshot(self, folder: str | Path | None = None) -> Path | None:
         """A snapshot of the weights after the steps done (what resume=auto continues from); its path
-        on rank 0. Collective."""
-        path = self.checkpoints.save(self.components.engine, self.step_count, self._nonfinite)
+        on rank 0. folder: write it there (what `resume_from` continues from) instead of among the
+        run's snapshots. Collective."""
+        path = self.checkpoints.save(self.components.engine, self.step_count, self._nonfinite, folder)
         self.callbacks.on_snapshot(self, self.step_count, path)
         return path
 

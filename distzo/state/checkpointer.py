@@ -11,7 +11,7 @@ from ..engine import Engine
 from ..parallel.mesh import Mesh
 from ..telemetry.jsonl import JsonlWriter
 from .resume import RUN_FILE
-from .snapshots import atomic_write_json, write_snapshot
+from .snapshots import atomic_write_json, write_snapshot, write_snapshot_to
 
 log = logging.getLogger("distzo")
 
@@ -32,15 +32,20 @@ class Checkpointer:
     def due(self, step: int) -> bool:
         return bool(self.every) and step % self.every == 0
 
-    def save(self, engine: Engine, step: int, nonfinite_in_a_row: int) -> Path | None:
+    def save(self, engine: Engine, step: int, nonfinite_in_a_row: int, folder: Path | None = None) -> Path | None:
         """A snapshot of the weights (and the optimizer's state) after `step` (every rank calls it:
-        the engine materialises them together); returns its path on rank 0."""
+        the engine materialises them together); returns its path on rank 0. folder: where (default
+        <run_dir>/checkpoints/step-N, pruned to the newest `keep`)."""
         with engine.materialized() as weights:
             if not self.mesh.is_main:
                 return None
             self.trajectory.sync()
             state = dict(self.identity, nonfinite_in_a_row=nonfinite_in_a_row, pending_update=None)
-            path = write_snapshot(self.run_dir, step, {p.name: p.tensor for p in weights.params}, state,
-                                  self.keep, optimizer_state=engine.optimizer_state())
+            tensors = {p.name: p.tensor for p in weights.params}
+            if folder is None:
+                path = write_snapshot(self.run_dir, step, tensors, state, self.keep,
+                                      optimizer_state=engine.optimizer_state())
+            else:
+                path = write_snapshot_to(Path(folder), step, tensors, state, optimizer_state=engine.optimizer_state())
         log.info("Snapshot at step %d: %s", step, path)
         return path

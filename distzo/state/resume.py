@@ -35,6 +35,7 @@ from ..zo.estimators import estimator_type
 from ..zo.optimizers import OPTIMIZERS, optimizer_type
 from .runs import RUN_FILE
 from .snapshots import (
+    CorruptSnapshot,
     list_snapshots,
     newest_valid_snapshot,
     read_optimizer_state,
@@ -44,6 +45,11 @@ from .snapshots import (
 
 log = logging.getLogger("distzo")
 
+
+
+# What a snapshot records of the run that wrote it (run_identity's keys).
+IDENTITY_KEYS = ("seed", "directions_version", "distribution", "device_type", "gaussian_generator", "mesh",
+                 "config_fingerprint", "sources")
 
 
 class ResumeError(DistzoError):
@@ -169,6 +175,19 @@ def find_resume_point(cfg, run_dir: Path, mesh: Mesh) -> ResumePoint | None:
     return mesh.broadcast_object(found)
 
 
+def resume_point_at(cfg, snapshot: Path) -> ResumePoint:
+    """Where a run continues from an explicit snapshot folder (its weights, optimizer state and step),
+    whatever was logged after it. Raises ResumeError for a snapshot that `cfg` cannot continue."""
+    try:
+        _, state = read_snapshot(snapshot)
+    except CorruptSnapshot as exc:
+        raise ResumeError(f"cannot resume from {snapshot}: {exc}") from None
+    point = ResumePoint({k: state.get(k) for k in IDENTITY_KEYS}, str(snapshot), int(state["step"]),
+                        int(state.get("nonfinite_in_a_row", 0)))
+    check_identity(cfg, str(snapshot), point.identity)
+    return point
+
+
 def _resume_point(cfg, run_dir: Path, device: torch.device) -> ResumePoint | None:
     for stale in snapshots_dir(run_dir).glob(".step-*.tmp-*"):  # a snapshot whose writer died
         log.warning("Removing an unfinished snapshot %s", stale)
@@ -177,8 +196,7 @@ def _resume_point(cfg, run_dir: Path, device: torch.device) -> ResumePoint | Non
     identity_file = run_dir / RUN_FILE
     if newest is not None:
         path, _, state = newest
-        point = ResumePoint({k: state.get(k) for k in ("seed", "directions_version", "distribution", "device_type",
-                                                       "gaussian_generator", "mesh", "config_fingerprint", "sources")},
+        point = ResumePoint({k: state.get(k) for k in IDENTITY_KEYS},
                             str(path), int(state["step"]), int(state.get("nonfinite_in_a_row", 0)))
     elif identity_file.is_file():
         try:

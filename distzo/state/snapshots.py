@@ -95,12 +95,22 @@ OPTIMIZER_FILE = "optimizer.safetensors"
 
 def write_snapshot(run_dir: Path, step: int, tensors: dict[str, torch.Tensor], state: dict[str, Any],
                    keep: int, optimizer_state: dict[str, torch.Tensor] | None = None) -> Path:
-    """Write a snapshot atomically and prune to the newest `keep`. optimizer_state: the optimizer's
-    state tensors (none for sgd), in `optimizer.safetensors`."""
+    """Write a snapshot atomically into <run_dir>/checkpoints/step-N and prune to the newest `keep`.
+    optimizer_state: the optimizer's state tensors (none for sgd), in `optimizer.safetensors`."""
     root = snapshots_dir(run_dir)
+    final = write_snapshot_to(root / f"step-{step:08d}", step, tensors, state, optimizer_state)
+    for old in list_snapshots(run_dir)[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def write_snapshot_to(final: Path, step: int, tensors: dict[str, torch.Tensor], state: dict[str, Any],
+                      optimizer_state: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write a snapshot atomically as the folder `final` (its files written beside it first, then
+    renamed into place), replacing an older one there."""
+    root = final.parent
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step-{step:08d}"
-    tmp = root / f".step-{step:08d}.tmp-{os.getpid()}"
+    tmp = root / f".{final.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     cpu = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
@@ -122,8 +132,6 @@ def write_snapshot(run_dir: Path, step: int, tensors: dict[str, torch.Tensor], s
         shutil.rmtree(final)
     os.replace(tmp, final)
     _fsync_dir(root)
-    for old in list_snapshots(run_dir)[:-keep] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
     return final
 
 

@@ -32,6 +32,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def torchrun_script(nproc: int, script: str | Path, *args: str, cwd: Path | None = None, timeout: float = 600,
+                    env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """The equivalent of `torchrun --standalone --nproc-per-node N SCRIPT ARGS` (a script of your
+    own, such as a transformers Trainer script), its ranks forked from the preloaded server."""
+    return run_forked(nproc, ["--script", str(script), *args], cwd=cwd, timeout=timeout, env=env)
+
+
 def torchrun(nproc: int, *args: str, cwd: Path | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
     """The equivalent of `torchrun --standalone --nproc-per-node N -m distzo train ARGS` (plain python
     for N=1), its workers forked from the preloaded server (see the module docstring)."""
@@ -47,7 +54,8 @@ def spawn_env(rank: int, world: int, port: int) -> None:
 # --- forked runs ------------------------------------------------------------------------------------
 
 PRELOAD = ["distzo.__main__", "distzo.run.training", "distzo.run.bench", "distzo.run.replay", "distzo.run.checks",
-           "transformers", "transformers.models.llama.modeling_llama", "transformers.models.opt.modeling_opt",
+           "transformers", "transformers.trainer", "distzo.hf.trainer",
+           "transformers.models.llama.modeling_llama", "transformers.models.opt.modeling_opt",
            "transformers.models.qwen2.modeling_qwen2"]
 _server_lock = threading.Lock()
 _context = None
@@ -85,11 +93,17 @@ def _worker(argv: list[str], env: dict[str, str], cwd: str, out: str, err: str) 
     sys.stdout = open(1, "w", buffering=1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False)
     sys.argv = ["distzo", *argv]
-    from distzo.cli.main import main
-
     code = 0
     try:
-        main(argv)
+        if argv and argv[0] == "--script":  # a Python script of the user's, as `torchrun script.py ARGS` runs it
+            import runpy
+
+            sys.argv = argv[1:]
+            runpy.run_path(argv[1], run_name="__main__")
+        else:
+            from distzo.cli.main import main
+
+            main(argv)
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except BaseException:

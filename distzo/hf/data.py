@@ -1,0 +1,90 @@
+"""A transformers Trainer's data as a distzo task: tokenized examples with `labels` (-100 masked),
+collated by the Trainer's data collator, become batches of the scoring contract
+(`distzo.data.batches`), so distzo's engine trains on exactly what transformers' causal-LM loss reads.
+
+Example i of a collated batch is the sequence of its real tokens (where `attention_mask` is 1; all
+of them without one); every position t whose next label is not -100 is scored with target
+labels[t + 1], one unit per example, readout `tokens`. The loss over a (global) batch is then the
+summed token NLL over its count, transformers' token mean: the shift and the -100 mask of
+`LlamaForCausalLM(labels=...)`, computed without padding."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+from ..data.batches import Batch, Scores
+from ..data.batches import TokenSequence as Seq
+from ..data.objectives import objective_sums
+
+IGNORE = -100  # transformers' label for a token that is not scored
+
+SPLITS = ("train", "validation", "test")
+
+
+class TrainerDataTask:
+    """The task interface the training driver uses (`size`, `train_batch`, `batches`,
+    `objective_sums`, `describe`) over a Trainer's datasets and collator. `kind` is generation and
+    nothing is decoded: evaluation by distzo reports the token loss and perplexity (a Trainer's
+    evaluation runs its own loop and `compute_metrics`)."""
+
+    kind = "generation"
+    decodes = False
+    name = "trainer data"
+
+    def __init__(self, train_dataset: Any, eval_dataset: Any, collator: Callable[[list], dict], pad_id: int,
+                 describe_as: str = "the Trainer's train_dataset"):
+        held_out = eval_dataset if eval_dataset is not None else []
+        self.datasets = {"train": train_dataset, "validation": held_out, "test": held_out}
+        self.collator, self.pad_id, self.origin = collator, pad_id, describe_as
+        self.label_ids = None
+
+    def size(self, split: str) -> int:
+        return len(self.datasets[split])
+
+    def batch(self, split: str, indices: Sequence[int]) -> Batch:
+        """Examples `indices` of a split, collated as the Trainer collates them, as one Batch."""
+        data = self.datasets[split]
+        rows = [data[int(i)] for i in indices]
+        collated = self.collator(rows)
+        ids = _tensor(collated, "input_ids")
+        labels = collated.get("labels")
+        labels = _tensor(collated, "labels") if labels is not None else ids.masked_fill(_mask(collated, ids) == 0, IGNORE)
+        mask = _mask(collated, ids)
+        sequences = []
+        for e in range(ids.shape[0]):
+            real = mask[e].nonzero().view(-1)
+            tokens = ids[e, real].tolist()
+            targets_at = labels[e, real].tolist()
+            scored = [t for t in range(len(tokens) - 1) if targets_at[t + 1] != IGNORE]
+            sequences.append(Seq(tuple(tokens), (), tuple(scored), tuple(targets_at[t + 1] for t in scored),
+                                 (e,) * len(scored)))
+        n = len(rows)
+        return Batch(sequences, list(range(n)), list(range(n)), torch.zeros(n, dtype=torch.long), None, self.pad_id,
+                     "tokens")
+
+    def train_batch(self, indices: Sequence[int]) -> Batch:
+        return self.batch("train", indices)
+
+    def batches(self, split: str, batch_size: int) -> Iterator[Batch]:
+        n = self.size(split)
+        for lo in range(0, n, batch_size):
+            yield self.batch(split, range(lo, min(lo + batch_size, n)))
+
+    def objective_sums(self, scores: Scores, batch: Batch, objective: str) -> torch.Tensor:
+        return objective_sums(scores, batch, objective)
+
+    def describe(self) -> str:
+        return (f"Task: {self.size('train')} tokenized training examples from {self.origin}, trained on the token "
+                "loss of their labels (transformers' causal-LM loss)")
+
+
+def _tensor(collated: dict, key: str) -> torch.Tensor:
+    value = collated[key]
+    return value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
+
+
+def _mask(collated: dict, ids: torch.Tensor) -> torch.Tensor:
+    mask = collated.get("attention_mask")
+    return torch.ones_like(ids) if mask is None else _tensor(collated, "attention_mask")

@@ -1,0 +1,378 @@
+"""transformers' Trainer and TRL's SFTTrainer, with their training loop run by distzo's engine.
+
+`ZOTrainer` is a `transformers.Trainer`: constructed, configured (`TrainingArguments`), evaluated
+(`evaluate`, `predict`, `compute_metrics`), saved (`save_model`) and called back (`TrainerCallback`)
+as a Trainer is. Only its inner training loop differs: each optimizer step is a ZO step of distzo's
+engine (distzo.Trainer.step: the estimator's forward probes, the loss exchange over the mesh, the
+optimizer's rule), with the same estimators, optimizers, offloading and P x D mesh as `distzo train`,
+on the Trainer's own datasets and collator (`distzo.hf.data.TrainerDataTask`). `ZOSFTTrainer` is
+the same loop on TRL's `SFTTrainer`, which prepares TRL's dataset formats (text, prompt/completion,
+messages) and its completion-only labels. docs/hf.md maps every argument.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import DistzoError
+from .data import TrainerDataTask
+
+ZO_STATE = "zo_state"  # a Trainer checkpoint's folder holding distzo's snapshot of that step
+ZO_RUN = "zo"  # distzo's own run files (metrics.jsonl, trajectory.jsonl, run.json) under output_dir
+
+
+class ZOTrainerError(DistzoError):
+    """A Trainer setting that a ZO loop cannot honour; the message says which and what to do."""
+
+
+@dataclass
+class ZOArguments:
+    """The zeroth-order settings, with distzo's defaults (docs/hf.md): the rest comes from
+    `TrainingArguments`.
+
+    estimator: mezo (SPSA), prge (batched LoRA-FA probes) or agzo; eps: the perturbation scale; q:
+    directions per step; difference: central or forward; distribution: gaussian or rademacher.
+    optimizer: sgd, momentum, adam, sign, fzoo (or one registered with DISTZO_PLUGINS), with
+    `momentum` (mu) and `adam_betas` / `adam_eps`. offload: none or cpu (ZO2: blocks in host
+    memory); mesh: P x D over the launched processes (null: 1 x world size). device: auto, cpu or
+    cuda. overrides: any further distzo setting, as `key=value` strings (`engine.compute=bf16`)."""
+
+    estimator: str = "mezo"
+    eps: float = 1e-3
+    q: int = 1
+    difference: str = "central"
+    distribution: str = "gaussian"
+    optimizer: str = "sgd"
+    momentum: float = 0.9
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = 1e-8
+    offload: str = "none"
+    mesh: str | None = None
+    device: str = "auto"
+    overrides: list[str] = field(default_factory=list)
+
+
+def _refuse_what_cannot_apply(args: Any, optimizers: Any, optimizer_cls_and_kwargs: Any) -> None:
+    """One line for each Trainer feature a ZO loop cannot honour (rather than ignoring it)."""
+    if getattr(args, "deepspeed", None):
+        raise ZOTrainerError("deepspeed shards gradients and optimizer states, and a ZO step has neither; drop "
+                             "TrainingArguments(deepspeed=...) (distzo's offload='cpu' keeps the weights in host "
+                             "memory instead)")
+    if getattr(args, "fsdp", None) or getattr(args, "fsdp_config", None) and args.fsdp_config.get("fsdp_version"):
+        raise ZOTrainerError("fsdp shards the model for first-order training; drop TrainingArguments(fsdp=...) "
+                             "(ZO runs on a P x D mesh of replicas: ZOArguments(mesh=...), offload='cpu' for memory)")
+    if getattr(args, "torch_compile", False):
+        raise ZOTrainerError("torch_compile compiles the stock forward, and distzo's engine runs the model's layers "
+                             "itself; drop TrainingArguments(torch_compile=True)")
+    if getattr(args, "packing", False):
+        raise ZOTrainerError("SFTConfig(packing=True) packs several examples into one row that only TRL's padding-free "
+                             "attention keeps apart, and distzo scores a row as one sequence; set packing=False")
+    if getattr(args, "load_best_model_at_end", False):
+        raise ZOTrainerError("load_best_model_at_end is not supported by ZOTrainer: drop it and load the checkpoint "
+                             "you choose with from_pretrained (each checkpoint-N/ holds the model, and trainer_state.json "
+                             "its evaluations)")
+    if getattr(args, "fp16", False):
+        raise ZOTrainerError("fp16 mixed precision scales gradients, which a ZO step has none of, and distzo's engine "
+                             "computes in fp32, tf32 or bf16; use TrainingArguments(bf16=True) instead of fp16=True")
+    if optimizers is not None and any(o is not None for o in optimizers) or optimizer_cls_and_kwargs is not None:
+        raise ZOTrainerError("a torch optimizer or scheduler cannot apply to a ZO step, which has no gradients; drop "
+                             "optimizers=... and set ZOArguments(optimizer=sgd|momentum|adam|sign|fzoo) and "
+                             "TrainingArguments(lr_scheduler_type=...)")
+
+
+def _every(steps_or_ratio: float, steps: int) -> int:
+    """A Trainer cadence in steps: an int, or a fraction of the run (TrainingArguments' < 1)."""
+    return max(1, math.ceil(steps_or_ratio * steps) if steps_or_ratio < 1 else int(steps_or_ratio))
+
+
+def _compute(args: Any) -> str:
+    """distzo's engine.compute for the Trainer's precision flags: bf16 and tf32 as transformers means
+    them (the forward's arithmetic), the weights kept in the model's dtype."""
+    if getattr(args, "bf16", False):
+        return "bf16"
+    return "tf32" if getattr(args, "tf32", None) else "fp32"
+
+
+class ZOLoop:
+    """The training loop both trainers share (mixed into transformers' Trainer and TRL's SFTTrainer)."""
+
+    def _zo_init(self, zo_args: ZOArguments | None) -> None:
+        self.zo_args = zo_args or ZOArguments()
+        self.zo = None  # the distzo.Trainer while training runs
+
+    # --- distzo's configuration from the Trainer's ------------------------------------------------
+
+    def zo_mesh(self) -> str:
+        """P x D: ZOArguments.mesh, else 1 x the processes torchrun (or srun) launched."""
+        from ..parallel.launch_env import launched_world_size
+
+        return self.zo_args.mesh or f"1x{launched_world_size()}"
+
+    def zo_global_batch(self) -> int:
+        """per_device_train_batch_size x gradient_accumulation_steps x D (docs/hf.md)."""
+        data = int(self.zo_mesh().lower().split("x")[1])
+        return self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps * data
+
+    def zo_max_steps(self, n_train: int) -> int:
+        if self.args.max_steps and self.args.max_steps > 0:
+            return int(self.args.max_steps)
+        per_epoch = max(1, math.ceil(n_train / self.zo_global_batch()))
+        return int(math.ceil(self.args.num_train_epochs * per_epoch))
+
+    def zo_config(self, steps: int):
+        """The distzo configuration of this run (what `distzo.train` would be given)."""
+        import distzo
+
+        a, z = self.args, self.zo_args
+        lr_schedule = str(getattr(a.lr_scheduler_type, "value", a.lr_scheduler_type))
+        overrides = [
+            "model=hf", f"estimator={z.estimator}", f"estimator.eps={z.eps}", f"estimator.q={z.q}",
+            f"estimator.difference={z.difference}", f"estimator.distribution={z.distribution}",
+            f"optim.name={z.optimizer}", f"optim.lr={a.learning_rate}", f"optim.weight_decay={a.weight_decay}",
+            f"optim.momentum.mu={z.momentum}", f"optim.adam.beta1={z.adam_betas[0]}",
+            f"optim.adam.beta2={z.adam_betas[1]}", f"optim.adam.eps={z.adam_eps}",
+            f"optim.schedule={'linear' if lr_schedule == 'linear' else 'constant'}",
+            f"optim.warmup_steps={a.get_warmup_steps(steps)}", f"offload={z.offload}", f"mesh={self.zo_mesh()}",
+            f"engine.compute={_compute(a)}", f"device={z.device}", f"steps={steps}", f"batch_size={self.zo_global_batch()}",
+            f"micro_batch_size={a.per_device_train_batch_size}", f"seed={a.seed}", "eval_every=0",
+            f"log_every={_every(a.logging_steps, steps)}", "checkpoint.every=0",
+            "save_final=false", "task=custom", "task.kind=generation",
+            "replica_check_every=0", *z.overrides]
+        return distzo.compose(*overrides, validate=False)
+
+    def zo_lr_at(self, steps: int):
+        """Each step's learning rate, as transformers' scheduler of `lr_scheduler_type` (with its
+        warm-up) gives it to a torch optimizer; None where distzo's own schedule computes the same."""
+        from transformers import get_scheduler
+
+        holder = torch.nn.Parameter(torch.zeros(1))
+        dummy = torch.optim.SGD([holder], lr=self.args.learning_rate)
+        scheduler = get_scheduler(self.args.lr_scheduler_type, dummy, num_warmup_steps=self.args.get_warmup_steps(steps),
+                                  num_training_steps=steps, scheduler_specific_kwargs=self.args.lr_scheduler_kwargs)
+        rates = []
+        for _ in range(steps):
+            rates.append(float(dummy.param_groups[0]["lr"]))
+            dummy.step()
+            scheduler.step()
+        return lambda step: rates[min(step, len(rates) - 1)]
+
+    def zo_task(self) -> TrainerDataTask:
+        """The Trainer's training data as the engine reads it: its columns and collator as Trainer's
+        own training DataLoader has them (the model's unused columns removed), examples drawn by
+        distzo's sampler (docs/hf.md)."""
+        dataset, collator = self.train_dataset, self.data_collator
+        if dataset is None:
+            raise ZOTrainerError("ZOTrainer.train() needs a train_dataset (tokenized examples with input_ids, and "
+                                 "labels or a collator that makes them)")
+        try:
+            import datasets
+        except ImportError:  # pragma: no cover - datasets is a distzo dependency
+            datasets = None
+        if datasets is not None and isinstance(dataset, datasets.Dataset):
+            dataset = self._remove_unused_columns(dataset, description="training")
+        else:
+            collator = self._get_collator_with_removed_columns(collator, description="training")
+        return TrainerDataTask(dataset, self.eval_dataset, collator,
+                               getattr(self.processing_class, "pad_token_id", None) or 0)
+
+    def _zo_check(self, cfg) -> None:
+        from ..config.validation import check_values
+        from ..zo.estimators import estimator_type
+        from ..zo.optimizers import check_optim
+
+        check_values(cfg)
+        check_optim(cfg)
+        estimator_type(cfg.estimator.name).check_config(cfg.estimator, str(cfg.peft.method))
+
+    # --- the loop ----------------------------------------------------------------------------------
+
+    def _inner_training_loop(self, batch_size=None, args=None, resume_from_checkpoint=None, trial=None,
+                             ignore_keys_for_eval=None):
+        from transformers.trainer_callback import ExportableState, TrainerState
+        from transformers.trainer_utils import TrainOutput
+
+        import distzo
+
+        args = self.args
+        task = self.zo_task()
+        steps = self.zo_max_steps(task.size("train"))
+        cfg = self.zo_config(steps)
+        self._zo_check(cfg)
+        self.state = TrainerState(stateful_callbacks=[cb for cb in self.callback_handler.callbacks + [self.control]
+                                                      if isinstance(cb, ExportableState)])
+        self.state.is_hyper_param_search = trial is not None
+        self.state.train_batch_size = self.zo_global_batch()
+        self.state.compute_steps(args, steps)
+        snapshot = None
+        if resume_from_checkpoint is not None:
+            snapshot = Path(resume_from_checkpoint) / ZO_STATE
+            if not snapshot.is_dir():
+                raise ZOTrainerError(f"{resume_from_checkpoint} has no {ZO_STATE}/ (distzo's state of that step): it "
+                                     "was not written by a ZOTrainer; resume from one of its own checkpoints")
+            self.state = TrainerState.load_from_json(str(Path(resume_from_checkpoint) / "trainer_state.json"))
+        run_dir = Path(args.output_dir) / ZO_RUN
+        model = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model  # PEFT
+        zo = distzo.Trainer(cfg, run_dir=run_dir, model=model, tokenizer=self.processing_class, task=task,
+                            validate_config=False, lr_at=self.zo_lr_at(steps), resume_from=snapshot)
+        self.zo = zo
+        try:
+            return self._zo_loop(zo, steps, task, ignore_keys_for_eval, TrainOutput)
+        finally:
+            zo.close()
+            self.zo = None
+
+    def _zo_loop(self, zo, steps: int, task: TrainerDataTask, ignore_keys_for_eval, TrainOutput):
+        """Trainer's flow around distzo's steps: the callbacks' events in Trainer's order, and logs,
+        evaluations and checkpoints where the callbacks' control asks for them (DefaultFlowCallback
+        turns logging/eval/save strategies into those requests, per step or per epoch)."""
+        args, state, callbacks = self.args, self.state, self.callback_handler
+        start, first_step = time.time(), zo.step_count
+        per_epoch = max(1, math.ceil(task.size("train") / self.zo_global_batch()))
+        state.max_steps, state.num_train_epochs = steps, math.ceil(steps / per_epoch)
+        self.control = callbacks.on_train_begin(args, state, self.control)
+        self._zo_losses = [0.0, 0, 0.0]  # since the last log: sum, count; this session's sum
+        self.control = callbacks.on_epoch_begin(args, state, self.control)
+        while zo.step_count < steps and not self.control.should_training_stop:
+            self.control = callbacks.on_step_begin(args, state, self.control)
+            self.control = callbacks.on_pre_optimizer_step(args, state, self.control)
+            record = zo.step()
+            self.control = callbacks.on_optimizer_step(args, state, self.control)
+            state.global_step, state.epoch = zo.step_count, zo.step_count / per_epoch
+            if not record.skipped:
+                self._zo_losses = [self._zo_losses[0] + record.loss, self._zo_losses[1] + 1,
+                                   self._zo_losses[2] + record.loss]
+            self.control = callbacks.on_step_end(args, state, self.control)
+            self._zo_log_evaluate_save(record, ignore_keys_for_eval)
+            if zo.step_count % per_epoch == 0 or zo.step_count >= steps or self.control.should_training_stop:
+                self.control = callbacks.on_epoch_end(args, state, self.control)
+                self._zo_log_evaluate_save(record, ignore_keys_for_eval)
+                if zo.step_count < steps and not self.control.should_training_stop:
+                    self.control = callbacks.on_epoch_begin(args, state, self.control)
+        with zo.materialized():
+            pass  # the last update reaches the weights the Trainer evaluates and saves
+        runtime, done = time.time() - start, max(1, zo.step_count - first_step)
+        train_loss = self._zo_losses[2] / done
+        metrics = {"train_runtime": round(runtime, 4),
+                   "train_samples_per_second": round(done * self.zo_global_batch() / max(runtime, 1e-9), 3),
+                   "train_steps_per_second": round(done / max(runtime, 1e-9), 3), "train_loss": train_loss,
+                   "epoch": state.epoch}
+        self.log(metrics)
+        self.control = callbacks.on_train_end(args, state, self.control)
+        return TrainOutput(state.global_step, train_loss, metrics)
+
+    def _zo_log_evaluate_save(self, record, ignore_keys_for_eval) -> None:
+        """What the control asks for after a step or an epoch: the mean loss since the last log, an
+        evaluation, a checkpoint (Trainer's _maybe_log_save_evaluate)."""
+        if self.control.should_log:
+            total, count, _ = self._zo_losses
+            self.log({"loss": round(total / max(1, count), 6), "learning_rate": record.lr,
+                      "projected_grad": record.projected_grads[0] if record.projected_grads else 0.0})
+            self._zo_losses[:2] = [0.0, 0]
+            self.control.should_log = False
+        if self.control.should_evaluate:
+            self.evaluate(ignore_keys=ignore_keys_for_eval)  # resets should_evaluate (on_evaluate)
+            self.control.should_evaluate = False
+        if self.control.should_save:
+            self._save_checkpoint(self.model, None)  # on_save resets should_save
+            self.control.should_save = False
+
+    # --- checkpoints in Trainer's layout, with distzo's state ----------------------------------------
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """checkpoint-<step>/: the model or the adapter (`save_model`), trainer_state.json, and
+        distzo's snapshot of the step (`zo_state/`: trainable weights, the optimizer's state, the
+        run's seed; the trajectory is in output_dir/zo/), which `resume_from_checkpoint` continues."""
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        folder = Path(self.args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        snapshot = self.zo.snapshot(folder / ZO_STATE)  # collective: every rank materialises the weights
+        if self.args.should_save:
+            self.save_model(str(folder), _internal_call=True)
+            self.state.save_to_json(str(folder / "trainer_state.json"))
+            if self.args.push_to_hub:
+                self._push_from_checkpoint(str(folder))
+            _rotate(self.args, self.state, self)
+        self.control = self.callback_handler.on_save(self.args, self.state, self.control)
+        return snapshot
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """The model (or a PEFT model's adapter) as Trainer saves it, at the current weights."""
+        if self.zo is not None:
+            with self.zo.materialized():
+                super().save_model(output_dir, _internal_call)
+        else:
+            super().save_model(output_dir, _internal_call)
+
+    def evaluate(self, *a, **kw):
+        """Trainer's evaluation (its loop, `compute_metrics`, `on_evaluate`) at the current weights."""
+        if self.zo is not None:
+            with self.zo.materialized():
+                return super().evaluate(*a, **kw)
+        return super().evaluate(*a, **kw)
+
+    def create_optimizer(self, model=None):
+        return None  # a ZO step has no torch optimizer (distzo's rule updates the weights)
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        return None
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        """distzo's snapshot in the checkpoint restores the weights and the optimizer's state."""
+
+
+def _init_trainer(self, zo_args, kwargs, base_init) -> None:
+    args = kwargs.get("args")
+    _refuse_what_cannot_apply(args, kwargs.get("optimizers"), kwargs.get("optimizer_cls_and_kwargs"))
+    kwargs.pop("optimizers", None)
+    self._zo_init(zo_args)
+    base_init(self, **kwargs)
+
+
+def _make_zo_trainer():
+    from transformers import Trainer
+
+    class ZOTrainer(ZOLoop, Trainer):
+        """`transformers.Trainer` whose training steps are distzo's ZO steps (see the module
+        docstring). Everything a Trainer takes, plus `zo_args` (`ZOArguments`)."""
+
+        def __init__(self, *args, zo_args: ZOArguments | None = None, **kwargs):
+            if args:
+                kwargs.update(zip(("model", "args", "data_collator", "train_dataset", "eval_dataset"), args))
+            _init_trainer(self, zo_args, kwargs, Trainer.__init__)
+
+    ZOTrainer.__module__, ZOTrainer.__qualname__ = "distzo.hf", "ZOTrainer"
+    return ZOTrainer
+
+
+def _make_zo_sft_trainer():
+    from trl import SFTTrainer
+
+    class ZOSFTTrainer(ZOLoop, SFTTrainer):
+        """TRL's `SFTTrainer` (its dataset formats, its completion-only labels, `peft_config`) whose
+        training steps are distzo's ZO steps. Everything an SFTTrainer takes, plus `zo_args`."""
+
+        def __init__(self, *args, zo_args: ZOArguments | None = None, **kwargs):
+            if args:
+                kwargs.update(zip(("model", "args", "data_collator", "train_dataset", "eval_dataset"), args))
+            _init_trainer(self, zo_args, kwargs, SFTTrainer.__init__)
+
+    ZOSFTTrainer.__module__, ZOSFTTrainer.__qualname__ = "distzo.hf", "ZOSFTTrainer"
+    return ZOSFTTrainer
+
+
+def _rotate(args, state, trainer) -> None:
+    """Trainer's save_total_limit: the oldest checkpoints go (the newest and the best stay); by step
+    number, which orders distzo's checkpoints exactly."""
+    try:
+        from transformers.trainer_utils import rotate_checkpoints
+    except ImportError:  # transformers before 5: a Trainer method
+        trainer._rotate_checkpoints(use_mtime=False, output_dir=args.output_dir)
+        return
+    rotate_checkpoints(output_dir=args.output_dir, save_total_limit=args.save_total_limit,
+                       best_model_checkpoint=state.best_model_checkpoint, use_mtime=False)

@@ -1,0 +1,246 @@
+"""transformers' Trainer and TRL's SFTTrainer with distzo's ZO steps (distzo.hf, docs/hf.md): a Trainer
+script from transformers' documentation with `Trainer` swapped for `ZOTrainer` (examples/hf_trainer.py)
+trains, evaluates, saves, calls its callback back and ends with the weights `distzo.train` gives on the
+same data, order and seed; the same script on a 2x2 mesh equals its 1x1 run; ZOSFTTrainer trains a
+LoRA adapter on prompt/completion pairs that PEFT loads back; a Trainer checkpoint resumes bitwise
+after SIGKILL; what cannot apply to a ZO step is refused in one line each."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.distributed.launch import ENV, torchrun_script
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "examples" / "hf_trainer.py"
+SFT_SCRIPT = ROOT / "examples" / "trl_sft.py"
+STEPS = 16
+
+
+def example(path: Path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory) -> Path:
+    """A tiny random Llama saved with the embedded default's tokenizer (what AutoModelForCausalLM and
+    AutoTokenizer load in the script)."""
+    from distzo.models.loading import load_tokenizer, random_model
+
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    tokenizer = load_tokenizer("smollm2")
+    random_model("llama", len(tokenizer), {}, 0, torch.float32).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def trained(model_folder, tmp_path_factory):
+    """The script's run in this process, 1x1."""
+    script = example(SCRIPT)
+    out = tmp_path_factory.mktemp("hf-1x1")
+    counter = script.CountEvents()
+    trainer = script.build(str(model_folder), str(out), STEPS, None, callbacks=[counter])
+    result = trainer.train()
+    final_eval = trainer.evaluate()
+    trainer.save_model(str(out / "final"))
+    return trainer, result, final_eval, counter, out
+
+
+def test_a_trainer_script_trains_evaluates_saves_and_calls_back(trained, model_folder):
+    trainer, result, final_eval, counter, out = trained
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == STEPS // 2 and sum(losses[-2:]) < sum(losses[:2])  # logged every 2 steps; it falls
+    evals = [h for h in trainer.state.log_history if "eval_loss" in h]
+    assert len(evals) == 3 and evals[-1]["eval_loss"] < evals[0]["eval_loss"]  # steps 8, 16, and the call after
+    assert "eval_token_accuracy" in final_eval  # compute_metrics ran on the Trainer's evaluation loop
+    predicted = trainer.predict(trainer.eval_dataset)
+    assert predicted.metrics["test_loss"] == pytest.approx(final_eval["eval_loss"], rel=1e-6)
+    assert predicted.predictions.shape[0] == len(trainer.eval_dataset)
+    assert counter.events == {"train_begin": 1, "step_end": STEPS, "log": STEPS // 2 + 3 + 1, "evaluate": 3,
+                              "train_end": 1}
+    assert result.global_step == STEPS and trainer.state.global_step == STEPS
+    from transformers import AutoModelForCausalLM
+
+    saved = AutoModelForCausalLM.from_pretrained(out / "final")
+    mine = trainer.model.state_dict()
+    assert all(torch.equal(v, mine[k]) for k, v in saved.state_dict().items())
+    start = AutoModelForCausalLM.from_pretrained(model_folder).state_dict()
+    assert max(float((mine[k] - start[k]).abs().max()) for k in start) > 1e-3  # it trained
+
+
+def test_the_weights_are_distzo_trains_on_the_same_data_order_and_seed(trained, model_folder, tmp_path):
+    """distzo.train on the Trainer's datasets and collator (TrainerDataTask), the configuration the
+    ZOTrainer composed and its learning rates: the same operations on the same shapes, so the
+    weights agree bitwise (the Trainer's evaluations in between only read them)."""
+    import distzo
+    from distzo.hf.data import TrainerDataTask
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    trainer = trained[0]
+    tokenizer = AutoTokenizer.from_pretrained(model_folder)
+    task = TrainerDataTask(trainer.train_dataset, trainer.eval_dataset, trainer.data_collator, tokenizer.pad_token_id)
+    model = AutoModelForCausalLM.from_pretrained(model_folder)
+    distzo.train(trainer.zo_config(STEPS), tmp_path / "distzo", model=model, tokenizer=tokenizer, task=task,
+                 validate_config=False, lr_at=trainer.zo_lr_at(STEPS))
+    mine, theirs = trainer.model.state_dict(), model.state_dict()
+    assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
+
+
+def test_the_script_on_a_2x2_mesh_equals_its_1x1_run(trained, model_folder, tmp_path):
+    """torchrun --nproc-per-node 4 examples/hf_trainer.py --mesh 2x2 --accumulation 2: the global
+    batch per_device x accumulation x D is the 1x1 run's (4 x 4 x 1 = 4 x 2 x 2 = 16), its two data
+    ranks each taking half (the P ranks of a shard see the same examples), in micro-batches of the
+    same 4 examples as the 1x1 run's; only the float64 sums of the micro-batches' losses are added
+    in another order, within tests/distributed/test_mesh.py's data-parallel bound, 1e-6."""
+    out = tmp_path / "2x2"
+    r = torchrun_script(4, SCRIPT, "--model", str(model_folder), "--output", str(out), "--steps", str(STEPS),
+                        "--mesh", "2x2", "--accumulation", "2", cwd=tmp_path, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ref = load_file(trained[4] / "final" / "model.safetensors")
+    got = load_file(out / "final" / "model.safetensors")
+    assert ref.keys() == got.keys()
+    assert max(float((ref[k] - got[k]).abs().max()) for k in ref) < 1e-6
+
+
+def test_a_checkpoint_resumes_bitwise_after_sigkill(trained, model_folder, tmp_path):
+    """save_steps=4; the run is killed (SIGKILL) after its checkpoint at step 4 or 8, then
+    `train(resume_from_checkpoint=True)` continues from the last one: the final weights are the
+    uninterrupted run's, bitwise."""
+    out = tmp_path / "killed"
+    args = [sys.executable, str(SCRIPT), "--model", str(model_folder), "--output", str(out), "--steps", str(STEPS),
+            "--save-steps", "4"]
+    proc = subprocess.Popen(args, env={**ENV, "PYTHONPATH": str(ROOT)}, cwd=tmp_path, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    deadline = time.time() + 300
+    while time.time() < deadline and not (out / "checkpoint-4" / "trainer_state.json").exists():
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert (out / "checkpoint-4" / "zo_state" / "weights.safetensors").exists()
+    assert not (out / "final").exists()  # it did not finish
+    r = subprocess.run([*args, "--resume"], env={**ENV, "PYTHONPATH": str(ROOT)}, cwd=tmp_path, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ref = load_file(trained[4] / "final" / "model.safetensors")
+    got = load_file(out / "final" / "model.safetensors")
+    assert all(torch.equal(ref[k], got[k]) for k in ref)
+    # save_total_limit=2: the older checkpoints went, the newest two stay
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-12", "checkpoint-16"]
+
+
+def test_zosfttrainer_trains_a_lora_adapter_that_peft_loads_back(model_folder, tmp_path):
+    """TRL's SFTTrainer on prompt/completion pairs with a LoRA peft_config, its steps ZO: the
+    completion loss falls; the saved adapter loads with PeftModel.from_pretrained and gives the
+    trained model's logits."""
+    script = example(SFT_SCRIPT)
+    trainer = script.build(str(model_folder), str(tmp_path / "sft"), 16)
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert sum(losses[-2:]) < sum(losses[:2])
+    trainer.save_model(str(tmp_path / "sft" / "adapter"))
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_folder), tmp_path / "sft" / "adapter")
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    with torch.no_grad():
+        want = trainer.model(input_ids=ids).logits
+        got = loaded(input_ids=ids).logits
+    assert torch.allclose(want, got, atol=1e-5, rtol=1e-5)
+    trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)  # exactly the adapter trained
+
+
+@pytest.mark.parametrize("args,later,message", [
+    ({"torch_compile": True}, {}, "torch_compile compiles the stock forward"),
+    ({"fsdp": "full_shard"}, {}, "fsdp shards the model for first-order training"),
+    # TrainingArguments itself refuses these without deepspeed / a GPU installed: set as it leaves them
+    ({}, {"deepspeed": "ds_config.json"}, "deepspeed shards gradients and optimizer states"),
+    ({}, {"fp16": True}, "fp16 mixed precision scales gradients"),
+    ({}, {"load_best_model_at_end": True}, "load_best_model_at_end is not supported by ZOTrainer"),
+])
+def test_what_cannot_apply_is_refused_in_one_line(model_folder, tmp_path, args, later, message):
+    from transformers import AutoModelForCausalLM, TrainingArguments
+
+    from distzo.hf import ZOTrainer, ZOTrainerError
+
+    model = AutoModelForCausalLM.from_pretrained(model_folder)
+    training_args = TrainingArguments(output_dir=str(tmp_path), report_to=[], **args)
+    for key, value in later.items():
+        setattr(training_args, key, value)
+    with pytest.raises(ZOTrainerError, match=message):
+        ZOTrainer(model=model, args=training_args, train_dataset=[])
+    with pytest.raises(ZOTrainerError, match="a torch optimizer or scheduler cannot apply to a ZO step"):
+        ZOTrainer(model=model, args=TrainingArguments(output_dir=str(tmp_path), report_to=[]), train_dataset=[],
+                  optimizers=(torch.optim.SGD(model.parameters(), lr=0.1), None))
+
+
+def test_sft_packing_is_refused_in_one_line(model_folder, tmp_path):
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import SFTConfig
+
+    from distzo.hf import ZOSFTTrainer, ZOTrainerError
+
+    with pytest.raises(ZOTrainerError, match=r"packing=True.*set packing=False"):
+        ZOSFTTrainer(model=AutoModelForCausalLM.from_pretrained(model_folder),
+                     args=SFTConfig(output_dir=str(tmp_path), packing=True, bf16=False, report_to=[]),
+                     train_dataset=Dataset.from_dict(FORMATS["text"]),
+                     processing_class=AutoTokenizer.from_pretrained(model_folder))
+
+
+FORMATS = {
+    "text": {"text": ["The capital of France is Paris.", "The capital of Peru is Lima, by the coast."]},
+    "prompt/completion": {"prompt": ["The capital of France is", "The capital of Peru is"],
+                          "completion": [" Paris.", " Lima, by the coast."]},
+    "messages": {"messages": [[{"role": "user", "content": "Capital of France?"},
+                               {"role": "assistant", "content": "Paris."}],
+                              [{"role": "user", "content": "Capital of Peru?"},
+                               {"role": "assistant", "content": "Lima, by the coast."}]]},
+}
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_zo_steps_read_the_loss_trl_computes_for_each_dataset_format(model_folder, tmp_path, fmt):
+    """TRL prepares each of its formats (text; prompt/completion with the completion-only loss;
+    messages through the chat template); the loss distzo's engine evaluates on the prepared data
+    equals the loss TRL's Trainer evaluates on the same data in one batch (transformers' shifted,
+    -100-masked token mean). Only the order of float32 sums differs (distzo scores the real tokens,
+    transformers the padded batch) over a few dozen tokens: a relative 1e-5."""
+    import distzo
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import SFTConfig
+
+    from distzo.hf import ZOSFTTrainer
+    from distzo.hf.data import TrainerDataTask
+
+    tokenizer = AutoTokenizer.from_pretrained(model_folder)
+    model = AutoModelForCausalLM.from_pretrained(model_folder)
+    data = Dataset.from_dict(FORMATS[fmt])
+    args = SFTConfig(output_dir=str(tmp_path / "sft"), max_steps=1, per_device_eval_batch_size=2, report_to=[],
+                     completion_only_loss=fmt == "prompt/completion" or None, max_length=48, bf16=False)
+    trainer = ZOSFTTrainer(model=model, args=args, train_dataset=data, eval_dataset=data, processing_class=tokenizer)
+    theirs = trainer.evaluate()["eval_loss"]
+    task = TrainerDataTask(trainer.train_dataset, trainer.eval_dataset, trainer.data_collator, tokenizer.pad_token_id)
+    with distzo.Trainer(trainer.zo_config(1), tmp_path / "zo", model=model, tokenizer=tokenizer, task=task,
+                        validate_config=False) as zo:
+        mine = zo.evaluate()["loss"]
+    assert mine == pytest.approx(theirs, rel=1e-5)
+    if fmt == "prompt/completion":  # the prompt is not scored
+        labels = trainer.data_collator([trainer.train_dataset[0]])["labels"][0]
+        assert (labels == -100).sum() >= len(tokenizer("The capital of France is")["input_ids"])

@@ -15,8 +15,13 @@ import argparse
 
 import numpy as np
 from datasets import Dataset
-from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForLanguageModeling, TrainerCallback
-from transformers import TrainingArguments
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    DataCollatorForLanguageModeling,
+    TrainerCallback,
+    TrainingArguments,
+)
 
 from distzo.hf import ZOArguments, ZOTrainer  # ZO: instead of `from transformers import Trainer`
 

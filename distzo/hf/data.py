@@ -31,6 +31,7 @@ class TrainerDataTask:
 
     kind = "generation"
     decodes = False
+    scores_candidates = False  # evaluation reports the token loss (and perplexity)
     name = "trainer data"
 
     def __init__(self, train_dataset: Any, eval_dataset: Any, collator: Callable[[list], dict], pad_id: int,
@@ -50,8 +51,8 @@ class TrainerDataTask:
         collated = self.collator(rows)
         ids = _tensor(collated, "input_ids")
         labels = collated.get("labels")
-        labels = _tensor(collated, "labels") if labels is not None else ids.masked_fill(_mask(collated, ids) == 0, IGNORE)
         mask = _mask(collated, ids)
+        labels = _tensor(collated, "labels") if labels is not None else ids.masked_fill(mask == 0, IGNORE)
         sequences = []
         for e in range(ids.shape[0]):
             real = mask[e].nonzero().view(-1)

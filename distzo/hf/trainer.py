@@ -75,7 +75,8 @@ def _refuse_what_cannot_apply(args: Any, optimizers: Any, optimizer_cls_and_kwar
                              "attention keeps apart, and distzo scores a row as one sequence; set packing=False")
     if getattr(args, "load_best_model_at_end", False):
         raise ZOTrainerError("load_best_model_at_end is not supported by ZOTrainer: drop it and load the checkpoint "
-                             "you choose with from_pretrained (each checkpoint-N/ holds the model, and trainer_state.json "
+                             "you choose with from_pretrained (each checkpoint-N/ holds the model, and "
+                             "trainer_state.json "
                              "its evaluations)")
     if getattr(args, "fp16", False):
         raise ZOTrainerError("fp16 mixed precision scales gradients, which a ZO step has none of, and distzo's engine "
@@ -139,7 +140,8 @@ class ZOLoop:
             f"optim.adam.beta2={z.adam_betas[1]}", f"optim.adam.eps={z.adam_eps}",
             f"optim.schedule={'linear' if lr_schedule == 'linear' else 'constant'}",
             f"optim.warmup_steps={a.get_warmup_steps(steps)}", f"offload={z.offload}", f"mesh={self.zo_mesh()}",
-            f"engine.compute={_compute(a)}", f"device={z.device}", f"steps={steps}", f"batch_size={self.zo_global_batch()}",
+            f"engine.compute={_compute(a)}", f"device={z.device}", f"steps={steps}",
+            f"batch_size={self.zo_global_batch()}",
             f"micro_batch_size={a.per_device_train_batch_size}", f"seed={a.seed}", "eval_every=0",
             f"log_every={_every(a.logging_steps, steps)}", "checkpoint.every=0",
             "save_final=false", "task=custom", "task.kind=generation",
@@ -153,7 +155,8 @@ class ZOLoop:
 
         holder = torch.nn.Parameter(torch.zeros(1))
         dummy = torch.optim.SGD([holder], lr=self.args.learning_rate)
-        scheduler = get_scheduler(self.args.lr_scheduler_type, dummy, num_warmup_steps=self.args.get_warmup_steps(steps),
+        scheduler = get_scheduler(self.args.lr_scheduler_type, dummy,
+                                  num_warmup_steps=self.args.get_warmup_steps(steps),
                                   num_training_steps=steps, scheduler_specific_kwargs=self.args.lr_scheduler_kwargs)
         rates = []
         for _ in range(steps):

@@ -86,9 +86,10 @@ def test_the_weights_are_distzo_trains_on_the_same_data_order_and_seed(trained, 
     """distzo.train on the Trainer's datasets and collator (TrainerDataTask), the configuration the
     ZOTrainer composed and its learning rates: the same operations on the same shapes, so the
     weights agree bitwise (the Trainer's evaluations in between only read them)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     import distzo
     from distzo.hf.data import TrainerDataTask
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     trainer = trained[0]
     tokenizer = AutoTokenizer.from_pretrained(model_folder)
@@ -221,11 +222,11 @@ def test_zo_steps_read_the_loss_trl_computes_for_each_dataset_format(model_folde
     equals the loss TRL's Trainer evaluates on the same data in one batch (transformers' shifted,
     -100-masked token mean). Only the order of float32 sums differs (distzo scores the real tokens,
     transformers the padded batch) over a few dozen tokens: a relative 1e-5."""
-    import distzo
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig
 
+    import distzo
     from distzo.hf import ZOSFTTrainer
     from distzo.hf.data import TrainerDataTask
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session's checks in one go (device time is scarce): tests/gpu, then the step-cost benches
-# of BENCHMARKS.md's GPU section on model=llama-1b (resident with MeZO's loop, offloaded, and Adam
-# beside sgd). Each stage has its own time limit, so a hang in one still leaves the others' figures.
+# of BENCHMARKS.md's GPU section on model=llama-1b (resident with MeZO's loop, offloaded, Adam
+# beside sgd, and LoRA on a float32, an int8 and an int4 base). Each stage has its own time limit, so a hang in one still leaves the others' figures.
 #
 #   bash benchmarks/gpu_check.sh OUT_DIR        # writes gpu-tests.log, bench.log, bench-*.json there
 #
@@ -34,4 +34,7 @@ bench() {  # name, then bench overrides
   bench resident
   bench offload offload=cpu bench.reference=false
   bench adam optim.name=adam bench.reference=false
+  bench lora peft=lora bench.reference=false
+  bench lora-int8 peft=lora model.quantize=int8 bench.reference=false
+  bench lora-int4 peft=lora model.quantize=int4 bench.reference=false
 } 2>&1 | tee "$out/bench.log"

@@ -4,7 +4,9 @@ are the user's: distzo sets none of them and honours what is set (distzo.hub).""
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 
 
 def apply_defaults() -> None:
@@ -16,3 +18,31 @@ def apply_defaults() -> None:
     too (libgomp lets an explicit GOMP_SPINCOUNT override it)."""
     if "OMP_WAIT_POLICY" not in os.environ:
         os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+    quiet_known_noise()
+
+
+# Import-time warnings that say nothing about the run. transformers imports torchao whenever it is
+# installed (the `quant` extra, model.quantize); torchao then tries its compiled extensions (CUDA
+# kernels of formats distzo does not use, which a CPU-only torch cannot load) and registers two
+# Enums with torch's pytree the deprecated way. Each is one matched message of one logger.
+NOISE = {
+    "torchao": re.compile(r"Failed to load .*/torchao/_C\w*\.\S*so: |Skipping import of cpp extensions"),
+    "torch.utils._pytree": re.compile(r"<enum '\w+'> is an Enum subclass and is now natively supported"),
+}
+
+
+class _DropMatching(logging.Filter):
+    def __init__(self, pattern: re.Pattern):
+        super().__init__()
+        self.pattern = pattern
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not self.pattern.search(record.getMessage())
+
+
+def quiet_known_noise() -> None:
+    """Drop the messages of NOISE (once per process; every other message of those loggers passes)."""
+    for name, pattern in NOISE.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropMatching) for f in logger.filters):
+            logger.addFilter(_DropMatching(pattern))

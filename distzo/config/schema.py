@@ -57,6 +57,12 @@ class AdapterPath(Choice):
     whole = "whole"
 
 
+class Quantize(Choice):
+    none = "none"
+    int8 = "int8"
+    int4 = "int4"
+
+
 class DType(Choice):
     float32 = "float32"
     float64 = "float64"
@@ -191,6 +197,8 @@ class ModelConfig:
       fallback for a model the general path cannot split), dedicated, general (any transformers
       decoder, read from the stock model's structure) or whole (the fallback: stock forward, every
       parameter perturbed at once, no offloading)
+    quantize: none, int8 or int4 (NF4): the frozen base's linear weights quantized at load
+      (distzo.models.quantize; needs peft=lora, lora_fa or prefix)
     """
 
     name: str = MISSING
@@ -203,6 +211,7 @@ class ModelConfig:
     tokenizer: Optional[str] = None
     dtype: DType = DType.float32
     adapter: AdapterPath = AdapterPath.auto
+    quantize: Quantize = Quantize.none
 
 
 @dataclass

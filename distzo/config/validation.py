@@ -83,6 +83,9 @@ def check_values(cfg: Any) -> None:
         if value not in SWITCH_VALUES:
             raise ConfigError(f"{key}={value!r} is not supported; use one of: {', '.join(SWITCH_VALUES)}")
     pe = cfg.peft
+    if cfg.model.quantize != "none" and pe.method == "none":
+        raise ConfigError(f"model.quantize={cfg.model.quantize} quantizes a frozen base, and peft=none trains every "
+                          "weight of it; add peft=lora (or lora_fa, prefix), or use model.quantize=none")
     if pe.method in ("lora", "lora_fa") and not pe.targets:
         raise ConfigError(f"peft={pe.method} needs at least one target layer name in peft.targets "
                           "(e.g. [q_proj,v_proj])")

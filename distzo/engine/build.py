@@ -9,6 +9,8 @@ needs, and `build_engine`, which picks the mode once from the configuration and 
 | `offload` | `OffloadStore` | none | | offload=cpu with one rank per node, or comm.sliced=false |
 | `offload-sliced` | `SlicedOffloadStore` | none | | offload=cpu with several ranks per node and comm.sliced=true |
 | `stacked-lora` | `ResidentStore` | none | `BatchedProbes` | estimator=prge (P-RGE's batched forward) |
+| `offload-base` | `StreamedBaseStore` | none | `BatchedProbes` with estimator=prge | offload=cpu with peft (adapters resident, the frozen base streamed) |
+| `offload-base-sliced` | `StreamedBaseStore` over the node | none | likewise | the same with several ranks per node and comm.sliced=true |
 
 Each mode is one function here; a new mode is a new store (or division) and one function.
 """  # noqa: E501 (a markdown table above: its rows cannot wrap)
@@ -35,6 +37,7 @@ from .loop import StageLoop
 from .offload import OffloadStore, SlicedOffloadStore
 from .stacked import BatchedProbes
 from .stores import ResidentStore
+from .streamed_base import StreamedBaseStore
 
 
 def resident_engine(model, adapter, params, directions, *, optimizer: Optimizer | None = None, **kwargs) -> StageLoop:
@@ -80,6 +83,18 @@ def stacked_lora_engine(model, adapter, params, directions, *, materialize: bool
     store = ResidentStore(adapter, params, optimizer, directions.device)
     return StageLoop(model, adapter, params, directions, store, batched=BatchedProbes(model, params, materialize),
                      optimizer=optimizer, mode="stacked-lora", **kwargs)
+
+
+def streamed_base_engine(model, adapter, params, directions, *, slots: int = 3, node: Node | None = None,
+                         batched: BatchedProbes | None = None, optimizer: Optimizer | None = None,
+                         **kwargs) -> StageLoop:
+    """Adapters resident, the frozen (possibly quantized) base streamed from host memory, whole or
+    sliced over the node's ranks (engine/streamed_base.py)."""
+    optimizer = optimizer or SGD()
+    store = StreamedBaseStore(model, adapter, params, optimizer, directions.device, slots=slots, node=node)
+    mode = "offload-base-sliced" if node is not None else "offload-base"
+    return StageLoop(model, adapter, params, directions, store, batched=batched, optimizer=optimizer, mode=mode,
+                     **kwargs)
 
 
 def work_division(mesh: Mesh, estimator: Estimator, *, engine: EngineConfig, offload: OffloadConfig,
@@ -132,6 +147,10 @@ def build_engine(mesh: Mesh, model, adapter, params, directions, estimator: Esti
     if resident:
         model.to(directions.device)
         return resident_engine(model, adapter, params, directions, **common)
+    if offload.mode == "cpu" and peft_method != "none":
+        batched = BatchedProbes(model, params, prge.materialize) if estimator.batched else None
+        return streamed_base_engine(model, adapter, params, directions, slots=offload.slots, batched=batched,
+                                    node=mesh.node if comm.sliced and mesh.node.shared else None, **common)
     if offload.mode == "cpu":
         dtype = getattr(torch, offload.transfer_dtype) if offload.transfer_dtype else None
         if comm.sliced and mesh.node.shared:

@@ -85,8 +85,9 @@ class BatchedProbes:
                         stacks[module] = stack_copies(loop.directions, p, plan, step, loop.eps)
                 else:
                     stacks[module] = _on_the_fly(loop.directions, p, plan, step, loop.eps)
-            with stacked_b(stacks):
-                hidden = adapter.block(i, hidden, ctx, clean)
+            # The store hands over the block's frozen tensors where it streams them (offload=cpu).
+            with loop.store.block(i) as block, stacked_b(stacks):
+                hidden = adapter.block(i, hidden, ctx, CleanWeights(loop.model, block.sources))
         hidden = hidden.view(E, R, *hidden.shape[1:])
         return [loop.head(hidden[e], packed, clean) for e in range(E)]
 

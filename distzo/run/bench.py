@@ -263,12 +263,15 @@ def _bench(cfg, c: Components, run_dir: Path) -> dict[str, Any]:
     cuda = device.type == "cuda"
     forward_times, step_times, phases, breakdown_times, solo_times, ref_times = [], [], [], [], [], []
     sgd_times: list[float] = []
+    step_h2d: list[float] = []  # bytes this rank moved host-to-device in each timed step (offloading)
     for untimed, step in rounds:
         materialize(c)  # the forwards alone pay no pending update
         forward_times += forward_baseline(c, [step])
         t_untimed, p_untimed = training_steps(c, [untimed])
+        moved = c.engine.transfer_stats().get("h2d_bytes", 0)
         with c.timers.paused() if cuda else nullcontext():
             t, p = training_steps(c, [step])
+        step_h2d.append(c.engine.transfer_stats().get("h2d_bytes", 0) - moved)
         step_times += t
         phases += p_untimed if cuda else p
         breakdown_times += t_untimed if cuda else t
@@ -310,6 +313,9 @@ def _bench(cfg, c: Components, run_dir: Path) -> dict[str, Any]:
         "peak_memory_bytes": {"inference": inference_peak, "training": training_peak},
         "memory_ratio": round(training_peak / inference_peak, 3) if inference_peak else None,
         "optimizer": optimizer_figures(c, step_times, sgd_times, forward_times),
+        "model_bytes": c.stack.quantized.model_bytes,  # the base's parameters as stored
+        "h2d_bytes_per_step": int(_median(step_h2d)),  # weights streamed to the device by one step (this rank)
+        **c.stack.quantized.summary(),
     }
     result["rounds"] = [  # this rank's (rank 0's) figures per round, for the spread behind each median
         {k: round(v, 9) for k, v in entry.items() if v is not None}
@@ -377,6 +383,12 @@ def report(r: dict[str, Any]) -> str:
         line += (f"; sgd's step {o['sgd_step_time_s']:.3f} s (overhead ratio {o['sgd_overhead_ratio']}), this step "
                  f"x{o['step_over_sgd']} sgd's")
     lines.append(line)
+    if r.get("h2d_bytes_per_step"):
+        lines.append(f"  streamed           {r['h2d_bytes_per_step'] / gib:.3f} GiB host-to-device a step (this rank)")
+    if "quantize" in r:
+        lines.append(f"  quantized base     {r['quantize']}: {r['quantized_layers']} linear layers, "
+                     f"{r['quantized_bytes'] / gib:.3f} GiB ({r['quantized_bytes_ratio']}x their float32 "
+                     f"{r['quantized_float32_bytes'] / gib:.3f} GiB)")
     if "single_rank" in r:
         one = r["single_rank"]
         lines.append(f"  one rank alone     {one['step_time_s']:.3f} s   ({one['tokens_per_s']:.0f} tokens/s); mesh "

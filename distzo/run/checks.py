@@ -33,10 +33,14 @@ def validate(cfg: Any, check_world: bool = True) -> None:
                           f"estimator={e.name} is not supported with it: use estimator=mezo")
     estimator.check_config(e, peft)
     off = cfg.offload
-    if off.mode != "none" and (not estimator.streams_blocks or peft != "none"):
-        what = f"estimator={e.name}" if not estimator.streams_blocks else f"peft={peft}"
-        raise ConfigError(f"offload={off.mode} streams full-parameter blocks for estimator=mezo only; {what} "
-                          "is not supported with offloading yet: use offload=none")
+    if off.mode != "none" and peft == "none" and not estimator.streams_blocks:
+        raise ConfigError(f"offload={off.mode} streams full-parameter blocks for estimator=mezo; estimator={e.name} "
+                          "is not supported with offloading yet: use offload=none (or train adapters, peft=lora, "
+                          "whose frozen base streams with any estimator)")
+    if off.mode != "none" and peft != "none" and off.transfer_dtype is not None:
+        raise ConfigError(f"offload.transfer_dtype narrows full-parameter blocks for the trip, and with peft={peft} "
+                          "the frozen base streams as stored; drop offload.transfer_dtype (model.quantize=int8 or int4 "
+                          "shrinks what streams)")
     try:
         shape = MeshShape.parse(cfg.mesh)
         if check_world:

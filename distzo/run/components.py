@@ -16,6 +16,7 @@ from ..data.tasks import PromptTask, TrainSampler
 from ..engine import Engine, build_engine
 from ..errors import DistzoError
 from ..models import adapter_for, load_model
+from ..models.quantize import QuantizedBase, quantize_base
 from ..parallel.mesh import Mesh
 from ..peft import apply_peft
 from ..telemetry.timing import DISABLED, Timers, WorkClock
@@ -47,6 +48,7 @@ class ModelStack:
     optimizer: Optimizer | None = None
     directions: Directions | None = None  # the step's z (its threads)
     timers: Timers = DISABLED  # the step's phase timers (`bench`)
+    quantized: QuantizedBase = field(default_factory=lambda: QuantizedBase("none"))  # model.quantize's report
 
     def close(self) -> None:
         self.engine.close()
@@ -72,6 +74,7 @@ def build_model_stack(cfg, mesh: Mesh, seed: int, weights: Mapping[str, torch.Te
         model, tokenizer = load_model(cfg.model, sources.pins)
     estimator = build_estimator(cfg.estimator)
     optimizer = build_optimizer(cfg.optim)
+    quantized = quantize_base(model, cfg.model.quantize)  # the frozen base's linear weights, before the adapters
     apply_peft(model, cfg.peft)  # freezes the model and adds the adapter's parameters (peft != none)
     estimator.prepare_model(model)
     params = TrainableParams.from_model(model)
@@ -89,7 +92,8 @@ def build_model_stack(cfg, mesh: Mesh, seed: int, weights: Mapping[str, torch.Te
     if optimizer.slots and optimizer_state is not None:  # a snapshot's (the engine starts from zeros)
         engine.load_optimizer_state(check_optimizer_state(optimizer, params, optimizer_state))
     return ModelStack(model, tokenizer, params, estimator, engine,
-                      estimator.activation_capture(model, params, directions), optimizer, directions, timers)
+                      estimator.activation_capture(model, params, directions), optimizer, directions, timers,
+                      quantized)
 
 
 def check_optimizer_state(optimizer: Optimizer, params: TrainableParams,

@@ -203,6 +203,7 @@ class Trainer:
         self.should_stop = False  # set by a callback, on every rank alike, to end `fit` after this step
         self._progress = Progress("train step", cfg.steps, every_s=15.0, enabled=mesh.is_main)
         self._step_times: list[float] = []
+        self._step_h2d: list[float] = []  # this rank's host-to-device bytes per step (offloading)
         self._loss_ema: float | None = None
         self._describe()
 
@@ -333,8 +334,9 @@ class Trainer:
             "wall_time_s": round(time.time() - wall_start, 1),
             "peak_rss_bytes": peak_rss_bytes(), "peak_mem_bytes": peak_memory_bytes(mesh.device),
             "trainable_parameters": c.params.numel(), **c.sources.revisions(), "offload": str(cfg.offload.mode),
-            **self._host_master_summary(), **self._optimizer_summary(),
+            **self._host_master_summary(), **self._optimizer_summary(), **c.stack.quantized.summary(),
             **c.engine.summary(),
+            **({"h2d_bytes_per_step": int(statistics.median(self._step_h2d))} if self._step_h2d else {}),
             "replica_checksums": replica_checksums,  # every rank's, in rank order: identical (checked)
         })
         for key in ("f1", "perplexity"):  # generation: accuracy is the exact match (None for whole texts)
@@ -437,6 +439,7 @@ class Trainer:
         if not now:
             return {}
         mine = {k: now[k] - before[k] for k in now}
+        self._step_h2d.append(mine["h2d_bytes"])
         h2d_node, d2h_node = self.mesh.node.all_sum([mine["h2d_bytes"], mine["d2h_bytes"]])
         return {"h2d_bytes_per_rank": int(mine["h2d_bytes"]), "d2h_bytes_per_rank": int(mine["d2h_bytes"]),
                 "peer_bytes_per_rank": int(mine["peer_bytes"]), "h2d_bytes_node": int(h2d_node),

@@ -9,7 +9,7 @@ each rank's evaluations in one batched forward) and AGZO (q=3 perturbed evaluati
 mesh, one rank idle; every rank derives the bases from the shared clean forward). Beside them,
 MeZO on models driven other ways (docs/models.md), 1x1 against 2x2: random GPT-2, Gemma 3,
 GPT-NeoX (also with LoRA), Phi-3, Falcon and StableLM on the general path, and the tiny Llama on
-the whole-model fallback.
+the whole-model fallback; LoRA and P-RGE's LoRA-FA on an int8 and an int4 (NF4) quantized base.
 """
 
 from __future__ import annotations
@@ -65,6 +65,12 @@ RUNS = {
     "signum": [*CUE, "estimator=mezo", "estimator.q=2", "optim.name=signum", "optim.lr=1e-3"],
     # an optimizer with state on a trainable set of its own: LoRA-FA's B under P-RGE's batched forward
     "prge-adam": [*CUE, "estimator=prge", "peft=lora_fa", "estimator.q=2", "optim.name=adam", "optim.lr=1e-2"],
+    # adapters on a quantized frozen base (distzo.models.quantize): torchao's int8 and NF4 weights
+    "lora-int8": [*CUE, "peft=lora", "model.quantize=int8", "estimator=mezo", "estimator.q=2", "optim.lr=1e-2",
+                  "estimator.eps=1e-2"],
+    "lora-int4": [*CUE, "peft=lora", "model.quantize=int4", "estimator=mezo", "estimator.q=2", "optim.lr=1e-2",
+                  "estimator.eps=1e-2"],
+    "prge-int4": [*CUE, "estimator=prge", "peft=lora_fa", "model.quantize=int4", "estimator.q=2", "optim.lr=0.5"],
 }
 QA = ["task=custom", "task.kind=generation", "task.template='Q: {question} A:'", "task.max_new_tokens=3"]
 MESHES = ["2x2", "4x1"]

@@ -100,3 +100,38 @@ def test_offloaded_fzoo_equals_resident_on_a_sliced_mesh(tmp_path):
     assert evals_r == evals_o
     summary = json.loads((tmp_path / "offloaded" / "summary.json").read_text())
     assert summary["optimizer"] == "fzoo" and summary["optimizer_state_bytes"] == 0
+
+
+@pytest.mark.parametrize("mesh,nproc,settings", [
+    ("1x1", 1, ["peft=lora", "model.quantize=int8"]),
+    ("2x2", 4, ["peft=lora", "model.quantize=int4", "estimator.q=2"]),
+    ("2x2", 4, ["estimator=prge", "peft=lora_fa", "model.quantize=int8", "estimator.q=2", "optim.lr=0.5"]),
+])
+def test_a_streamed_quantized_base_equals_its_resident_run(tmp_path, mesh, nproc, settings):
+    """offload=cpu with adapters: the adapters stay resident and the frozen base streams from host
+    memory in its quantized form (engine/streamed_base.py): on 2x2 the node's four ranks share one
+    host copy, each uploading a slice of every block's bytes and all-gathering the rest. The same
+    operations on the same shapes as the resident run: the adapters and the evaluations are equal,
+    bitwise; each step moves about the quantized base's bytes, not its float32 bytes."""
+    args = ["model=tiny", f"mesh={mesh}", *settings]
+    out = {}
+    for name, extra in (("resident", []), ("streamed", ["offload=cpu", "offload.slots=1"])):
+        run_dir = tmp_path / name
+        r = torchrun(nproc, *BASE, *args, *extra, f"hydra.run.dir={run_dir}", cwd=tmp_path)
+        assert r.returncode == 0, f"{name}:\n{r.stderr[-3000:]}"
+        evals = [(m["step"], m["split"], m["accuracy"], m["loss"]) for m in read_jsonl(run_dir / "metrics.jsonl")
+                 if m["type"] == "eval"]
+        out[name] = (load_file(run_dir / "final" / "adapter.safetensors"), evals,
+                     json.loads((run_dir / "summary.json").read_text()))
+    (a, evals_r, summary_r), (b, evals_s, summary_s) = out["resident"], out["streamed"]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert evals_r == evals_s and summary_r["engine"] in ("resident", "stacked-lora")
+    assert summary_s["engine"] == ("offload-base" if nproc == 1 else "offload-base-sliced")
+    quantized, everything = summary_s["quantized_bytes"], summary_s["host_master_copy_bytes"]
+    # the host copy is the quantized layers plus the blocks' float frozen tensors: their norms (2 x 2 x 64
+    # float32) and LoRA-FA's frozen A (2 blocks x 2 targets x r=8 x 64 float32), and alignment padding
+    assert quantized < everything <= quantized + 4 * (2 * 2 * 64 + 2 * 2 * 8 * 64) + 16 * 64
+    slice_share = everything / (4 if nproc == 4 else 1)
+    per_step = summary_s["h2d_bytes_per_step"]  # one walk of the blocks (the sliced path: my slice of each)
+    assert slice_share <= per_step <= everything + 4096
+    assert per_step < summary_s["quantized_float32_bytes"] / (4 if nproc == 4 else 1)

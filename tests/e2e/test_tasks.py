@@ -130,6 +130,7 @@ def peft_adapter_gives_distzos_logits(run_dir, *settings):
     from safetensors.torch import load_file
 
     from distzo.models.loading import load_model
+    from distzo.models.quantize import quantize_base
     from distzo.parallel.mesh import Mesh
     from distzo.run.components import build_components
     from distzo.state.runs import final_weights
@@ -141,6 +142,7 @@ def peft_adapter_gives_distzos_logits(run_dir, *settings):
         ours = weights.score(batch).logits
     c.close()
     stock, _ = load_model(cfg.model)
+    quantize_base(stock, cfg.model.quantize)  # a quantized base is quantized again, the same way (deterministic)
     peft_model = PeftModel.from_pretrained(stock, str(run_dir / "final")).eval()
     labels = batch.candidates
     with torch.inference_mode():

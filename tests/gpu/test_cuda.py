@@ -1,7 +1,8 @@
 """The CUDA paths, run where a GPU is: offloaded = resident bitwise with the slot ring exercised
 (streams, events, pinned host masters), every estimator, trainable set and compute mode for a few
-steps, the Triton draw kernel against the streams' definitions, reduced-precision streaming with the
-host far ahead of the GPU, and bench on the 1B preset. Skipped with one reason on machines without
+steps (LoRA on an int8 and an int4 quantized base among them, resident and streamed), the Triton
+draw kernel against the streams' definitions, reduced-precision streaming with the host far ahead
+of the GPU, and bench on the 1B preset. Skipped with one reason on machines without
 CUDA (the CPU suite covers the same logic there). Last run: an H100, BENCHMARKS.md "On a GPU"."""
 
 from __future__ import annotations
@@ -32,11 +33,22 @@ FAST = ("device=cuda", "task=synthetic-cue", "eval_every=3", "log_every=1000", "
 def test_offloaded_equals_resident_on_cuda(tmp_path, model, slots):
     """Blocks uploaded on the upload stream, written back on the offload stream, ordered by events:
     the same weights and evaluations as resident training, bitwise (same kernels, same shapes)."""
-    res = train(make_config(*FAST, f"model={model}", "steps=6"), tmp_path / "r")
-    off = train(make_config(*FAST, f"model={model}", "steps=6", "offload=cpu", f"offload.slots={slots}"),
-                tmp_path / "o")
-    a = load_file(tmp_path / "r" / "final" / "model.safetensors")
-    b = load_file(tmp_path / "o" / "final" / "model.safetensors")
+    _offloaded_equals_resident(tmp_path, [f"model={model}"], slots, "model.safetensors")
+
+
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_a_streamed_quantized_base_equals_resident_on_cuda(tmp_path, quantize):
+    """LoRA on a quantized base streamed from pinned host memory as bytes (engine/streamed_base.py),
+    rebuilt as torchao tensors in the device slots: the resident run's adapters, bitwise."""
+    _offloaded_equals_resident(tmp_path, ["model=tiny", "peft=lora", f"model.quantize={quantize}", "optim.lr=1e-2"],
+                               2, "adapter.safetensors")
+
+
+def _offloaded_equals_resident(tmp_path, args, slots, weights):
+    res = train(make_config(*FAST, *args, "steps=6"), tmp_path / "r")
+    off = train(make_config(*FAST, *args, "steps=6", "offload=cpu", f"offload.slots={slots}"), tmp_path / "o")
+    a = load_file(tmp_path / "r" / "final" / weights)
+    b = load_file(tmp_path / "o" / "final" / weights)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert res["validation_accuracy_after"] == off["validation_accuracy_after"]
 
@@ -47,6 +59,9 @@ def test_offloaded_equals_resident_on_cuda(tmp_path, model, slots):
     ["peft=lora", "optim.lr=1e-2"], ["peft=prefix", "estimator.eps=1e-1", "optim.lr=1e-2"],
     ["offload=cpu", "offload.transfer_dtype=bfloat16"], ["engine.compute=bf16"], ["engine.compute=tf32"],
     ["offload=cpu", "engine.compute=bf16"], ["estimator=agzo", "engine.compute=bf16"],
+    ["peft=lora", "model.quantize=int8", "optim.lr=1e-2"], ["peft=lora", "model.quantize=int4", "optim.lr=1e-2"],
+    ["estimator=prge", "peft=lora_fa", "model.quantize=int4", "estimator.q=2", "optim.lr=0.5"],
+    ["peft=lora", "model.quantize=int8", "offload=cpu", "optim.lr=1e-2"],
 ])
 def test_every_estimator_trainable_set_and_compute_mode_trains_on_cuda(tmp_path, run):
     summary = train(make_config(*FAST, "model=tiny", "steps=4", *run), tmp_path / "run")

@@ -352,7 +352,7 @@ def test_minus_accuracy_objective_counts_any_gold_answer():
     (["estimator=prge"], "estimator=prge perturbs LoRA-FA's B matrices only; add peft=lora_fa"),
     (["estimator=agzo", "estimator.difference=central"], "estimator=agzo is one-sided"),
     (["estimator=agzo", "offload=cpu"], "estimator=agzo is not supported with offloading yet"),
-    (["peft=lora", "offload=cpu"], "peft=lora is not supported with offloading yet"),
+    (["peft=lora", "offload=cpu", "offload.transfer_dtype=bfloat16"], "the frozen base streams as stored"),
     (["objective=f1"], "objective=f1 scores generated answers; task mr-polarity is classification"),
 ])
 def test_incompatible_options_are_refused(overrides, message):

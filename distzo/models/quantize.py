@@ -1,0 +1,145 @@
+"""A quantized frozen base under the adapters (`model.quantize=int8|int4`).
+
+With LoRA, LoRA-FA or prefix tuning the base model is frozen, so its linear weights need not be
+float: they are quantized once at load, weight-only, with torchao (the same code on CPU and CUDA),
+and the forward runs torchao's kernels (on CPU: dequantize, then a float matmul). The adapters stay
+in the model's dtype and train as on a float base; activations stay float.
+
+- int8: per-row symmetric int8 with a float32 scale per row (`Int8WeightOnlyConfig`), about 0.25x
+  the float32 bytes.
+- int4: 4-bit NormalFloat (NF4, QLoRA's format: blocks of 64 weights share an absmax scale, the
+  scales themselves quantized in blocks of 256), about 0.13x. torchao's affine int4 layouts run
+  only on recent CUDA GPUs in bfloat16, so distzo's 4-bit base is NF4, which runs everywhere.
+
+Quantized: every `nn.Linear` of the decoder (attention and MLP projections). Not quantized: the
+token embeddings, the LM head (often tied to them; it scores the label words), norms, biases, and
+GPT-2's Conv1D projections (not `nn.Linear`). A linear layer whose size NF4's blocks do not divide
+stays float (named in the log). Quantization is deterministic, so every rank, a resumed run and
+`PeftModel.from_pretrained` on a base quantized the same way read the same weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError
+
+log = logging.getLogger("distzo")
+
+NF4_BLOCK = 64  # weights per NF4 absmax block (QLoRA's)
+NF4_SCALER_BLOCK = 256  # absmax scales per block of their own 8-bit quantization (QLoRA's double quantization)
+
+
+@dataclass
+class QuantizedBase:
+    """What was quantized: the layers, their bytes as stored (quantized values with their scales)
+    and the same weights' bytes in float32."""
+
+    method: str
+    layers: list[str] = field(default_factory=list)
+    kept_float: list[str] = field(default_factory=list)
+    bytes: int = 0
+    float32_bytes: int = 0
+    model_bytes: int = 0  # every parameter of the model as stored, quantized or not (before the adapters)
+
+    @property
+    def ratio(self) -> float:
+        return self.bytes / self.float32_bytes if self.float32_bytes else math.nan
+
+    def summary(self) -> dict[str, object]:
+        """The run summary's and bench's fields."""
+        if self.method == "none":
+            return {}
+        return {"quantize": self.method, "quantized_layers": len(self.layers), "model_bytes": self.model_bytes,
+                "quantized_bytes": self.bytes, "quantized_float32_bytes": self.float32_bytes,
+                "quantized_bytes_ratio": round(self.ratio, 4)}
+
+    def describe(self) -> str:
+        kept = f"; {len(self.kept_float)} kept float" if self.kept_float else ""
+        return (f"{self.method} base: {len(self.layers)} linear layers, {self.bytes / 2**20:.1f} MiB "
+                f"({self.ratio:.3f}x their float32 {self.float32_bytes / 2**20:.1f} MiB){kept}")
+
+
+def _torchao():
+    """torchao's quantization API; a one-line error naming the install when it is missing."""
+    try:
+        from torchao.quantization import Int8WeightOnlyConfig, quantize_, to_nf4
+    except ImportError as exc:
+        raise ConfigError(f"model.quantize needs torchao ({exc}); pip install 'distzo[quant]' (or pip install "
+                          "torchao)") from None
+    return quantize_, Int8WeightOnlyConfig, to_nf4
+
+
+def stored_bytes(weight: torch.Tensor) -> int:
+    """Bytes a (possibly quantized) weight occupies: its inner tensors' for a torchao tensor."""
+    if hasattr(weight, "__tensor_flatten__") and type(weight) is not torch.Tensor and \
+            type(weight) is not nn.Parameter:
+        names, _ = weight.__tensor_flatten__()
+        return sum(getattr(weight, n).numel() * getattr(weight, n).element_size() for n in names)
+    return weight.numel() * weight.element_size()
+
+
+def quantizable_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """The decoder's linear layers: every nn.Linear except the LM head and any layer whose weight is
+    shared with the embeddings."""
+    tied = {id(p) for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None
+            for p in m.parameters()}
+    return [(name, m) for name, m in model.named_modules()
+            if type(m) is nn.Linear and id(m.weight) not in tied and name.split(".")[-1] != "lm_head"]
+
+
+def _nf4_scaler_block(numel: int) -> int | None:
+    """NF4's scaler block for a weight of `numel` elements (None: NF4's blocks do not divide it)."""
+    if numel % NF4_BLOCK:
+        return None
+    blocks = numel // NF4_BLOCK
+    return math.gcd(blocks, NF4_SCALER_BLOCK) if blocks % 2 == 0 else None
+
+
+def quantize_base(model: nn.Module, method: str) -> QuantizedBase:
+    """Quantize the frozen base's linear weights in place (see the module docstring); method none
+    leaves the model as it is. The quantized weights never require grad."""
+    method = str(method)
+    report = QuantizedBase(method)
+    if method == "none":
+        report.model_bytes = sum(stored_bytes(p) for p in model.parameters())
+        return report
+    quantize_, Int8WeightOnlyConfig, to_nf4 = _torchao()
+    layers = quantizable_linears(model)
+    if not layers:
+        raise ConfigError(f"model.quantize={method}: this model has no nn.Linear layers to quantize (GPT-2's "
+                          "projections are Conv1D); use model.quantize=none")
+    chosen = []
+    for name, module in layers:
+        module.weight.requires_grad_(False)
+        if method == "int4" and _nf4_scaler_block(module.weight.numel()) is None:
+            report.kept_float.append(name)
+            continue
+        chosen.append((name, module))
+        report.float32_bytes += module.weight.numel() * 4
+    with torch.no_grad():
+        if method == "int8":
+            names = {n for n, _ in chosen}
+            quantize_(model, Int8WeightOnlyConfig(), filter_fn=lambda m, fqn: fqn in names)
+        elif method == "int4":
+            for _, module in chosen:
+                w = module.weight.detach()
+                q = to_nf4(w, NF4_BLOCK, _nf4_scaler_block(w.numel()))
+                module.weight = nn.Parameter(q, requires_grad=False)
+        else:
+            raise ConfigError(f"model.quantize={method} is not supported; use none, int8 or int4")
+    for name, module in chosen:
+        module.weight.requires_grad_(False)
+        report.layers.append(name)
+        report.bytes += stored_bytes(module.weight)
+    report.model_bytes = sum(stored_bytes(p) for p in model.parameters())
+    if report.kept_float:
+        log.info("model.quantize=%s: %d linear layer(s) whose size NF4's blocks do not divide stay float: %s",
+                 method, len(report.kept_float), ", ".join(report.kept_float[:4]))
+    log.info("Quantized the %s", report.describe())
+    return report

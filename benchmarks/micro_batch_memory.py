@@ -14,19 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
+from bench_runs import run_bench
+
 
 def bench(overrides: list[str], out: Path) -> dict:
-    cmd = [sys.executable, "-m", "distzo", "bench", "bench.reference=false", "bench.warmup=1", "bench.steps=2",
-           f"hydra.run.dir={out}", *overrides]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode != 0:
-        sys.exit(f"bench failed ({' '.join(cmd)}):\n{r.stderr[-3000:]}")
-    return json.loads((out / "bench.json").read_text())
+    return run_bench(["bench.reference=false", "bench.warmup=1", "bench.steps=2", *overrides], out)
 
 
 def main() -> None:

@@ -15,24 +15,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from bench_runs import run_bench
 
 ARGS = {"fzoo": ["estimator.difference=forward", "estimator.distribution=rademacher", "estimator.q=8"]}
 
 
 def bench(optimizer: str, extra: list[str], run_dir: Path) -> dict:
-    cmd = [sys.executable, "-m", "distzo", "bench", f"optim.name={optimizer}", *ARGS.get(optimizer, []),
-           "bench.reference=false", *extra, f"hydra.run.dir={run_dir}"]
-    r = subprocess.run(cmd, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True)
-    if r.returncode != 0:
-        sys.exit(f"bench failed ({' '.join(cmd)}):\n{r.stderr[-3000:]}")
-    out = json.loads((run_dir / "bench.json").read_text())
-    out["command"] = " ".join(cmd[1:])
-    return out
+    return run_bench([f"optim.name={optimizer}", *ARGS.get(optimizer, []), "bench.reference=false", *extra], run_dir)
 
 
 def main() -> None:

@@ -1,5 +1,6 @@
 """LoRA on a float32, an int8 and an int4 (NF4) base, side by side (BENCHMARKS.md, "A quantized base"):
-`python -m distzo bench peft=lora model.quantize=<base>` once per base, each in a fresh process (a
+`python -m distzo bench peft=lora model.quantize=<base>` once per base (add offload=cpu after `--`
+to stream the base from host memory: the table's "streamed a step" column), each in a fresh process (a
 process's peak memory belongs to one model), on the embedded default (or the model named after
 `--`). Each bench times the step and the forward passes alone in the same rounds and measures the
 peak memory of inference and of training after the model is loaded and quantized. The table gives
@@ -14,22 +15,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from bench_runs import run_bench
+
 
 def bench(base: str, extra: list[str], run_dir: Path) -> dict:
-    cmd = [sys.executable, "-m", "distzo", "bench", "peft=lora", f"model.quantize={base}", "bench.reference=false",
-           *extra, f"hydra.run.dir={run_dir}"]
-    r = subprocess.run(cmd, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True)
-    if r.returncode != 0:
-        sys.exit(f"bench failed ({' '.join(cmd)}):\n{r.stderr[-3000:]}")
-    out = json.loads((run_dir / "bench.json").read_text())
-    out["command"] = " ".join(cmd[1:])
-    return out
+    return run_bench(["peft=lora", f"model.quantize={base}", "bench.reference=false", *extra], run_dir)
 
 
 def main() -> None:
@@ -47,22 +41,23 @@ def main() -> None:
     ref = rows.get("none")
     print(f"{next(iter(rows.values()))['model']}, LoRA, {next(iter(rows.values()))['device']}")
     print("| base | quantized layers: MiB (x float32) | model parameters, MiB | peak inference, MiB | peak training, "
-          "MiB | training / inference | step | forward passes | step / forward |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "MiB | training / inference | streamed a step, MiB | step | forward passes | step / forward |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
 
     def vs(r: dict, key: str, value: float) -> str:
         """A figure in MiB, with its ratio to the float32 base's."""
         if ref is None or r is ref:
             return f"{value / mib:.1f}"
         other = ref["peak_memory_bytes"][key] if key in ("inference", "training") else ref[key]
-        return f"{value / mib:.1f} ({value / other:.2f}x)"
+        return f"{value / mib:.1f} ({value / other:.2f}x)" if other else f"{value / mib:.1f}"
 
     for base, r in rows.items():
         peaks = r["peak_memory_bytes"]
         layers = (f"{r['quantized_bytes'] / mib:.1f} ({r['quantized_bytes_ratio']})" if "quantize" in r else "float32")
         print(f"| {base} | {layers} | {vs(r, 'model_bytes', r['model_bytes'])} | "
               f"{vs(r, 'inference', peaks['inference'])} | {vs(r, 'training', peaks['training'])} | "
-              f"{r['memory_ratio']} | {r['step_time_s']:.3f} s | {r['forward_time_s']:.3f} s | {r['overhead_ratio']} |")
+              f"{r['memory_ratio']} | {vs(r, 'h2d_bytes_per_step', r['h2d_bytes_per_step'])} | "
+              f"{r['step_time_s']:.3f} s | {r['forward_time_s']:.3f} s | {r['overhead_ratio']} |")
     if ns.out:
         ns.out.write_text(json.dumps(rows, indent=2) + "\n")
 

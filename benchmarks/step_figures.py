@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
+
+from bench_runs import run_bench
 
 CASES = [  # name, processes, overrides
     ("gaussian-1x1", 1, ["estimator.distribution=gaussian"]),
@@ -40,18 +39,7 @@ CASES = [  # name, processes, overrides
 
 
 def bench(nproc: int, overrides: list[str], run_dir: Path) -> dict:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "distzo", "bench"]
-    else:
-        env["OMP_NUM_THREADS"] = "1"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", "distzo", "bench"]
-    cmd += [*overrides, f"hydra.run.dir={run_dir}"]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if r.returncode != 0:
-        sys.exit(f"bench failed ({' '.join(cmd)}):\n{r.stderr[-3000:]}")
-    return json.loads((run_dir / "bench.json").read_text())
+    return run_bench(overrides, run_dir, nproc)
 
 
 def main() -> None:

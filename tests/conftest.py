@@ -13,7 +13,19 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-torch.set_num_threads(2)
+# The suite runs on two pytest-xdist workers (pyproject's addopts): each takes its share of the
+# cores for the ops it runs in-process (the processes tests launch set their own threads).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 2) // _WORKERS)))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under xdist (`--dist loadgroup`) each test file runs on one worker, so a module's expensive
+    fixtures (a file's shared training runs) are built once; the tests of the one-node SLURM cluster
+    (a session fixture, one per machine) all run on one worker, whatever their file."""
+    for item in items:
+        slurm = "slurm" in getattr(item, "fixturenames", ())
+        item.add_marker(pytest.mark.xdist_group("slurm" if slurm else item.nodeid.split("::")[0]))
 
 
 @pytest.fixture(scope="session")

@@ -62,7 +62,7 @@ class OffloadStore(WeightStore):
                  device: torch.device, *, slots: int = 3, transfer_dtype: torch.dtype | None = None):
         self.host_blocks = build_host_blocks(adapter, pin_memory=device.type == "cuda", node=self._shared_node(),
                                              state_slots=len(optimizer.slots))
-        place_resident(model, device, self.host_blocks)
+        place_resident(model, device, (n for b in self.host_blocks for n in b.names))
         super().__init__(adapter, params, optimizer, device)
         self.state = StateBuffers(optimizer.slots, self.outer_params, device)
         self.streamer = self._build_streamer(slots, transfer_dtype)

@@ -32,7 +32,16 @@ from ..zo.optimizers import Optimizer
 from ..zo.params import TrainableParams
 from .base import EngineConfigError
 from .stores import Block, ResidentStore
-from .streamer import SLICE_ALIGN, BlockStreamer, HostBlock, SlicedBlockStreamer, _pin, host_buffer, unpin_all
+from .streamer import (
+    SLICE_ALIGN,
+    BlockStreamer,
+    HostBlock,
+    SlicedBlockStreamer,
+    _pin,
+    host_buffer,
+    place_resident,
+    unpin_all,
+)
 
 ALIGN = 16  # bytes: every inner tensor starts where any dtype's view of it is aligned
 
@@ -121,14 +130,7 @@ class StreamedBaseStore(ResidentStore):
             raise EngineConfigError("offload=cpu streams the frozen base's blocks, and this model's blocks hold no "
                                     "frozen parameter; use offload=none")
         self.host_blocks = self._host_blocks(model, list(sizes), pin=device.type == "cuda")
-        streamed = {f.name for layout in self.layouts for f in layout}
-        for name, p in model.named_parameters():
-            if name not in streamed:
-                p.data = p.data.to(device)
-        for module in model.modules():
-            for key, buf in list(module._buffers.items()):
-                if buf is not None:
-                    module._buffers[key] = buf.to(device)
+        place_resident(model, device, (f.name for layout in self.layouts for f in layout))
         super().__init__(adapter, params, optimizer, device)
         if node is None:
             self.streamer = BlockStreamer(self.host_blocks, device, slots)

@@ -28,7 +28,7 @@ from abc import ABC, abstractmethod
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -178,11 +178,12 @@ def _attach_state(blocks: list[HostBlock], slots: int, pin_memory: bool, node: N
         start += n
 
 
-def place_resident(model: nn.Module, device: torch.device, host_blocks: Sequence[HostBlock]) -> None:
-    """Everything except the offloaded block parameters goes to the compute device."""
-    offloaded = {n for b in host_blocks for n in b.names}
+def place_resident(model: nn.Module, device: torch.device, streamed: Iterable[str]) -> None:
+    """Everything except the parameters named in `streamed` (those kept in host memory) goes to the
+    compute device."""
+    streamed = set(streamed)
     for name, p in model.named_parameters():
-        if name not in offloaded:
+        if name not in streamed:
             p.data = p.data.to(device)
     for module in model.modules():
         for key, buf in list(module._buffers.items()):

@@ -337,36 +337,32 @@ def _init_trainer(self, zo_args, kwargs, base_init) -> None:
     base_init(self, **kwargs)
 
 
+def _zo_trainer_class(base: type, name: str, doc: str) -> type:
+    """`base` (transformers' Trainer or TRL's SFTTrainer) with the ZO loop mixed in, constructed as
+    `base` is, plus `zo_args`."""
+
+    def __init__(self, *args, zo_args: ZOArguments | None = None, **kwargs):
+        if args:
+            kwargs.update(zip(("model", "args", "data_collator", "train_dataset", "eval_dataset"), args))
+        _init_trainer(self, zo_args, kwargs, base.__init__)
+
+    return type(name, (ZOLoop, base), {"__init__": __init__, "__doc__": doc, "__module__": "distzo.hf",
+                                       "__qualname__": name})
+
+
 def _make_zo_trainer():
     from transformers import Trainer
 
-    class ZOTrainer(ZOLoop, Trainer):
-        """`transformers.Trainer` whose training steps are distzo's ZO steps (see the module
-        docstring). Everything a Trainer takes, plus `zo_args` (`ZOArguments`)."""
-
-        def __init__(self, *args, zo_args: ZOArguments | None = None, **kwargs):
-            if args:
-                kwargs.update(zip(("model", "args", "data_collator", "train_dataset", "eval_dataset"), args))
-            _init_trainer(self, zo_args, kwargs, Trainer.__init__)
-
-    ZOTrainer.__module__, ZOTrainer.__qualname__ = "distzo.hf", "ZOTrainer"
-    return ZOTrainer
+    return _zo_trainer_class(Trainer, "ZOTrainer", """`transformers.Trainer` whose training steps are distzo's ZO
+    steps (see the module docstring). Everything a Trainer takes, plus `zo_args` (`ZOArguments`).""")
 
 
 def _make_zo_sft_trainer():
     from trl import SFTTrainer
 
-    class ZOSFTTrainer(ZOLoop, SFTTrainer):
-        """TRL's `SFTTrainer` (its dataset formats, its completion-only labels, `peft_config`) whose
-        training steps are distzo's ZO steps. Everything an SFTTrainer takes, plus `zo_args`."""
-
-        def __init__(self, *args, zo_args: ZOArguments | None = None, **kwargs):
-            if args:
-                kwargs.update(zip(("model", "args", "data_collator", "train_dataset", "eval_dataset"), args))
-            _init_trainer(self, zo_args, kwargs, SFTTrainer.__init__)
-
-    ZOSFTTrainer.__module__, ZOSFTTrainer.__qualname__ = "distzo.hf", "ZOSFTTrainer"
-    return ZOSFTTrainer
+    return _zo_trainer_class(SFTTrainer, "ZOSFTTrainer", """TRL's `SFTTrainer` (its dataset formats, its
+    completion-only labels, `peft_config`) whose training steps are distzo's ZO steps. Everything an
+    SFTTrainer takes, plus `zo_args`.""")
 
 
 def _rotate(args, state, trainer) -> None:

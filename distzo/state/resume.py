@@ -63,8 +63,9 @@ def config_fingerprint(cfg) -> str:
     if keys["model"].get("adapter", "auto") == "auto":
         keys["model"].pop("adapter", None)  # the default: fingerprints of runs from before the option stay valid
     # Keys added later count only when set, so runs written before them still resume.
-    for section, key, default in (("model", "revision", None), ("task", "revision", None), ("task", "subset", None),
-                                  ("task", "split_names", {"train": None, "validation": None, "test": None})):
+    added = (("model", "revision", None), ("model", "quantize", "none"), ("task", "revision", None),
+             ("task", "subset", None), ("task", "split_names", {"train": None, "validation": None, "test": None}))
+    for section, key, default in added:
         if keys[section].get(key, default) == default:
             keys[section].pop(key, None)
     # The optimizer's name and its own settings count; sgd's fingerprint is what it was before optimizers had names.

@@ -141,7 +141,9 @@ def compose_config_for_model():
     return compose_config(["model=tiny", "model.dtype=float64"])
 
 
-@pytest.fixture(scope="module")
+# Session-scoped: built once per process even when pytest-xdist interleaves this file's tests with
+# other files' (a module fixture would be torn down and built again, minutes each time).
+@pytest.fixture(scope="session")
 def layouts(tmp_path_factory):
     root = tmp_path_factory.mktemp("estimator-layouts")
     write_qa(root)

@@ -19,6 +19,7 @@ _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, min(2, (os.cpu_count() or 2) // _WORKERS)))
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the node ids
 def pytest_collection_modifyitems(config, items):
     """Under xdist (`--dist loadgroup`) each test file runs on one worker, so a module's expensive
     fixtures (a file's shared training runs) are built once; the tests of the one-node SLURM cluster

@@ -138,8 +138,33 @@ def quantize_base(model: nn.Module, method: str) -> QuantizedBase:
         report.layers.append(name)
         report.bytes += stored_bytes(module.weight)
     report.model_bytes = sum(stored_bytes(p) for p in model.parameters())
+    _release_float_copies(model)
     if report.kept_float:
         log.info("model.quantize=%s: %d linear layer(s) whose size NF4's blocks do not divide stay float: %s",
                  method, len(report.kept_float), ", ".join(report.kept_float[:4]))
     log.info("Quantized the %s", report.describe())
     return report
+
+
+def _release_float_copies(model: nn.Module) -> None:
+    """Give the host back the float weights quantization replaced. transformers maps the checkpoint
+    file and the tensors that stay float (embeddings, norms) are views of that one mapping, so the
+    pages quantization read stay resident while any of them lives: the float tensors get memory of
+    their own. Then glibc returns the freed heap (quantization's temporaries) to the system, where
+    it can; without both, a quantized base's process held more than the float one's."""
+    copies: dict[int, torch.Tensor] = {}  # a tied tensor is copied once and stays tied
+    with torch.no_grad():
+        for module in model.modules():
+            for t in module._parameters.values():
+                if t is not None and type(t.data) is torch.Tensor and t.device.type == "cpu" and id(t) not in copies:
+                    t.data = copies.setdefault(id(t), t.data.clone())  # the Parameter object (and its ties) stays
+            for name, t in module._buffers.items():
+                if t is not None and type(t) is torch.Tensor and t.device.type == "cpu":
+                    module._buffers[name] = copies.setdefault(id(t), t.clone())
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: the allocator keeps what it keeps
+

@@ -411,7 +411,7 @@ class Trainer:
         ema = self._loss_ema
         self._loss_ema = result.loss if ema is None else 0.9 * ema + 0.1 * result.loss
         self._progress.update(step + 1, f"loss {self._loss_ema:.4f} lr {lr:.2e} {step_time:.2f}s/step",
-                              force=(step + 1) % cfg.log_every == 0)
+                              force=(step + 1) % cfg.log_every == 0, pace_s=step_time)
 
     def _optimizer_summary(self) -> dict[str, Any]:
         """The optimizer and its state's memory: one copy's bytes, and what the node holds of it

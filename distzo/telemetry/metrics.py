@@ -91,21 +91,26 @@ class Progress:
 
     The ETA is the pace of the items after the first one reported: the first carries the start-up
     (a training run's first step includes compiling kernels, warming caches and whatever ran before
-    the loop), so counting it would promise an hour for a nine-minute run."""
+    the loop, such as the zero-shot evaluation), so counting it would promise an hour for a
+    nine-minute run. Until a second item is reported, the caller's own measure of an item
+    (`pace_s`) stands in for it."""
 
     def __init__(self, label: str, total: int, every_s: float = 10.0, enabled: bool = True):
         self.label, self.total, self.every_s, self.enabled = label, total, every_s, enabled
         self.start = self._last = time.time()
         self._first: tuple[int, float] | None = None  # (done, time) at the first update
 
-    def eta(self, done: int, now: float) -> float:
-        """Seconds left at `done`: the pace since the first update, or (with only that one) overall."""
+    def eta(self, done: int, now: float, pace_s: float | None = None) -> float:
+        """Seconds left at `done`: the pace since the first update; with only that one, `pace_s`
+        (seconds an item took, as the caller measured it) or else the pace overall."""
         if self._first is None or done <= self._first[0]:
+            if pace_s is not None:
+                return pace_s * (self.total - done)
             return (now - self.start) / done * (self.total - done) if done else float("inf")
         first_done, first_time = self._first
         return (now - first_time) / (done - first_done) * (self.total - done)
 
-    def update(self, done: int, extra: str = "", force: bool = False) -> None:
+    def update(self, done: int, extra: str = "", force: bool = False, pace_s: float | None = None) -> None:
         if not self.enabled:
             return
         now = time.time()
@@ -115,6 +120,6 @@ class Progress:
             return
         self._last = now
         elapsed = now - self.start
-        eta = self.eta(done, now)
+        eta = self.eta(done, now, pace_s)
         log.info("%s %d/%d (%s elapsed, ETA %s)%s", self.label, done, self.total,
                  format_duration(elapsed), format_duration(eta), f" {extra}" if extra else "")

@@ -87,4 +87,21 @@ def test_progress_estimates_from_the_pace_after_the_first_step(monkeypatch, capl
             progress.update(done, force=done == 10)
     (line,) = [r.getMessage() for r in caplog.records]
     assert "train step 10/200" in line and f"ETA {metrics.format_duration(190 * 2.0)}" in line
-    assert progress.eta(1, 60.0) == 60.0 * 199  # with only the first step, the only pace there is
+    assert progress.eta(1, 60.0) == 60.0 * 199  # with only the first step and no measure of it: overall
+    assert progress.eta(1, 60.0, pace_s=2.0) == 2.0 * 199  # the step's own time, as the loop measured it
+
+
+def test_the_first_progress_line_of_a_run_uses_the_first_steps_own_time(monkeypatch, caplog):
+    """The first line comes after step 1, 26 s after the start (the zero-shot evaluation ran in
+    between) for a step of 1.5 s: its ETA is 199 x 1.5 s, not 199 x 26 s."""
+    import logging
+
+    from distzo.telemetry import metrics
+
+    clock = iter([0.0, 26.0])
+    monkeypatch.setattr(metrics, "time", type("Clock", (), {"time": staticmethod(lambda: next(clock))}))
+    progress = metrics.Progress("train step", 200, every_s=15.0)
+    with caplog.at_level(logging.INFO, logger=metrics.log.name):
+        progress.update(1, "1.50s/step", pace_s=1.5)
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert f"ETA {metrics.format_duration(199 * 1.5)}" in line, line

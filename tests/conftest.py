@@ -29,6 +29,27 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(pytest.mark.xdist_group("slurm" if slurm else item.nodeid.split("::")[0]))
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    """A test that fails (a timeout included) kills the processes its body started and left running
+    (torchrun agents, workers, a submitit launcher): `Popen.communicate(timeout=)` raises without
+    killing, and a leftover job would load the tests after it. Processes of fixtures (a session's
+    SLURM daemons, a hub server) start outside the body and are left alone."""
+    import psutil
+
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    outcome = yield
+    if outcome.excinfo is None:
+        return
+    for proc in me.children(recursive=True):
+        if proc.pid not in before:
+            try:
+                proc.kill()
+            except psutil.Error:
+                pass
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     from distzo.models import load_tokenizer

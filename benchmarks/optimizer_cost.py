@@ -13,32 +13,14 @@ memory of each run is its own. Extra arguments after `--` go to every bench run.
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
-import tempfile
-from pathlib import Path
-
-from bench_runs import run_bench
+from bench_runs import bench_each
 
 ARGS = {"fzoo": ["estimator.difference=forward", "estimator.distribution=rademacher", "estimator.q=8"]}
 
 
-def bench(optimizer: str, extra: list[str], run_dir: Path) -> dict:
-    return run_bench([f"optim.name={optimizer}", *ARGS.get(optimizer, []), "bench.reference=false", *extra], run_dir)
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--optimizers", nargs="+", default=["sgd", "momentum", "adam", "sign", "fzoo"])
-    ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("extra", nargs="*")
-    ns = ap.parse_args()
-    rows = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in ns.optimizers:
-            rows[name] = bench(name, ns.extra, Path(tmp) / name)
-            print(f"{name}: done", file=sys.stderr, flush=True)
+    rows = bench_each(__doc__, "optimizers", ["sgd", "momentum", "adam", "sign", "fzoo"],
+                      lambda name: [f"optim.name={name}", *ARGS.get(name, []), "bench.reference=false"])
     gib = 2**30
     print("| optimizer | state (GiB) | step | forward passes alone | step / forward | step / sgd's step (same rounds) "
           "| peak memory, inference / training (GiB) | training / inference |")
@@ -50,8 +32,6 @@ def main() -> None:
               f"| {r['overhead_ratio']} | {o.get('step_over_sgd', 1.0 if name == 'sgd' else '-')} | "
               f"{r['peak_memory_bytes']['inference'] / gib:.3f} / {r['peak_memory_bytes']['training'] / gib:.3f} | "
               f"{r['memory_ratio']} |")
-    if ns.out:
-        ns.out.write_text(json.dumps(rows, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -13,30 +13,12 @@ each base's figures and their ratios to the float32 base's.
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
-import tempfile
-from pathlib import Path
-
-from bench_runs import run_bench
-
-
-def bench(base: str, extra: list[str], run_dir: Path) -> dict:
-    return run_bench(["peft=lora", f"model.quantize={base}", "bench.reference=false", *extra], run_dir)
+from bench_runs import bench_each
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--bases", nargs="+", default=["none", "int8", "int4"])
-    ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("extra", nargs="*")
-    ns = ap.parse_args()
-    rows = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for base in ns.bases:
-            rows[base] = bench(base, ns.extra, Path(tmp) / base)
-            print(f"{base}: done", file=sys.stderr, flush=True)
+    rows = bench_each(__doc__, "bases", ["none", "int8", "int4"],
+                      lambda base: ["peft=lora", f"model.quantize={base}", "bench.reference=false"])
     mib = 2**20
     ref = rows.get("none")
     print(f"{next(iter(rows.values()))['model']}, LoRA, {next(iter(rows.values()))['device']}")
@@ -58,8 +40,6 @@ def main() -> None:
               f"{vs(r, 'inference', peaks['inference'])} | {vs(r, 'training', peaks['training'])} | "
               f"{r['memory_ratio']} | {vs(r, 'h2d_bytes_per_step', r['h2d_bytes_per_step'])} | "
               f"{r['step_time_s']:.3f} s | {r['forward_time_s']:.3f} s | {r['overhead_ratio']} |")
-    if ns.out:
-        ns.out.write_text(json.dumps(rows, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """One pass over one chunk of a master: apply the pending update, then write the step's working copies.
 
 Every path that changes or perturbs weights goes through `chunk_pass`: the update fused into the
-next step's perturbation (engine/weights.py), the plain update pass and flushes (engine/update.py),
-offloaded blocks on their device slots and slices (engine/offload.py). So resident, fused, offloaded
+next step's perturbation (engine/weights.py), the plain update pass and flushes
+(StageLoop.update_stage, engine/loop.py), offloaded blocks on their device slots and slices
+(engine/offload.py). So resident, fused, offloaded
 and sliced runs perform the same floating-point operations on every element and agree bitwise. The
 update is the optimizer's rule for the step (`distzo.zo.optimizers.Rule`; sgd's is
 

@@ -50,7 +50,6 @@ from .streamer import (
     SlicedBlockStreamer,
     build_host_blocks,
     place_resident,
-    unpin_all,
 )
 
 
@@ -86,17 +85,13 @@ class OffloadStore(WeightStore):
         update (applied on the slot meanwhile)."""
         updated = self._awaits(i)
         with self.loop.timers("transfer"):
-            self._prefetch_from(i)
+            self.streamer.prefetch_from(i)
             views = self.streamer.acquire(i)
         try:
             yield Block(views, self._targets(i, views))
         finally:
             with self.loop.timers("transfer"):
                 self.streamer.release(i, write_back=updated)
-
-    def _prefetch_from(self, i: int) -> None:
-        for j in range(i, min(i + len(self.streamer.slots), len(self.host_blocks))):
-            self.streamer.prefetch(j)  # uploads of the next blocks overlap this block's compute
 
     def _targets(self, i: int, views: Mapping[str, torch.Tensor]) -> list[Target]:
         """Block i's masters in its slot; at reduced precision each records the update's change in
@@ -145,13 +140,7 @@ class OffloadStore(WeightStore):
         return "blocks offloaded to host memory" + (f", moved in {str(dtype).replace('torch.', '')}" if dtype else "")
 
     def close(self) -> None:
-        try:
-            self.streamer.close()  # its host workers, after the last delta reached the master
-            if self.device.type == "cuda":
-                self.streamer.synchronize()
-        finally:
-            if self.device.type == "cuda":
-                unpin_all()  # page-locked host masters are unregistered before their memory can go
+        self.streamer.close()
 
     def check_can_generate(self) -> None:
         if self.device.type != "cpu":
@@ -163,9 +152,7 @@ class OffloadStore(WeightStore):
         return {"copy": copy, "resident": copy, "node_shared": False}  # a private copy, every page written
 
     def transfer_stats(self) -> dict[str, float]:
-        m = self.streamer.meter
-        return {"h2d_bytes": m.bytes_up, "d2h_bytes": m.bytes_down, "peer_bytes": m.bytes_peer,
-                "transfer_s": self.streamer.transfer_seconds()}
+        return self.streamer.stats()
 
 
 class SlicedOffloadStore(OffloadStore):
@@ -193,7 +180,7 @@ class SlicedOffloadStore(OffloadStore):
     def block(self, i: int) -> Iterator[Block]:
         """Block i whole in its slot: my slice uploaded and updated (`_update_slice`), the rest gathered."""
         with self.loop.timers("transfer"):
-            self._prefetch_from(i)  # next blocks' slices overlap this compute
+            self.streamer.prefetch_from(i)  # next blocks' slices overlap this compute
             views = self.streamer.acquire(i)
         try:
             yield Block(views, self._targets(i, views))

@@ -40,7 +40,6 @@ from .streamer import (
     _pin,
     host_buffer,
     place_resident,
-    unpin_all,
 )
 
 ALIGN = 16  # bytes: every inner tensor starts where any dtype's view of it is aligned
@@ -186,8 +185,7 @@ class StreamedBaseStore(ResidentStore):
     def block(self, i: int) -> Iterator[Block]:
         """Block i's frozen tensors uploaded (the next blocks' prefetched), the adapters as resident."""
         with self.loop.timers("transfer"):
-            for j in range(i, min(i + len(self.streamer.slots), len(self.host_blocks))):
-                self.streamer.prefetch(j)  # uploads of the next blocks overlap this block's compute
+            self.streamer.prefetch_from(i)
             self.streamer.acquire(i)
         try:
             yield Block(self._sources(i), self._targets(self.block_params[i]))
@@ -218,9 +216,7 @@ class StreamedBaseStore(ResidentStore):
         return {"copy": copy, "resident": mapped_resident_bytes(self.host_blocks[0].flat)["pss"], "node_shared": True}
 
     def transfer_stats(self) -> dict[str, float]:
-        m = self.streamer.meter
-        return {"h2d_bytes": m.bytes_up, "d2h_bytes": m.bytes_down, "peer_bytes": m.bytes_peer,
-                "transfer_s": self.streamer.transfer_seconds()}
+        return self.streamer.stats()
 
     def describe(self) -> str:
         kinds = {f.cls.__name__ for layout in self.layouts for f in layout if f.cls is not None}
@@ -229,11 +225,5 @@ class StreamedBaseStore(ResidentStore):
         return f"adapters resident, the frozen base{form} streamed from host memory{sliced}"
 
     def close(self) -> None:
-        try:
-            self.streamer.close()
-            if self.device.type == "cuda":
-                self.streamer.synchronize()
-        finally:
-            if self.device.type == "cuda":
-                unpin_all()
+        self.streamer.close()
 

@@ -467,6 +467,17 @@ class BlockStreamer:
         self.transfer.drain()  # uploads a host worker queued have recorded their timing events
         return self.meter.seconds()
 
+    def stats(self) -> dict[str, float]:
+        """Bytes moved up, down and between peers so far, and the seconds the transfers took."""
+        m = self.meter
+        return {"h2d_bytes": m.bytes_up, "d2h_bytes": m.bytes_down, "peer_bytes": m.bytes_peer,
+                "transfer_s": self.transfer_seconds()}
+
+    def prefetch_from(self, i: int) -> None:
+        """Queue block i and the next blocks the slots can hold: their uploads overlap i's compute."""
+        for j in range(i, min(i + len(self.slots), len(self.blocks))):
+            self.prefetch(j)
+
     def state_views(self, i: int) -> dict[str, tuple[torch.Tensor, ...]]:
         """Block i's optimizer state in its slot, by parameter (the block must have been prefetched
         owing an update)."""
@@ -586,7 +597,15 @@ class BlockStreamer:
             self.upload_stream.synchronize()
 
     def close(self) -> None:
-        self.transfer.close()
+        """Stop the host workers (after the last delta reached its master); on CUDA wait for the
+        streams and unregister the page-locked host buffers before their memory can go."""
+        try:
+            self.transfer.close()
+            if self.cuda:
+                self.synchronize()
+        finally:
+            if self.cuda:
+                unpin_all()
 
 
 # (block index, the slot's flat buffer, [lo, hi) of the block, the slot's float32 delta buffer or None)

@@ -24,6 +24,7 @@ always uses torch ops (for comparison).
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -156,6 +157,7 @@ class Kernels:
                           keep)
 
 
+@functools.cache  # called for every chunk; the kernel cases are fixed by kernels.c
 def kernel_signature(rule: int) -> tuple[int, int] | None:
     """(constants, state tensors) of the optimizer whose kernel case is `rule` (None: no such case)."""
     for cls in OPTIMIZERS.values():

@@ -38,10 +38,6 @@ CASES = [  # name, processes, overrides
 ]
 
 
-def bench(nproc: int, overrides: list[str], run_dir: Path) -> dict:
-    return run_bench(overrides, run_dir, nproc)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=1, help="invocations of every case (figures are medians)")
@@ -54,7 +50,7 @@ def main() -> None:
     for rep in range(args.repeats):
         for name, nproc, overrides in CASES:
             print(f"[{time.time() - started:6.0f}s] repeat {rep + 1}/{args.repeats}: {name}", flush=True)
-            runs[name].append(bench(nproc, ["batch_size=16", *overrides, *args.extra], work / f"{name}-{rep}"))
+            runs[name].append(run_bench(["batch_size=16", *overrides, *args.extra], work / f"{name}-{rep}", nproc))
 
     def med(name: str, *path: str) -> float:
         values = []

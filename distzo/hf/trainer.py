@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -120,11 +121,14 @@ class ZOLoop:
         data = int(self.zo_mesh().lower().split("x")[1])
         return self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps * data
 
+    def zo_steps_per_epoch(self, n_train: int) -> int:
+        """ZO steps in one pass over `n_train` training examples (at least one)."""
+        return max(1, math.ceil(n_train / self.zo_global_batch()))
+
     def zo_max_steps(self, n_train: int) -> int:
         if self.args.max_steps and self.args.max_steps > 0:
             return int(self.args.max_steps)
-        per_epoch = max(1, math.ceil(n_train / self.zo_global_batch()))
-        return int(math.ceil(self.args.num_train_epochs * per_epoch))
+        return int(math.ceil(self.args.num_train_epochs * self.zo_steps_per_epoch(n_train)))
 
     def zo_config(self, steps: int):
         """The distzo configuration of this run (what `distzo.train` would be given)."""
@@ -236,7 +240,7 @@ class ZOLoop:
         turns logging/eval/save strategies into those requests, per step or per epoch)."""
         args, state, callbacks = self.args, self.state, self.callback_handler
         start, first_step = time.time(), zo.step_count
-        per_epoch = max(1, math.ceil(task.size("train") / self.zo_global_batch()))
+        per_epoch = self.zo_steps_per_epoch(task.size("train"))
         state.max_steps, state.num_train_epochs = steps, math.ceil(steps / per_epoch)
         self.control = callbacks.on_train_begin(args, state, self.control)
         self._zo_losses = [0.0, 0, 0.0]  # since the last log: sum, count; this session's sum
@@ -306,18 +310,18 @@ class ZOLoop:
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """The model (or a PEFT model's adapter) as Trainer saves it, at the current weights."""
-        if self.zo is not None:
-            with self.zo.materialized():
-                super().save_model(output_dir, _internal_call)
-        else:
+        with self._at_current_weights():
             super().save_model(output_dir, _internal_call)
 
     def evaluate(self, *a, **kw):
         """Trainer's evaluation (its loop, `compute_metrics`, `on_evaluate`) at the current weights."""
-        if self.zo is not None:
-            with self.zo.materialized():
-                return super().evaluate(*a, **kw)
-        return super().evaluate(*a, **kw)
+        with self._at_current_weights():
+            return super().evaluate(*a, **kw)
+
+    def _at_current_weights(self):
+        """The model's parameters hold the current weights inside (distzo's engine may keep them
+        elsewhere between steps); nothing to do before training has started."""
+        return self.zo.materialized() if self.zo is not None else nullcontext()
 
     def create_optimizer(self, model=None):
         return None  # a ZO step has no torch optimizer (distzo's rule updates the weights)

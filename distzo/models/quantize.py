@@ -116,7 +116,6 @@ def quantize_base(model: nn.Module, method: str) -> QuantizedBase:
                           "projections are Conv1D); use model.quantize=none")
     chosen = []
     for name, module in layers:
-        module.weight.requires_grad_(False)
         if method == "int4" and _nf4_scaler_block(module.weight.numel()) is None:
             report.kept_float.append(name)
             continue
@@ -133,8 +132,9 @@ def quantize_base(model: nn.Module, method: str) -> QuantizedBase:
                 module.weight = nn.Parameter(q, requires_grad=False)
         else:
             raise ConfigError(f"model.quantize={method} is not supported; use none, int8 or int4")
+    for _, module in layers:
+        module.weight.requires_grad_(False)  # the base is frozen, quantized or kept float
     for name, module in chosen:
-        module.weight.requires_grad_(False)
         report.layers.append(name)
         report.bytes += stored_bytes(module.weight)
     report.model_bytes = sum(stored_bytes(p) for p in model.parameters())
@@ -157,10 +157,12 @@ def _release_float_copies(model: nn.Module) -> None:
         for module in model.modules():
             for t in module._parameters.values():
                 if t is not None and type(t.data) is torch.Tensor and t.device.type == "cpu" and id(t) not in copies:
-                    t.data = copies.setdefault(id(t), t.data.clone())  # the Parameter object (and its ties) stays
+                    copies[id(t)] = t.data = t.data.clone()  # the Parameter object (and its ties) stays
             for name, t in module._buffers.items():
                 if t is not None and type(t) is torch.Tensor and t.device.type == "cpu":
-                    module._buffers[name] = copies.setdefault(id(t), t.clone())
+                    if id(t) not in copies:
+                        copies[id(t)] = t.clone()
+                    module._buffers[name] = copies[id(t)]
     try:
         import ctypes
 

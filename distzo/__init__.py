@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from .environment import apply_defaults
 
-apply_defaults()  # before torch and transformers load: offline hub, OpenMP spin
+apply_defaults()  # before torch loads: OpenMP's spin count, known import-time noise quieted (distzo.environment)
 
 __version__ = "0.1.0"
 
@@ -36,6 +36,8 @@ _LAZY = {  # name -> module: imported on first use, so `import distzo` stays lig
 }
 
 if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
     from .data.tasks import PromptTask
     from .errors import ConfigError, DistzoError
     from .run.bench import bench
@@ -82,14 +84,16 @@ def compose(*overrides: str, config_dirs: Sequence[str | os.PathLike] = (), vali
         except Exception as exc:  # OmegaConf's: an unknown key, a value of the wrong type
             raise ConfigError(f"{key}={value!r}: {' '.join(str(exc).split())[:200]}") from None
     if validate:
+        from .config.compose import typed
         from .run.checks import validate as check
 
-        check(cfg, check_world=False)
+        check(typed(cfg), check_world=False)
     return cfg
 
 
-def evaluate(cfg: Any = None, run_dir: str | os.PathLike | None = None, *, run: str | os.PathLike | None = None,
-             split: str | None = None, overrides: Sequence[str] = ()) -> dict[str, Any]:
+def evaluate(cfg: DictConfig | None = None, run_dir: str | os.PathLike | None = None, *,
+             run: str | os.PathLike | None = None, split: str | None = None,
+             overrides: Sequence[str] = ()) -> dict[str, Any]:
     """Score a model on a split of its task without training: `cfg` (default: composed from
     `overrides`), or with `run`, that run's trained model with its own model, trainable set and task
     settings (`overrides` still win). split: train, validation or test (default: eval.split, test).

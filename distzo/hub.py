@@ -3,7 +3,7 @@ resolved to its commit, a repository's files fetched into the standard cache (`H
 `HF_HUB_CACHE`) with huggingface_hub's progress bars, and every failure as one line.
 
 Nothing here decides which files a model or a dataset needs (distzo.models, distzo.data) or who
-fetches on a mesh (distzo.run.sources): this module is the hub's protocol and its errors. The
+fetches on a mesh (distzo.run.hub_pins): this module is the hub's protocol and its errors. The
 environment is the user's: `HF_ENDPOINT` (a mirror), `HF_TOKEN` or the stored login, `HF_HUB_OFFLINE`
 and `HF_DATASETS_OFFLINE` (cache only) are read by huggingface_hub and honoured as they are; distzo
 sets none of them. Metadata requests time out after `HF_HUB_ETAG_TIMEOUT` seconds (default 10) and
@@ -142,7 +142,7 @@ class Fetch:
 
 def fetch_here(fetches: Iterable[Fetch | None]) -> dict[str, Pin]:
     """Fetch into this process's cache (a process on its own; a mesh fetches once per node,
-    distzo.run.sources); the pins by role."""
+    distzo.run.hub_pins); the pins by role."""
     out = {}
     for f in fetches:
         if f is not None:

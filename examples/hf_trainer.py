@@ -72,7 +72,10 @@ def compute_metrics(eval_pred) -> dict[str, float]:
 
 
 def build(model_path: str, output: str, steps: int, mesh: str | None, seed: int = 0, callbacks=(), n: int = 96,
-          optimizer: str = "sgd", lr: float = 1e-3, save_steps: int = 0, per_device: int = 4, accumulation: int = 4):
+          optimizer: str = "sgd", lr: float = 1e-3, save_steps: int = 0, per_device: int = 4, accumulation: int = 4,
+          estimator: str = "mezo", **zo_settings):
+    """The Trainer of this script. zo_settings: further ZOArguments fields (an estimator's or
+    optimizer's settings: `rank=2`, `optim_beta2=0.99`)."""
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -91,7 +94,7 @@ def build(model_path: str, output: str, steps: int, mesh: str | None, seed: int 
         model=model, args=args, train_dataset=split["train"], eval_dataset=split["test"],
         data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False), processing_class=tokenizer,
         compute_metrics=compute_metrics, callbacks=list(callbacks),
-        zo_args=ZOArguments(optimizer=optimizer, q=2, mesh=mesh))
+        zo_args=ZOArguments(estimator=estimator, optimizer=optimizer, q=2, mesh=mesh, **zo_settings))
 
 
 def main() -> None:

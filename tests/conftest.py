@@ -19,14 +19,26 @@ _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, min(2, (os.cpu_count() or 2) // _WORKERS)))
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the node ids
+@pytest.hookimpl(wrapper=True)  # around xdist's own hook, which writes the groups into the node ids
 def pytest_collection_modifyitems(config, items):
     """Under xdist (`--dist loadgroup`) each test file runs on one worker, so a module's expensive
     fixtures (a file's shared training runs) are built once; the tests of the one-node SLURM cluster
-    (a session fixture, one per machine) all run on one worker, whatever their file."""
+    (a session fixture, one per machine) all run on one worker, whatever their file.
+
+    xdist 3.8 writes a test's group into `item._nodeid`, which pytest 9.2 no longer reads (a node's
+    id is `item._id`; pytest-dev/pytest-xdist#1386): the groups were silently ignored, the SLURM
+    tests spread over both workers and each started a cluster. The id xdist meant is carried over."""
     for item in items:
         slurm = "slurm" in getattr(item, "fixturenames", ())
         item.add_marker(pytest.mark.xdist_group("slurm" if slurm else item.nodeid.split("::")[0]))
+    result = yield
+    for item in items:
+        grouped = vars(item).get("_nodeid")
+        if grouped and grouped != item.nodeid:
+            from _pytest.nodeid import NodeId  # pytest >= 9.2 only, where xdist's write does not take
+
+            item._id = NodeId.parse(grouped)
+    return result
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -58,12 +70,12 @@ def tokenizer():
 
 
 def make_config(*overrides: str):
-    """A composed, validated run config, as the CLI would build it (composition errors raised as the
-    ConfigError line the CLI prints)."""
-    from distzo.config.compose import compose_config
+    """A composed, validated run config as the run layer receives it (the schema's dataclasses),
+    as the CLI would build it (composition errors raised as the ConfigError line the CLI prints)."""
+    from distzo.config.compose import compose_config, typed
     from distzo.run.checks import validate
 
-    cfg = compose_config(list(overrides))
+    cfg = typed(compose_config(list(overrides)))
     validate(cfg)
     return cfg
 

@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 from hydra.core.config_store import ConfigStore
 
 from ..errors import ConfigError
-from .schema import Config
+from ..registry import registry
+from .legacy import upgrade_overrides, upgrade_saved
+from .schema import Config, EstimatorSettings, OptimSettings
 
 CONFIG_PATH_ENV = "DISTZO_CONFIG_PATH"  # your own config directories, searched before the presets
 GROUPS = ("model", "task", "estimator", "offload", "logger", "peft")
@@ -25,17 +28,55 @@ PLUGINS = {("hydra/launcher", "submitit_slurm"): "hydra-submitit-launcher",
 
 
 def register_configs() -> None:
-    """Register the schemas so that YAML presets are checked against them."""
-    # The top-level schema types every group's node, so each preset YAML merged into `model`,
-    # `task` or `estimator` is checked against its dataclass without per-group schema entries.
-    ConfigStore.instance().store(name="distzo_schema", node=Config)
+    """Register the schemas so that YAML presets are checked against them, and each registered
+    estimator's and optimizer's settings as the options of the `estimator` and `optim` config groups
+    (`estimator=agzo`: AGZO's settings with their defaults; distzo.registry)."""
+    store = ConfigStore.instance()
+    # The top-level schema types every group's node, so each preset YAML merged into `model` or
+    # `task` is checked against its dataclass without per-group schema entries.
+    store.store(name="distzo_schema", node=Config)
+    for point, base in SETTINGS_BASES.items():
+        for name, cls in registry(point).items():
+            store.store(group=registry(point).point.group, name=name, node=component_settings(point, name, cls, base))
+
+
+SETTINGS_BASES = {"estimator": EstimatorSettings, "optimizer": OptimSettings}
+
+
+def component_settings(point: str, name: str, cls: type, base: type) -> Any:
+    """The settings of a registered estimator or optimizer with their defaults (its class's
+    `Settings`, which extends its point's base); a ValueError for a component that declares them
+    wrongly (a plugin author's mistake, named when the plugin is first used)."""
+    from .checks import check_range
+
+    settings = getattr(cls, "Settings", base)
+    if not (isinstance(settings, type) and is_dataclass(settings) and issubclass(settings, base)):
+        raise ValueError(f"{point} {name} ({cls.__module__}.{cls.__qualname__}): its Settings must be a dataclass "
+                         f"extending {base.__module__}.{base.__qualname__}")
+    for f in fields(settings):
+        if "range" in f.metadata:
+            check_range(f.metadata["range"])
+    return settings(name=name)
+
+
+def component_of(cfg_section: Any, point: str) -> type:
+    """The registered class a configuration section names (`cfg.estimator`, `cfg.optim`): ConfigError
+    when the section's settings are not that component's (its name set by hand inside a config file
+    instead of selecting the group option)."""
+    cls = registry(point).get(cfg_section.name)
+    settings = getattr(cls, "Settings", SETTINGS_BASES[point])
+    if type(cfg_section) is not settings:
+        group = registry(point).point.group
+        raise ConfigError(f"{group}.name={cfg_section.name} is set without {cls.name}'s settings; select it as a "
+                          f"config group option: {group}={cls.name}")
+    return cls
 
 
 def typed(cfg: Any) -> Config:
     """A composed configuration as the schema's dataclasses (`Config`, its sections `ModelConfig`,
-    `TaskConfig`, ...; choices as their Enums): what the model, data, estimator, optimizer and engine
-    code receive. The run layer converts once where it builds a run (distzo.run.components, the
-    checks); Hydra's own `hydra` section, if present, is not part of the schema. Idempotent."""
+    `TaskConfig`, ..., the estimator's and optimizer's own `Settings`; choices as their Enums): what
+    every layer below the public entry points receives. Hydra's own `hydra` section, if present, is
+    not part of the schema. Idempotent."""
     if isinstance(cfg, Config):
         return cfg
     from omegaconf import OmegaConf
@@ -44,6 +85,44 @@ def typed(cfg: Any) -> Config:
         cfg = OmegaConf.merge(OmegaConf.structured(Config),
                               OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]))
     return OmegaConf.to_object(cfg)
+
+
+def saved_form(cfg: Config) -> Any:
+    """A typed configuration as the DictConfig Hydra would have composed (what .hydra/config.yaml
+    holds, what wandb records), without its `hydra` section."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.structured(cfg)
+
+
+def switch_component(section: Any, point: str, name: str) -> Any:
+    """The settings of component `name` of `point` with its own defaults, keeping the settings every
+    component of the point shares (the base's: an optimizer's lr, an estimator's eps) from `section`."""
+    base = SETTINGS_BASES[point]
+    cls = registry(point).get(name)
+    shared = {f.name: getattr(section, f.name) for f in fields(base) if f.name != "name"}
+    return component_settings(point, name, cls, base).__class__(name=name, **shared)
+
+
+def saved_config(data: dict[str, Any]) -> Any:
+    """A saved configuration (plain data: a run's .hydra/config.yaml), in today's layout
+    (distzo.config.legacy) and typed by the schema, each group section by its component's settings."""
+    from omegaconf import OmegaConf
+
+    register_configs()
+    data = upgrade_saved(data)
+    sections = {}
+    for point, base in SETTINGS_BASES.items():
+        group = registry(point).point.group
+        section = data.pop(group, None)
+        if isinstance(section, dict) and section.get("name") is not None:
+            cls = registry(point).get(section["name"], key=f"{group}.name")
+            sections[group] = OmegaConf.merge(OmegaConf.structured(component_settings(point, cls.name, cls, base)),
+                                              section)
+    cfg = OmegaConf.merge(OmegaConf.structured(Config), data)
+    for group, node in sections.items():
+        cfg[group] = node
+    return cfg
 
 
 def config_dir() -> str:
@@ -82,7 +161,7 @@ def compose_config(overrides: Sequence[str] = (), with_hydra: bool = False,
     from hydra import compose, initialize_config_dir
 
     register_configs()
-    overrides = list(overrides)
+    overrides = upgrade_overrides(list(overrides))
     check_override_grammar(overrides)
     if not with_hydra:  # the search path stays: it decides which presets exist
         overrides = [o for o in overrides
@@ -136,6 +215,16 @@ def check_override_grammar(overrides: list[str]) -> None:
                               f"quote the value: {shell_quoted_override(key, value)}") from None
 
 
+def setting_owners(key: str) -> list[str]:
+    """The registered components whose own setting `key` is (`estimator.rank` -> [agzo])."""
+    group, _, field = key.partition(".")
+    point = {registry(p).point.group: p for p in SETTINGS_BASES}.get(group)
+    if point is None or "." in field:
+        return []
+    return [name for name, cls in registry(point).items()
+            if field in {f.name for f in fields(getattr(cls, "Settings", SETTINGS_BASES[point]))}]
+
+
 def explain(exc: BaseException) -> str:
     """One line from Hydra's and OmegaConf's multi-line composition errors."""
     text = str(exc)
@@ -161,6 +250,11 @@ def explain(exc: BaseException) -> str:
         key = not_in_struct.group(1)
         full = re.search(r"full_key: (\S+)", text)
         name = full.group(1) if full else key
+        owners = setting_owners(name)
+        if owners:
+            group = name.split(".")[0]
+            return (f"{name} is a setting of {' and '.join(f'{group}={o}' for o in owners)}, not of the chosen "
+                    f"{group}; add {group}={owners[0]}")
         return (f"unknown config key '{name}'; see `python -m distzo train --cfg job` for the valid keys "
                 f"(prefix with + only to add keys deliberately)")
     conversion = re.search(r"Value '([^']*)' (?:of type '\w+' )?could not be converted to (\w+)", text)

@@ -2,9 +2,15 @@
 
 The dataclasses are registered in Hydra's ConfigStore as schemas (`distzo.config.compose`), so a
 YAML preset or a command-line override with an unknown key, a wrong type or a value outside a choice
-field's Enum fails at composition time, before anything loads. What types cannot express (ranges,
-finiteness, files that must exist) is checked by `distzo.config.validation` and `distzo.run.checks`.
+field's Enum fails at composition time, before anything loads. A numeric field declares its range as
+field metadata (`setting`), which `distzo.config.checks` checks with every float's finiteness;
+what needs more than the configuration (files that must exist, the mesh) is `distzo.run.checks`'s.
 This module imports nothing of distzo, so anything may read the schema.
+
+The estimator and the optimizer are extension points (distzo.registry): `estimator` and `optim` hold
+the settings every estimator / optimizer has (`EstimatorSettings`, `OptimSettings`), and each
+registered component extends them with its own, declared beside its class; Hydra's config groups
+`estimator=<name>` and `optim=<name>` select them.
 
 Choice fields are Enums whose members compare equal to their value (`cfg.objective == "loss"`) and
 print as it. The three-way switches `auto | true | false` stay strings: `key=true` on a command line
@@ -18,6 +24,16 @@ from enum import Enum
 from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING
+
+
+def setting(default: Any, range: str | None = None, doc: str = "") -> Any:  # noqa: A002 (the metadata's name)
+    """A configuration field with its default, its range and a line of documentation (the docs'
+    settings tables). range: comparisons joined by "and" (`"> 0"`, `">= 0 and < 1"`), checked by
+    distzo.config.checks; a null value (an optional setting left unset) passes."""
+    metadata = {"doc": doc, **({"range": range} if range else {})}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 class Choice(str, Enum):  # noqa: UP042 (moving to StrEnum is a behaviour change, not a lint fix)
@@ -81,11 +97,6 @@ class TransferDType(Choice):
     float16 = "float16"
 
 
-class EstimatorName(Choice):
-    mezo = "mezo"
-    prge = "prge"
-    agzo = "agzo"
-
 
 class Difference(Choice):
     central = "central"
@@ -146,11 +157,6 @@ class ResumeMode(Choice):
     auto = "auto"
 
 
-class TaskKind(Choice):
-    classification = "classification"
-    multiple_choice = "multiple_choice"
-    generation = "generation"
-
 
 class TaskLoss(Choice):
     classification = "classification"
@@ -207,7 +213,7 @@ class ModelConfig:
     revision: Optional[str] = None
     arch: Arch = Arch.llama
     arch_config: Dict[str, Any] = field(default_factory=dict)
-    init_seed: int = 0
+    init_seed: int = setting(0, ">= 0")
     tokenizer: Optional[str] = None
     dtype: DType = DType.float32
     adapter: AdapterPath = AdapterPath.auto
@@ -268,7 +274,7 @@ class TaskConfig:
     subset: Optional[str] = None
     split_names: SplitNames = field(default_factory=lambda: SplitNames())
     format: DataFormat = DataFormat.auto
-    kind: TaskKind = TaskKind.classification
+    kind: str = "classification"
     template: str = "{sentence} It was"
     label_words: List[str] = field(default_factory=lambda: [" terrible", " great"])
     label_field: str = "label"
@@ -281,56 +287,30 @@ class TaskConfig:
     completion_template: str = " {answer}"
     stop: str = "\n"
     messages_field: Optional[str] = None
-    max_new_tokens: int = 32
+    max_new_tokens: int = setting(32, "> 0")
     subsets: List[str] = field(default_factory=list)
-    demos: int = 0
+    demos: int = setting(0, ">= 0")
     demo_separator: str = "\n\n"
-    val_size: Optional[int] = None
-    test_size: Optional[int] = None
-    train_size: Optional[int] = None
-    split_seed: int = 0
-    max_length: int = 128
-    num_examples: int = 4000
+    val_size: Optional[int] = setting(None, "> 0")
+    test_size: Optional[int] = setting(None, "> 0")
+    train_size: Optional[int] = setting(None, "> 0")
+    split_seed: int = setting(0, ">= 0")
+    max_length: int = setting(128, "> 0")
+    num_examples: int = setting(4000, "> 0")
 
 
 @dataclass
-class PRGEConfig:
-    """P-RGE's batched evaluation (`estimator=prge`, over LoRA-FA's B matrices).
+class EstimatorSettings:
+    """What every estimator has (`estimator.<field>`); an estimator's own settings extend these (its
+    class's `Settings`, distzo.zo.estimators), and `estimator=<name>` selects them with their
+    defaults. name: a registered estimator (mezo, prge, agzo, or one of DISTZO_PLUGINS)."""
 
-    materialize: true stacks every evaluation's working copy of a block's B matrices before the
-      block runs; false draws each layer's copies B +- eps z_k inside that layer's forward and drops
-      them after it (P-RGE §3.2's memory option). Both give bitwise the same copies."""
-
-    materialize: bool = True
-
-
-@dataclass
-class AGZOConfig:
-    """AGZO's activation-guided subspace (`estimator=agzo`).
-
-    rank: r, columns of each linear layer's input basis A (the paper uses 1).
-    power_iters: K, block power iterations on the layer's input activations (the paper uses 3).
-    tied_embeddings: what a token embedding shared with the LM head gets: `freeze` (not trained) or
-      `dense` (MeZO's dense Gaussian, as for every other non-linear parameter)."""
-
-    rank: int = 1
-    power_iters: int = 3
-    tied_embeddings: TiedEmbeddings = TiedEmbeddings.freeze
-
-
-@dataclass
-class EstimatorConfig:
-    """The zeroth-order gradient estimator: `mezo` (SPSA / n-SPSA), `prge` (P-RGE: SPSA over
-    LoRA-FA with every query and sign of a rank in one batched forward) or `agzo`
-    (activation-guided subspace perturbations, one-sided)."""
-
-    name: EstimatorName = MISSING
-    eps: float = 1e-3
-    q: int = 1
-    difference: Difference = Difference.central
-    distribution: Distribution = Distribution.gaussian
-    prge: PRGEConfig = field(default_factory=PRGEConfig)
-    agzo: AGZOConfig = field(default_factory=AGZOConfig)
+    name: str = MISSING
+    eps: float = setting(1e-3, "> 0", "the perturbation scale (eps)")
+    q: int = setting(1, ">= 1", "directions (queries) per step, all on the same batch")
+    difference: Difference = setting(Difference.central, doc="central: (L(θ+εz) − L(θ−εz)) / 2ε; forward: "
+                                     "(L(θ+εz) − L(θ)) / ε, one clean probe shared by the queries")
+    distribution: Distribution = setting(Distribution.gaussian, doc="z's distribution: gaussian or rademacher")
 
 
 @dataclass
@@ -343,11 +323,11 @@ class PeftConfig:
       initialised from the real keys and values of random vocabulary tokens (MeZO appendix E.5)."""
 
     method: PeftMethod = PeftMethod.none
-    r: int = 8
-    alpha: float = 16.0
+    r: int = setting(8, "> 0")
+    alpha: float = setting(16.0, "> 0")
     targets: List[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
-    prefix_tokens: int = 5
-    init_seed: int = 0
+    prefix_tokens: int = setting(5, "> 0")
+    init_seed: int = setting(0, ">= 0")
 
 
 @dataclass
@@ -357,7 +337,7 @@ class OffloadConfig:
     moves blocks at reduced precision while the host keeps the full-precision master."""
 
     mode: OffloadMode = OffloadMode.none
-    slots: int = 3
+    slots: int = setting(3, ">= 1")
     transfer_dtype: Optional[TransferDType] = None
 
 
@@ -379,8 +359,8 @@ class CheckpointConfig:
     `keep` kept. `distzo replay` needs one; `resume=auto` continues from the newest instead of
     re-applying every logged step since the start."""
 
-    every: int = 100
-    keep: int = 3
+    every: int = setting(100, ">= 0")
+    keep: int = setting(3, "> 0")
 
 
 @dataclass
@@ -405,7 +385,7 @@ class EngineConfig:
       far below bfloat16's resolution."""
 
     fuse_update: str = "auto"
-    row_tokens: int = 1024
+    row_tokens: int = setting(1024, "> 0")
     divide_work: str = "auto"
     native: str = "auto"
     compute: ComputeMode = ComputeMode.fp32
@@ -422,8 +402,8 @@ class BenchConfig:
       when every rank is on one machine; "true": anywhere (rank 0 holds a second copy of the model);
       "false": never."""
 
-    warmup: int = 2
-    steps: int = 5
+    warmup: int = setting(2, "> 0")  # the training peak is taken over the warm-up steps
+    steps: int = setting(5, "> 0")
     reference: bool = True
     single_rank: str = "auto"
 
@@ -472,11 +452,11 @@ class SweepConfig:
       for language modelling, validation_perplexity_after (minimised)."""
 
     launcher: Launcher = Launcher.local
-    nodes: int = 1
+    nodes: int = setting(1, "> 0")
     sbatch: str = "sbatch"
     script: Optional[str] = None
     sbatch_args: List[str] = field(default_factory=list)
-    progress_every_s: float = 15.0
+    progress_every_s: float = setting(15.0, "> 0")
     metric: str = "validation_accuracy_after"
 
 
@@ -491,45 +471,25 @@ class LaunchConfig:
     stop_timeout_s: after Ctrl-C or SIGTERM, how long the workers get to finish the step in flight
     and write its snapshot before they are killed."""
 
-    nproc: Optional[int] = None
+    nproc: Optional[int] = setting(None, "> 0")
     rdzv_endpoint: Optional[str] = None
-    max_restarts: int = 0
-    stop_timeout_s: float = 240.0
+    max_restarts: int = setting(0, ">= 0")
+    stop_timeout_s: float = setting(240.0, "> 0")
 
 
 @dataclass
-class MomentumSettings:
-    """`optim.name=momentum`: heavy-ball momentum mu, >= 0 and < 1 (0 gives sgd's weights)."""
+class OptimSettings:
+    """What every ZO optimizer has (`optim.<field>`, docs/optimizers.md); an optimizer's own settings
+    extend these (its class's `Settings`, distzo.zo.optimizers), and `optim=<name>` (or
+    `optim.name=<name>`) selects them with their defaults. name: a registered optimizer (sgd,
+    momentum, adam, sign, fzoo, or one of DISTZO_PLUGINS). sgd is ZO-SGD: theta -= lr * (sum_k c_k
+    z_k + weight_decay * theta), with c_k the estimator's coefficients (for SPSA c_k = g_k / q)."""
 
-    mu: float = 0.9
-
-
-@dataclass
-class AdamSettings:
-    """`optim.name=adam` (ZO-Adam, decoupled weight decay): the moments' decays, each >= 0 and < 1,
-    and the epsilon added to the bias-corrected sqrt(v)."""
-
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
-
-
-@dataclass
-class OptimConfig:
-    """The ZO optimizer (docs/optimizers.md). name: a registered optimizer
-    (`distzo.zo.optimizers.OPTIMIZERS`: sgd, momentum, adam, sign, fzoo; a string checked against
-    that registry, so an optimizer added there is a name here). sgd is ZO-SGD: theta -= lr * (sum_k
-    c_k z_k + weight_decay * theta), with c_k the estimator's coefficients (for SPSA c_k = g_k / q);
-    momentum, adam, sign and fzoo are in docs/optimizers.md. An optimizer's own settings are its
-    section here (`optim.momentum.mu`, `optim.adam.beta1`, ...)."""
-
-    name: str = "sgd"
-    lr: float = 2e-5
-    weight_decay: float = 0.0
-    schedule: Schedule = Schedule.constant
-    warmup_steps: int = 0
-    momentum: MomentumSettings = field(default_factory=MomentumSettings)
-    adam: AdamSettings = field(default_factory=AdamSettings)
+    name: str = MISSING
+    lr: float = setting(2e-5, ">= 0", "the learning rate")
+    weight_decay: float = setting(0.0, ">= 0", "decoupled weight decay (not on biases and norms)")
+    schedule: Schedule = setting(Schedule.constant, doc="the learning rate over the run: constant or linear decay")
+    warmup_steps: int = setting(0, ">= 0", "steps of linear warm-up")
 
 
 @dataclass
@@ -540,31 +500,31 @@ class Config:
 
     model: ModelConfig = MISSING
     task: TaskConfig = MISSING
-    estimator: EstimatorConfig = MISSING
+    estimator: EstimatorSettings = MISSING
+    optim: OptimSettings = MISSING
     offload: OffloadConfig = MISSING
     logger: LoggerConfig = MISSING
     peft: PeftConfig = MISSING
     comm: CommConfig = field(default_factory=CommConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     sweep: SweepConfig = field(default_factory=SweepConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
-    steps: int = 200
-    batch_size: int = 16
-    micro_batch_size: Optional[int] = None
-    seed: Optional[int] = 0
-    eval_every: int = 100
-    eval_batch_size: int = 32
-    log_every: int = 10
-    threads: Optional[int] = None
+    steps: int = setting(200, ">= 0")
+    batch_size: int = setting(16, "> 0")
+    micro_batch_size: Optional[int] = setting(None, "> 0")
+    seed: Optional[int] = setting(0, ">= 0 and < 2**63")
+    eval_every: int = setting(100, ">= 0")
+    eval_batch_size: int = setting(32, "> 0")
+    log_every: int = setting(10, "> 0")
+    threads: Optional[int] = setting(None, "> 0")
     device: Device = Device.auto
     save_final: bool = True
     mesh: str = "1x1"
-    replica_check_every: int = 50
-    dist_timeout_s: float = 600.0
+    replica_check_every: int = setting(50, ">= 0")
+    dist_timeout_s: float = setting(600.0, "> 0")
     resume: ResumeMode = ResumeMode.never
-    max_nonfinite_steps: int = 3
+    max_nonfinite_steps: int = setting(3, "> 0")
     objective: Objective = Objective.loss

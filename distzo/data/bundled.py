@@ -1,7 +1,7 @@
 """Data that ships with distzo: the movie-review polarity sentences (the embedded default task), a
 multiple-choice task built from them, and a synthetic task for tests on random models.
 
-Each returns records, plain dicts, as a file read by `distzo.data.sources` would give them, so
+Each returns records, plain dicts, as a file read by `distzo.data.records` would give them, so
 bundled and user data go through the same templates, splits and encoding.
 """
 

@@ -8,8 +8,9 @@ from pathlib import Path
 from ..config.schema import TaskConfig
 from ..errors import ConfigError
 from ..hub import is_hub_id
+from ..registry import registry
 from .bundled import BUNDLED
-from .kinds import KINDS, format_string, kind_type
+from .kinds import format_string, kind_type
 from .readers import READERS
 
 
@@ -42,7 +43,7 @@ def check_task_config(t: TaskConfig, objective: str = "loss") -> None:
     format_string(t.template, "task.template")
     kind = kind_type(t.kind)
     kind.check(t, t.dataset in BUNDLED)
-    for other in KINDS.values():
+    for _, other in registry("task_kind").items():
         for settings, mistake in other.reads.items():
             if other is not kind and any(getattr(t, key) for key in settings):
                 raise ConfigError(mistake)

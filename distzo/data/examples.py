@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from ..config.schema import TaskConfig
-from .sources import DataError
+from .records import DataError
 
 
 @dataclass(frozen=True)

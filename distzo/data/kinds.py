@@ -3,7 +3,8 @@
 One class per kind holds everything that differs between kinds, so the rest of distzo never compares
 the kind's name: the settings it reads and their checks, the objectives it can train on, how a record
 becomes an `Example`, which batch scores it, whether it trains by teacher forcing, and how evaluation
-reads its scores. `KINDS` names them (the values of `task.kind`):
+reads its scores. Each is registered by name (`@register("task_kind", name)`, distzo.registry): the
+values of `task.kind`:
 
 - classification: one label word per class after a template (`task.label_words`), the record's class
   from `task.label_field`;
@@ -14,9 +15,9 @@ reads its scores. `KINDS` names them (the values of `task.kind`):
   are decoded and scored by exact match and F1; plain texts are language modelling, reported by
   their token loss and perplexity.
 
-A new kind is one class here (registered in `KINDS`) plus its value in `distzo.config.schema.TaskKind`.
-The record parsing helpers the kinds share (templates, the record's fields) are `RecordFormatter`'s
-(`distzo.data.examples`), which each method receives as `fmt`.
+A new kind is one registered class, here or in a module of your own named by DISTZO_PLUGINS; it
+reads the task section's fields. The record parsing helpers the kinds share (templates, the record's
+fields) are `RecordFormatter`'s (`distzo.data.examples`), which each method receives as `fmt`.
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ import torch
 
 from ..config.schema import TaskConfig
 from ..errors import ConfigError
+from ..registry import register, registry
 from .examples import Example, answer_list, norm, template_fields
-from .sources import DataError
+from .records import DataError
 
 log = logging.getLogger("distzo")
 
@@ -123,8 +125,8 @@ class Kind:
                 else "cross-entropy over the candidates")
 
 
+@register("task_kind", "classification")
 class Classification(Kind):
-    name = "classification"
 
     @classmethod
     def check(cls, t: TaskConfig, bundled: bool) -> None:
@@ -181,8 +183,8 @@ class Classification(Kind):
         return f"label words {task.label_words}", super().describe(task)[1]
 
 
+@register("task_kind", "multiple_choice")
 class MultipleChoice(Kind):
-    name = "multiple_choice"
     reads = {("candidates_field", "candidate_fields"): (
         "task.candidates_field / task.candidate_fields are read by task.kind=multiple_choice only; add "
         "task.kind=multiple_choice, or use task.label_words for classification")}
@@ -250,8 +252,8 @@ class MultipleChoice(Kind):
         return "per-example candidates", super().describe(task)[1]
 
 
+@register("task_kind", "generation")
 class Generation(Kind):
-    name = "generation"
     reads = {("messages_field",): ("task.messages_field (a chat) is read by task.kind=generation only; add "
                                    "task.kind=generation")}
     scores_candidates = False
@@ -360,12 +362,6 @@ class Generation(Kind):
         return "language modelling on whole texts, scored by perplexity", "token loss of the whole text"
 
 
-KINDS: dict[str, type[Kind]] = {k.name: k for k in (Classification, MultipleChoice, Generation)}
-
-
 def kind_type(name: Any) -> type[Kind]:
-    """The class of `task.kind=name`."""
-    try:
-        return KINDS[str(name)]
-    except KeyError:
-        raise ConfigError(f"task.kind={name!r} is not a task kind; use one of: {', '.join(KINDS)}") from None
+    """The class of `task.kind=name` (the built-in kinds and DISTZO_PLUGINS')."""
+    return registry("task_kind").get(name)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
-from .sources import DataError
+from .records import DataError
 
 log = logging.getLogger("distzo")
 

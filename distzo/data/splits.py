@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from .examples import Example
-from .sources import DataError
+from .records import DataError
 
 log = logging.getLogger("distzo")
 

@@ -38,7 +38,7 @@ from .examples import RecordFormatter
 from .kinds import kind_type
 from .objectives import objective_sums
 from .readers import JSON_OBJECTS, READERS
-from .sources import DataError, hub_records, read_records, split_names
+from .records import DataError, hub_records, read_records, split_names
 from .splits import Splits, make_splits
 from .trivia import trivia_records
 
@@ -48,7 +48,7 @@ SPLITS = ("train", "validation", "test")
 def load_examples(cfg: TaskConfig, chat=None, pin: hub.Pin | None = None) -> tuple[Splits, str]:
     """The task's splits of examples, and where they come from (for messages). chat: renders a chat's
     messages as a prompt (generation from `task.messages_field`). pin: the commit of a hub dataset
-    the run fetched (distzo.run.sources; a process on its own fetches it here when None)."""
+    the run fetched (distzo.run.hub_pins; a process on its own fetches it here when None)."""
     name = cfg.dataset
     if name in BUNDLED:
         parts = {"all": bundled_records(name, cfg.num_examples, cfg.split_seed)}

@@ -13,7 +13,7 @@ import importlib.util
 from pathlib import Path
 from typing import Any, Sequence
 
-from .sources import DataError
+from .records import DataError
 
 WHEEL = "red-discordbot==3.5.24"
 META_KEYS = {"AUTHOR", "DESCRIPTION", "CONFIG"}

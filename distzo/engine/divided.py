@@ -17,7 +17,7 @@ size-balanced deterministic assignment. Per block i:
 Each chunk is thus read, drawn and written once per node, and z never leaves the owner's cache.
 Because a rank builds block i+1 before its forward through block i, a peer has that whole forward
 to finish its share of block i+1 before anyone waits for it: jitter between the ranks is absorbed
-instead of paid at every block, as a barrier after each block would pay it.
+instead of waited out at every block, as a barrier after each block would make every rank do.
 
 The stage buffer has three slots, used by block index mod 3. A rank writes block i+1's copies only
 after the wait for block i, which completes once every rank has arrived for block i, that is, has
@@ -41,10 +41,13 @@ import torch.distributed as dist
 
 from ..parallel.mesh import Mesh
 from ..parallel.node import Node, mapped_resident_bytes
+from ..registry import register
 from ..telemetry.timing import DISABLED, Timers
 from ..zo.estimators import Probe
-from ..zo.optimizers import Optimizer
+from ..zo.optimizers import SGD, Optimizer
 from ..zo.params import TrainableParam, TrainableParams
+from .base import EngineConfigError
+from .build import EngineMode, EngineSetup
 from .loop import Division, StageLoop
 from .optstate import StateBuffers
 from .pending import PendingUpdate
@@ -254,3 +257,52 @@ class NodeDivision(Division):
             # divided, this rank would update only its own chunks and then read the whole block with no
             # handshake; every clean forward reads materialized weights, which keeps this unreachable
             raise RuntimeError("internal error: a clean forward on a divided engine still awaits an update")
+
+
+def divided_engine(model, adapter, params, directions, *, node: Node, optimizer: Optimizer | None = None,
+                   **kwargs) -> StageLoop:
+    """Resident weights on CPU shared by the node's ranks, which divide noise and update."""
+    optimizer = optimizer or SGD()
+    store = NodeSharedStore(adapter, params, optimizer, directions.device, node)
+    division = NodeDivision(node, kwargs.get("mesh") or Mesh.single(directions.device), kwargs.get("timers", DISABLED))
+    return StageLoop(model, adapter, params, directions, store, division=division, optimizer=optimizer,
+                     mode="divided", **kwargs)
+
+
+def work_division(s: EngineSetup) -> bool:
+    """Whether the node's ranks share the master and divide noise and update work (engine.divide_work):
+    `auto` wherever it applies, `true` required (an error naming why it cannot apply), `false` never."""
+    mode = str(s.engine.divide_work).lower()
+    if mode == "false":
+        return False
+    mesh, estimator = s.mesh, s.estimator
+    why = None
+    if not mesh.node.shared:
+        why = "this process has no peers on its machine"
+    elif mesh.device.type != "cpu":
+        why = "it divides host-side work (CPU runs only)"
+    elif s.offload.mode != "none":
+        why = "offloaded runs divide the update by slices already (comm.sliced)"
+    elif not estimator.streams_blocks or s.peft_method != "none":
+        why = "it serves full-parameter estimator=mezo (other estimators and trainable sets evaluate their own way)"
+    elif not division_applies(estimator.dealt_plan(), mesh.shape.pert):
+        why = f"a perturbation rank of mesh {mesh.shape} would have no perturbed probe in the estimator's plan"
+    if why is not None and mode == "true":
+        raise EngineConfigError(f"engine.divide_work=true cannot apply: {why}; use engine.divide_work=auto")
+    return why is None
+
+
+@register("engine_mode", "divided")
+class DividedMode(EngineMode):
+    """Resident on CPU with several ranks on a machine: one node-shared master, work divided."""
+
+    precedence = 10
+
+    @classmethod
+    def applies(cls, s: EngineSetup) -> bool:
+        return not s.estimator.stacked and work_division(s)
+
+    @classmethod
+    def build(cls, s: EngineSetup) -> StageLoop:
+        s.model.to(s.device)
+        return divided_engine(s.model, s.adapter, s.params, s.directions, node=s.mesh.node, **s.loop_options())

@@ -13,7 +13,7 @@ it is built with (docs/architecture.md#engines):
   copies and updates (all of them here: `Division`; a node's ranks sharing the work:
   `distzo.engine.divided.NodeDivision`);
 - the optimizer's **rule**, carried by the pending update (`distzo.engine.pending`);
-- optionally P-RGE's **batched probes** (`distzo.engine.stacked`), which run a rank's perturbed
+- optionally P-RGE's **stacked probes** (`distzo.engine.stacked`), which run a rank's perturbed
   probes in one forward.
 
 The update is deferred (docs/architecture.md#invariants, I5): `apply` records it as a pending update,
@@ -44,7 +44,7 @@ from .stores import OUTER, WeightStore
 from .weights import CleanWeights, PerturbedWeights, StageNoise, Workspace
 
 if TYPE_CHECKING:
-    from .stacked import BatchedProbes
+    from .stacked import StackedProbes
 
 HEAD_ROWS = 256  # scored positions per full-vocabulary head product (bounds its [rows, vocab] temporary)
 
@@ -93,10 +93,10 @@ class StageLoop(Engine):
     own, for comparison); micro_batch_size: examples of a rank's shard per forward (None: the whole
     shard at once; see `_walk`); compute: the forward's arithmetic (`engine.compute`); timers: phase
     timers (`bench`); optimizer: the update rule and its state (sgd when None), whose state the
-    store holds where it holds the master; store / division / batched: the mode's parts."""
+    store holds where it holds the master; store / division / stacked: the mode's parts."""
 
     def __init__(self, model: nn.Module, adapter: DecoderAdapter, params: TrainableParams, directions: Directions,
-                 store: WeightStore, *, division: Division | None = None, batched: BatchedProbes | None = None,
+                 store: WeightStore, *, division: Division | None = None, stacked: StackedProbes | None = None,
                  eps: float = 1e-3, mesh: Mesh | None = None, row_tokens: int = 1024, fuse_update: bool = True,
                  micro_batch_size: int | None = None, compute: str = "fp32", timers: Timers = DISABLED,
                  optimizer: Optimizer | None = None, mode: str = "resident"):
@@ -109,12 +109,12 @@ class StageLoop(Engine):
         self.workspace = Workspace(self.device)
         self.store = store
         self.division = division if division is not None else Division()
-        self.batched = batched
+        self.stacked = stacked
         self.pending: PendingUpdate | None = None
         store.attach(self)
 
     def describe(self) -> str:
-        parts = [self.store.describe(), self.division.describe(), self.batched.describe() if self.batched else ""]
+        parts = [self.store.describe(), self.division.describe(), self.stacked.describe() if self.stacked else ""]
         return ", ".join(p for p in parts if p)
 
     # --- the interface ------------------------------------------------------------------------------
@@ -263,8 +263,8 @@ class StageLoop(Engine):
     def _run(self, parts: Sequence[Sequence[Packed]], plan: Sequence[Probe], step: int,
              full_plan: Sequence[Probe] | None) -> list[Scores]:
         with self.forward_arithmetic():
-            if self.batched is not None and any(ev.perturbed for ev in plan):
-                return self.batched.run(self, parts, plan, step)
+            if self.stacked is not None and any(ev.perturbed for ev in plan):
+                return self.stacked.run(self, parts, plan, step)
             return self._walk(parts, plan, step, full_plan)
 
     def _walk(self, parts: Sequence[Sequence[Packed]], plan: Sequence[Probe], step: int,

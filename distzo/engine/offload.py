@@ -25,7 +25,7 @@ of all of it; the rest crosses the peer links. Every element still receives exac
 operations of the resident update, so the weights stay bitwise the same.
 
 An optimizer with state keeps the blocks' state beside their host master (node-shared with it on
-the sliced path) and streams it with the blocks that owe an update (`streamer`); the outer stage's
+the sliced path) and streams it with the blocks that await an update (`streamer`); the outer stage's
 state stays on the device with the outer stage.
 """
 
@@ -39,9 +39,12 @@ from torch import nn
 
 from ..models.adapters import DecoderAdapter
 from ..parallel.node import Node, mapped_resident_bytes
-from ..zo.optimizers import Optimizer
+from ..registry import register
+from ..zo.optimizers import SGD, Optimizer
 from ..zo.params import TrainableParams
 from .base import EngineConfigError
+from .build import EngineMode, EngineSetup
+from .loop import StageLoop
 from .optstate import StateBuffers, state_key
 from .pending import Target
 from .stores import Block, WeightStore
@@ -220,3 +223,53 @@ class SlicedOffloadStore(OffloadStore):
 
     def state_resident_bytes(self) -> int:
         return self.state.nbytes() + sum(mapped_resident_bytes(t)["pss"] for t in self.host_blocks[0].state)
+
+
+def offload_engine(model, adapter, params, directions, *, slots: int = 3, transfer_dtype: torch.dtype | None = None,
+                   optimizer: Optimizer | None = None, **kwargs) -> StageLoop:
+    """Blocks in host memory, streamed whole through a device slot ring."""
+    optimizer = optimizer or SGD()
+    store = OffloadStore(model, adapter, params, optimizer, directions.device, slots=slots,
+                         transfer_dtype=transfer_dtype)
+    return StageLoop(model, adapter, params, directions, store, optimizer=optimizer, mode="offload", **kwargs)
+
+
+def sliced_offload_engine(model, adapter, params, directions, *, node: Node, slots: int = 3,
+                          transfer_dtype: torch.dtype | None = None, optimizer: Optimizer | None = None,
+                          **kwargs) -> StageLoop:
+    """One node-shared host master; each rank moves a slice of every block (DistZO2)."""
+    optimizer = optimizer or SGD()
+    store = SlicedOffloadStore(model, adapter, params, optimizer, directions.device, node=node, slots=slots,
+                               transfer_dtype=transfer_dtype)
+    return StageLoop(model, adapter, params, directions, store, optimizer=optimizer, mode="offload-sliced", **kwargs)
+
+
+def _transfer_dtype(s: EngineSetup) -> torch.dtype | None:
+    return getattr(torch, str(s.offload.transfer_dtype)) if s.offload.transfer_dtype else None
+
+
+@register("engine_mode", "offload")
+class OffloadMode(EngineMode):
+    """offload=cpu with every weight trainable: whole blocks per rank (one rank per node, or
+    comm.sliced=false), or, as `offload-sliced`, one node-shared host master of which each rank moves
+    a slice (several ranks per node, comm.sliced)."""
+
+    precedence, sliced = 30, False
+
+    @classmethod
+    def applies(cls, s: EngineSetup) -> bool:
+        return s.offload.mode == "cpu" and s.peft_method == "none" and (s.node_shared or not cls.sliced)
+
+    @classmethod
+    def build(cls, s: EngineSetup) -> StageLoop:
+        dtype = getattr(torch, str(s.offload.transfer_dtype)) if s.offload.transfer_dtype else None
+        if cls.sliced:
+            return sliced_offload_engine(s.model, s.adapter, s.params, s.directions, node=s.mesh.node,
+                                         slots=s.offload.slots, transfer_dtype=dtype, **s.loop_options())
+        return offload_engine(s.model, s.adapter, s.params, s.directions, slots=s.offload.slots,
+                              transfer_dtype=dtype, **s.loop_options())
+
+
+@register("engine_mode", "offload-sliced")
+class SlicedOffloadMode(OffloadMode):
+    precedence, sliced = 31, True

@@ -1,4 +1,4 @@
-"""P-RGE's batched probe: all of a rank's probes in ONE forward over LoRA-FA's B.
+"""P-RGE's stacked probes: all of a rank's probes in ONE forward over stacked copies of LoRA-FA's B.
 
 The packed shard is replicated once per probe (rows [e R, (e + 1) R) belong to probe e),
 so the frozen weights are read once for every query and sign. Only the LoRA B matrices differ
@@ -19,10 +19,14 @@ import torch
 
 from ..data.batches import Packed, Scores
 from ..peft.lora import lora_layers, stacked_b
+from ..registry import register
 from ..zo.directions import Directions
 from ..zo.estimators import Probe
+from ..zo.optimizers import SGD, Optimizer
 from ..zo.params import TrainableParam
-from .loop import join_scores
+from .build import EngineMode, EngineSetup
+from .loop import StageLoop, join_scores
+from .stores import ResidentStore
 from .weights import CleanWeights
 
 
@@ -45,7 +49,7 @@ def stack_copies(directions: Directions, p: TrainableParam, plan: Sequence[Probe
     return torch.stack([perturbed_copy(directions, p, p.tensor, ev, step, eps) for ev in plan])
 
 
-class BatchedProbes:
+class StackedProbes:
     """P-RGE: a rank's perturbed probes run as one batched forward over stacked LoRA-FA B copies
     (the step loop hands them here; clean forwards take the ordinary stage loop)."""
 
@@ -55,7 +59,7 @@ class BatchedProbes:
         self.layers = {f"{name}.lora_B": module for name, module in lora_layers(model)}
         others = [p.name for p in params if p.name not in self.layers]
         if others or not self.layers:
-            raise StackedLoRAError(f"batched probe perturbs LoRA-FA B matrices only; also trainable: {others[:3]}")
+            raise StackedLoRAError(f"stacked probes perturb LoRA-FA B matrices only; also trainable: {others[:3]}")
 
     def describe(self) -> str:
         how = "materialised" if self.materialize else "drawn inside each layer"
@@ -95,3 +99,29 @@ class BatchedProbes:
 def _on_the_fly(directions: Directions, p: TrainableParam, plan: Sequence[Probe], step: int,
                 eps: float) -> Callable[[], torch.Tensor]:
     return lambda: stack_copies(directions, p, plan, step, eps)
+
+
+def stacked_lora_engine(model, adapter, params, directions, *, materialize: bool = True,
+                        optimizer: Optimizer | None = None, **kwargs) -> StageLoop:
+    """P-RGE: a rank's probes in one batched forward over stacked LoRA-FA B copies."""
+    optimizer = optimizer or SGD()
+    store = ResidentStore(adapter, params, optimizer, directions.device)
+    return StageLoop(model, adapter, params, directions, store, stacked=StackedProbes(model, params, materialize),
+                     optimizer=optimizer, mode="stacked-lora", **kwargs)
+
+
+@register("engine_mode", "stacked-lora")
+class StackedLoRAMode(EngineMode):
+    """A stacked estimator (P-RGE) with resident weights."""
+
+    precedence = 20
+
+    @classmethod
+    def applies(cls, s: EngineSetup) -> bool:
+        return s.estimator.stacked and s.offload.mode == "none"
+
+    @classmethod
+    def build(cls, s: EngineSetup) -> StageLoop:
+        s.model.to(s.device)
+        return stacked_lora_engine(s.model, s.adapter, s.params, s.directions,
+                                   materialize=getattr(s.estimator, "materialize", True), **s.loop_options())

@@ -28,9 +28,13 @@ from torch import nn
 
 from ..models.adapters import DecoderAdapter, full_name
 from ..parallel.node import Node, mapped_resident_bytes
-from ..zo.optimizers import Optimizer
+from ..registry import register
+from ..zo.optimizers import SGD, Optimizer
 from ..zo.params import TrainableParams
 from .base import EngineConfigError
+from .build import EngineMode, EngineSetup
+from .loop import StageLoop
+from .stacked import StackedProbes
 from .stores import Block, ResidentStore
 from .streamer import (
     SLICE_ALIGN,
@@ -227,3 +231,39 @@ class StreamedBaseStore(ResidentStore):
     def close(self) -> None:
         self.streamer.close()
 
+
+
+def streamed_base_engine(model, adapter, params, directions, *, slots: int = 3, node: Node | None = None,
+                         stacked: StackedProbes | None = None, optimizer: Optimizer | None = None,
+                         **kwargs) -> StageLoop:
+    """Adapters resident, the frozen (possibly quantized) base streamed from host memory, whole or
+    sliced over the node's ranks."""
+    optimizer = optimizer or SGD()
+    store = StreamedBaseStore(model, adapter, params, optimizer, directions.device, slots=slots, node=node)
+    mode = "offload-base-sliced" if node is not None else "offload-base"
+    return StageLoop(model, adapter, params, directions, store, stacked=stacked, optimizer=optimizer, mode=mode,
+                     **kwargs)
+
+
+@register("engine_mode", "offload-base")
+class StreamedBaseMode(EngineMode):
+    """offload=cpu with adapters (peft): the adapters resident, the frozen base streamed whole, or, as
+    `offload-base-sliced`, one node-shared host copy of it sliced over the node's ranks (comm.sliced)."""
+
+    precedence, sliced = 40, False
+
+    @classmethod
+    def applies(cls, s: EngineSetup) -> bool:
+        return s.offload.mode == "cpu" and s.peft_method != "none" and (s.node_shared or not cls.sliced)
+
+    @classmethod
+    def build(cls, s: EngineSetup) -> StageLoop:
+        stacked = (StackedProbes(s.model, s.params, getattr(s.estimator, "materialize", True))
+                   if s.estimator.stacked else None)
+        return streamed_base_engine(s.model, s.adapter, s.params, s.directions, slots=s.offload.slots,
+                                    node=s.mesh.node if cls.sliced else None, stacked=stacked, **s.loop_options())
+
+
+@register("engine_mode", "offload-base-sliced")
+class SlicedStreamedBaseMode(StreamedBaseMode):
+    precedence, sliced = 41, True

@@ -93,7 +93,7 @@ def unpin_all() -> None:
 def host_buffer(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     """A host buffer of exactly `numel` elements, page-locked when `pin`. Not torch's pinned
     allocator (`pin_memory=True`): its caching host allocator rounds every request up to a power of
-    two, +33% for a 7B model's block and +60% for an OPT-13B block, memory the host master pays for
+    two, +33% for a 7B model's block and +60% for an OPT-13B block, memory the host master would hold
     and nothing reported. An ordinary allocation registered in place costs its size and no more."""
     t = torch.empty(numel, dtype=dtype)
     if pin:

@@ -1,8 +1,9 @@
-"""What an probe sees as its weights: master tensors, or working copies theta + s * eps * z.
+"""What a probe sees as its weights: master tensors, or working copies theta + s * eps * z.
 
 A stage's weights may come from the parameters themselves (resident) or from `sources`, a mapping
 from parameter name to the tensor that currently holds it on the compute device (an offloaded
-block's slot). Views read a parameter through `source()`, so the same code serves both engines.
+block's slot). Views read a parameter through `source()`, so the same code serves every weight store
+(distzo.engine.stores: resident, node-shared, offloaded, sliced, a streamed frozen base).
 """
 
 from __future__ import annotations

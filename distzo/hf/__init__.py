@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .trainer import ZOArguments, ZOTrainerError
+from .arguments import ZOArguments
+from .trainer import ZOTrainerError
 
 __all__ = ["ZOArguments", "ZOSFTTrainer", "ZOTrainer", "ZOTrainerError"]
 

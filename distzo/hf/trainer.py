@@ -15,13 +15,13 @@ from __future__ import annotations
 import math
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..errors import DistzoError
+from .arguments import ZOArguments, setting_overrides
 from .data import TrainerDataTask
 
 ZO_STATE = "zo_state"  # a Trainer checkpoint's folder holding distzo's snapshot of that step
@@ -30,33 +30,6 @@ ZO_RUN = "zo"  # distzo's own run files (metrics.jsonl, trajectory.jsonl, run.js
 
 class ZOTrainerError(DistzoError):
     """A Trainer setting that a ZO loop cannot honour; the message says which and what to do."""
-
-
-@dataclass
-class ZOArguments:
-    """The zeroth-order settings, with distzo's defaults (docs/hf.md): the rest comes from
-    `TrainingArguments`.
-
-    estimator: mezo (SPSA), prge (batched LoRA-FA probes) or agzo; eps: the perturbation scale; q:
-    directions per step; difference: central or forward; distribution: gaussian or rademacher.
-    optimizer: sgd, momentum, adam, sign, fzoo (or one registered with DISTZO_PLUGINS), with
-    `momentum` (mu) and `adam_betas` / `adam_eps`. offload: none or cpu (ZO2: blocks in host
-    memory); mesh: P x D over the launched processes (null: 1 x world size). device: auto, cpu or
-    cuda. overrides: any further distzo setting, as `key=value` strings (`engine.compute=bf16`)."""
-
-    estimator: str = "mezo"
-    eps: float = 1e-3
-    q: int = 1
-    difference: str = "central"
-    distribution: str = "gaussian"
-    optimizer: str = "sgd"
-    momentum: float = 0.9
-    adam_betas: tuple[float, float] = (0.9, 0.999)
-    adam_eps: float = 1e-8
-    offload: str = "none"
-    mesh: str | None = None
-    device: str = "auto"
-    overrides: list[str] = field(default_factory=list)
 
 
 def _refuse_what_cannot_apply(args: Any, optimizers: Any, optimizer_cls_and_kwargs: Any) -> None:
@@ -86,6 +59,10 @@ def _refuse_what_cannot_apply(args: Any, optimizers: Any, optimizer_cls_and_kwar
         raise ZOTrainerError("a torch optimizer or scheduler cannot apply to a ZO step, which has no gradients; drop "
                              "optimizers=... and set ZOArguments(optimizer=sgd|momentum|adam|sign|fzoo) and "
                              "TrainingArguments(lr_scheduler_type=...)")
+
+
+def _is_peft_model(model: Any) -> bool:
+    return hasattr(model, "get_base_model") and hasattr(model, "peft_config")
 
 
 def _every(steps_or_ratio: float, steps: int) -> int:
@@ -137,11 +114,8 @@ class ZOLoop:
         a, z = self.args, self.zo_args
         lr_schedule = str(getattr(a.lr_scheduler_type, "value", a.lr_scheduler_type))
         overrides = [
-            "model=hf", f"estimator={z.estimator}", f"estimator.eps={z.eps}", f"estimator.q={z.q}",
-            f"estimator.difference={z.difference}", f"estimator.distribution={z.distribution}",
-            f"optim.name={z.optimizer}", f"optim.lr={a.learning_rate}", f"optim.weight_decay={a.weight_decay}",
-            f"optim.momentum.mu={z.momentum}", f"optim.adam.beta1={z.adam_betas[0]}",
-            f"optim.adam.beta2={z.adam_betas[1]}", f"optim.adam.eps={z.adam_eps}",
+            "model=hf", *setting_overrides(z), f"peft={self.zo_peft()}", f"optim.lr={a.learning_rate}",
+            f"optim.weight_decay={a.weight_decay}",
             f"optim.schedule={'linear' if lr_schedule == 'linear' else 'constant'}",
             f"optim.warmup_steps={a.get_warmup_steps(steps)}", f"offload={z.offload}", f"mesh={self.zo_mesh()}",
             f"engine.compute={_compute(a)}", f"device={z.device}", f"steps={steps}",
@@ -151,6 +125,18 @@ class ZOLoop:
             "save_final=false", "task=custom", "task.kind=generation",
             "replica_check_every=0", *z.overrides]
         return distzo.compose(*overrides, validate=False)
+
+    def zo_peft(self) -> str:
+        """distzo's trainable set: ZOArguments.peft; else none for a model that brings its own (a PEFT
+        model's adapter, or whatever requires grad), or the one the estimator runs on (P-RGE: lora_fa)."""
+        from ..zo.estimators import estimator_type
+
+        if self.zo_args.peft is not None:
+            return self.zo_args.peft
+        only = estimator_type(self.zo_args.estimator).peft_methods
+        if only and not _is_peft_model(self.model):
+            return only[0]
+        return "none"
 
     def zo_lr_at(self, steps: int):
         """Each step's learning rate, as transformers' scheduler of `lr_scheduler_type` (with its
@@ -189,13 +175,15 @@ class ZOLoop:
                                getattr(self.processing_class, "pad_token_id", None) or 0)
 
     def _zo_check(self, cfg) -> None:
-        from ..config.validation import check_values
-        from ..zo.estimators import estimator_type
-        from ..zo.optimizers import check_optim
+        """The configuration's checks that apply here (the data and model are the Trainer's own)."""
+        from ..config.checks import check_values
+        from ..config.compose import component_of, typed
+        from ..run.checks import check_estimator
 
+        cfg = typed(cfg)
         check_values(cfg)
-        check_optim(cfg)
-        estimator_type(cfg.estimator.name).check_config(cfg.estimator, str(cfg.peft.method))
+        component_of(cfg.optim, "optimizer").check(cfg)
+        check_estimator(cfg)
 
     # --- the loop ----------------------------------------------------------------------------------
 

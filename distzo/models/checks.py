@@ -16,7 +16,7 @@ from .loading import _readable_dir, check_local_model, random_model
 
 def check_model_config(m: ModelConfig) -> None:
     """The `model` group: its files exist and are readable, its architecture builds. A hub id is
-    checked when it is fetched (distzo.run.sources), not here: checks make no request."""
+    checked when it is fetched (distzo.run.hub_pins), not here: checks make no request."""
     if m.tokenizer not in (None, "smollm2") and not is_hub_id(m.tokenizer):
         _readable_dir(str(m.tokenizer), "model.tokenizer", "a tokenizer (tokenizer.json or its vocabulary files), "
                       "'smollm2', or a hub id (org/name)")

@@ -269,7 +269,7 @@ def model_folder(cfg: ModelConfig, pins: Mapping[str, hub.Pin] | None = None) ->
 
 def load_model(cfg: ModelConfig, pins: Mapping[str, hub.Pin] | None = None) -> tuple[torch.nn.Module, Any]:
     """(model in eval mode with dropout off, tokenizer) for a ModelConfig. pins: the hub commits the
-    run fetched (distzo.run.sources), by role (model, tokenizer)."""
+    run fetched (distzo.run.hub_pins), by role (model, tokenizer)."""
     from transformers import AutoModelForCausalLM
 
     pins = pins or {}

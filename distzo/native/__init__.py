@@ -37,7 +37,7 @@ import torch
 
 from ..cache import cache_dir
 from ..errors import DistzoError
-from ..zo.optimizers import OPTIMIZERS  # the update rules the kernels reproduce (their `kernel` cases)
+from ..registry import registry  # the optimizers' update rules, which the kernels reproduce (their `kernel` cases)
 from ..zo.rademacher import (  # the stream's definition, which the kernels reproduce
     Stream,
     stream_signs,
@@ -160,7 +160,7 @@ class Kernels:
 @functools.cache  # called for every chunk; the kernel cases are fixed by kernels.c
 def kernel_signature(rule: int) -> tuple[int, int] | None:
     """(constants, state tensors) of the optimizer whose kernel case is `rule` (None: no such case)."""
-    for cls in OPTIMIZERS.values():
+    for _, cls in registry("optimizer").items():
         if cls.kernel == rule:
             return len(cls().constants(0, 1.0)), len(cls.slots)
     return None
@@ -250,7 +250,11 @@ def self_check(kernels: Kernels) -> None:
     master = torch.linspace(-1, 1, 513)
     values = torch.linspace(0.5, -0.25, 520)
     plus = torch.empty(513)
-    for cls in {c for c in OPTIMIZERS.values() if c.kernel is not None}:  # every rule with a kernel case
+    first_of_case = {}  # every kernel case once, with the first optimizer that has it (fzoo has sgd's)
+    for _, c in registry("optimizer").items():
+        if c.kernel is not None:
+            first_of_case.setdefault(c.kernel, c)
+    for cls in first_of_case.values():
         rule = cls().rule(2, 1e-3, 0.0)
         state = [torch.linspace(0.5, 1.5, 513) for _ in range(rule.slots)]
         got, got_state = master.clone(), [t.clone() for t in state]

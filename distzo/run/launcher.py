@@ -16,9 +16,12 @@ import signal
 import sys
 import time
 import uuid
-from typing import Any, Sequence
+from typing import Sequence
 
-from ..errors import DistzoError
+from omegaconf import DictConfig
+
+from ..config.schema import LaunchConfig
+from ..errors import ConfigError, DistzoError
 
 
 class WorkerFailed(DistzoError):
@@ -49,23 +52,84 @@ def check_local_devices(nproc: int, mesh: str, device: str) -> None:
                               "processes here, or launch across nodes (torchrun, srun; docs/cluster.md)")
 
 
-def start_local_workers(nproc: int, argv: Sequence[str], launch: Any) -> None:
+def run_local_workers(command: str, args: Sequence[str], cfg: DictConfig) -> bool:
+    """A plain process's command whose mesh needs several processes: run it as that many local
+    workers (`start_local_workers`) and wait for them; False when one process runs it. `cfg`: the
+    command's composed configuration (with its `hydra` section). The run directory is fixed here,
+    once, so that workers restarted after a failure (launch.max_restarts) find the run again and
+    continue it (distzo.cli.hydra_app: a restarted group resumes)."""
+    from ..parallel.shape import MeshShape
+
+    needed = MeshShape.parse(cfg.mesh).size
+    nproc = cfg.launch.nproc or needed
+    if command != "eval" and nproc != needed:
+        raise DistzoError(f"launch.nproc={nproc} does not fit mesh={cfg.mesh}, which needs {needed} processes; leave "
+                          f"launch.nproc unset (it starts what the mesh needs) or use a mesh of {nproc} processes")
+    if nproc <= 1:
+        return False
+    check_local_devices(nproc, str(cfg.mesh), str(cfg.device))
+    run_dir = fixed_run_dir(cfg)
+    if run_dir is not None and str(cfg.resume) == "auto":
+        raise ConfigError("resume=auto needs a fixed run directory that a restarted job finds again: add "
+                          "hydra.run.dir=/path/to/run")
+    start_local_workers(nproc, [command, *args, *([f"hydra.run.dir={run_dir}"] if run_dir else [])], cfg.launch)
+    return True
+
+
+def restart_overrides(overrides: list[str]) -> list[str]:
+    """A worker group that the elastic agent restarted after a failure (torchrun --max-restarts,
+    launch.max_restarts) continues the run its first start began: resume=auto, in the same run
+    directory (the self-launch fixes it; under torchrun the command line must). A first start's
+    overrides pass unchanged."""
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if restart == 0 or any(o.startswith("resume=") and o != "resume=never" for o in overrides):
+        return overrides
+    if not any(o.split("=", 1)[0] == "hydra.run.dir" for o in overrides):
+        if os.environ.get("RANK", "0") == "0":
+            logging.getLogger("distzo").warning(
+                "restart %d of the worker group: hydra.run.dir is timestamped, so this restart starts a new run; "
+                "give hydra.run.dir to have restarts continue the run", restart)
+        return overrides
+    if os.environ.get("RANK", "0") == "0":
+        logging.getLogger("distzo").warning("restart %d of the worker group: continuing the run from its newest "
+                                            "snapshot and logged steps (resume=auto)", restart)
+    return [o for o in overrides if not o.startswith("resume=")] + ["resume=auto"]
+
+
+def fixed_run_dir(cfg: DictConfig) -> str | None:
+    """The run directory Hydra would name now (its `${now:...}` resolved once), for every worker and
+    every restart of them; None where the command line names it already or it cannot be resolved here."""
+    from hydra.core.utils import setup_globals
+    from omegaconf import OmegaConf
+
+    raw = OmegaConf.to_container(cfg.hydra.run, resolve=False)["dir"] if "hydra" in cfg else None
+    if raw is None or "${" not in str(raw):
+        return None
+    setup_globals()  # Hydra's resolvers (${now:...}), as inside its app
+    try:
+        return str(OmegaConf.select(cfg, "hydra.run.dir"))
+    except Exception:  # an interpolation that needs Hydra's runtime: each worker resolves it itself
+        return None
+
+
+def start_local_workers(nproc: int, argv: Sequence[str], launch: LaunchConfig) -> None:
     """Run `python -m distzo ARGV` as `nproc` local workers (see the module docstring) and wait for
     them. launch: the `launch` settings (rendezvous endpoint, restarts, stop timeout). Raises
     WorkerFailed with the first failure's exit status; a worker that printed its own error line
     (exit status 2, every worker's input check) gets no second line."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import LaunchConfig as ElasticConfig
+    from torch.distributed.launcher.api import elastic_launch
 
     from .signals import EXIT_STOPPED
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     endpoint = launch.rdzv_endpoint or "127.0.0.1:0"  # port 0: a free one (torchrun --standalone)
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"distzo-{uuid.uuid4().hex[:8]}",
-                          rdzv_backend="c10d", rdzv_endpoint=endpoint, rdzv_configs={"is_host": True},
-                          max_restarts=launch.max_restarts, monitor_interval=0.2, start_method="spawn",
-                          shutdown_timeout=int(launch.stop_timeout_s))
+    config = ElasticConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"distzo-{uuid.uuid4().hex[:8]}",
+                           rdzv_backend="c10d", rdzv_endpoint=endpoint, rdzv_configs={"is_host": True},
+                           max_restarts=launch.max_restarts, monitor_interval=0.2, start_method="spawn",
+                           shutdown_timeout=int(launch.stop_timeout_s))
     # The agent's own chatter (rendezvous, worker groups) stays out of the run's output; its
     # warnings (a worker failed, workers being stopped) remain.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)

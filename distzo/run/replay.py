@@ -20,10 +20,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from ..config.compose import typed
 from ..errors import DistzoError
 from ..parallel.mesh import Mesh
 from ..state.resume import catch_up
-from ..state.runs import RUN_FILE, load_run_config
+from ..state.saved import RUN_FILE, load_run_config
 from ..state.snapshots import CorruptSnapshot, list_snapshots, read_optimizer_state, read_snapshot
 from ..telemetry.jsonl import read_jsonl
 from ..zo.directions import (
@@ -33,7 +34,7 @@ from ..zo.directions import (
 )
 from ..zo.estimators import estimator_type
 from .components import build_model_stack
-from .sources import Sources, fetch_sources
+from .hub_pins import HubPins, fetch_hub_pins
 
 log = logging.getLogger("distzo")
 
@@ -48,7 +49,7 @@ def replay(run_dir: Path, step: int | None = None, out: Path | None = None, devi
     `step` updates (default: the last logged step), starting from the newest valid snapshot at or
     before `from_step` (default: at or before `step`). Returns the written path."""
     run_dir = Path(run_dir)
-    cfg = load_run_config(run_dir)
+    cfg = typed(load_run_config(run_dir))  # the run's saved configuration, converted once
     records = list(read_jsonl(run_dir / "trajectory.jsonl"))
     if not records:
         raise ReplayError(f"{run_dir}/trajectory.jsonl is missing or empty: nothing to replay")
@@ -85,7 +86,7 @@ def replay(run_dir: Path, step: int | None = None, out: Path | None = None, devi
     # The same trainable set, built the same seeded way, on a resident engine of this process.
     optimizer_state = read_optimizer_state(base) if tensors is not None else None
     mesh = Mesh.single(device)
-    sources = fetch_sources(cfg, mesh, Sources.from_record(state.get("sources")))  # the commits the run read
+    sources = fetch_hub_pins(cfg, mesh, HubPins.from_record(state.get("sources")))  # the commits the run read
     stack = build_model_stack(cfg, mesh, state["seed"], weights=tensors, resident=True,
                               optimizer_state=optimizer_state, sources=sources)
     engine = stack.engine

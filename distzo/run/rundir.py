@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..config.schema import Config
 from ..errors import ConfigError
 from ..state.resume import check_resumable
 
@@ -58,7 +59,7 @@ class RunDirectory:
     created_from: Path | None = None
 
     @classmethod
-    def claim(cls, cfg, path: str | os.PathLike | None, key: str = "hydra.run.dir", fixed: bool = True,
+    def claim(cls, cfg: Config, path: str | os.PathLike | None, key: str = "hydra.run.dir", fixed: bool = True,
               continuing: bool = False) -> RunDirectory:
         """Check that `path` can hold this run (see the module docstring); raises ConfigError.
         fixed=False: `path` is only the fixed part of a directory that will be named at run time

@@ -12,11 +12,12 @@ import logging
 import secrets
 import sys
 from pathlib import Path
-from typing import Any
 
 import torch
 from omegaconf import OmegaConf
 
+from ..config.compose import saved_form
+from ..config.schema import Config
 from ..errors import DistzoError
 from ..parallel.mesh import Mesh
 from .rundir import RunDirectory
@@ -39,7 +40,7 @@ class Session:
     Hydra writes), a path, or None (outputs/<date>/<time>); rank 0's is every rank's. continuing:
     the run continues from a snapshot named by path (see RunDirectory.claim)."""
 
-    def __init__(self, cfg: Any, run_dir: RunDirectory | str | Path | None = None, continuing: bool = False):
+    def __init__(self, cfg: Config, run_dir: RunDirectory | str | Path | None = None, continuing: bool = False):
         self.continuing = continuing
         self.cfg = cfg
         self._handlers: list[logging.Handler] = []
@@ -109,8 +110,7 @@ class Session:
         read it)."""
         folder = self.run_dir / ".hydra"
         folder.mkdir(exist_ok=True)
-        cfg = OmegaConf.masked_copy(self.cfg, [k for k in self.cfg if k != "hydra"])
-        (folder / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        (folder / "config.yaml").write_text(OmegaConf.to_yaml(saved_form(self.cfg)))
 
     def seed(self, fixed: int | None = None) -> int:
         """The run seed every direction derives from: `fixed` (a resumed run's), the configured one,

@@ -22,7 +22,10 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
+from omegaconf import DictConfig
 
+from ..config.compose import typed
+from ..config.schema import Config
 from ..data.tasks import PromptTask
 from ..errors import DistzoError
 from ..parallel.consistency import check_replicas
@@ -46,15 +49,16 @@ from ..telemetry.metrics import (
 )
 from ..telemetry.sinks import open_sinks
 from ..zo.directions import DIRECTIONS_VERSION
+from ..zo.optimizers import SGD
 from ..zo.schedule import learning_rate
 from .callbacks import Callback, CallbackList
 from .checks import validate
 from .components import Components, build_components
 from .evaluation import Evaluator, headline
+from .hub_pins import HubPins, fetch_hub_pins
 from .rundir import RunDirectory
 from .session import Session
 from .signals import Stopped, StopRequests
-from .sources import Sources, fetch_sources
 
 log = logging.getLogger("distzo")
 
@@ -132,7 +136,7 @@ class Trainer:
     run_dir: where the run writes (default outputs/<date>/<time>; rank 0's is every rank's).
     model / tokenizer / task: your own transformers model and tokenizer, and a task built on them
     (`distzo.PromptTask`), instead of those the configuration names. callbacks: `distzo.Callback`s.
-    validate: check the configuration first (the command line has checked it already). lr_at: each
+    validate_config: check the configuration first (the command line has checked it already). lr_at: each
     step's learning rate, in place of `optim.schedule` (a transformers scheduler's, say).
     resume_from: a snapshot folder (`<run>/checkpoints/step-N`) to continue from at its step, its
     weights and optimizer state, whatever resume= says (the logs after it are cut off).
@@ -143,10 +147,11 @@ class Trainer:
     with `step()`, `evaluate()`, `snapshot()` and `save()`. Close it (or use `with`) to release the
     mesh, threads and buffers."""
 
-    def __init__(self, cfg, run_dir: str | Path | RunDirectory | None = None, *,
+    def __init__(self, cfg: Config | DictConfig, run_dir: str | Path | RunDirectory | None = None, *,
                  model: torch.nn.Module | None = None, tokenizer: Any = None, task: PromptTask | None = None,
                  callbacks: Sequence[Callback] = (), validate_config: bool = True,
                  lr_at: Callable[[int], float] | None = None, resume_from: str | Path | None = None):
+        cfg = typed(cfg)  # the one conversion: every layer below receives the typed sections
         if validate_config:
             validate(cfg)
         self.cfg, self.lr_at, self.resume_from = cfg, lr_at, resume_from
@@ -171,7 +176,7 @@ class Trainer:
         self.seed = self.session.seed(check_identity(cfg, point.snapshot or str(run_dir), point.identity)
                                       if point is not None else None)
         # The hub commits the run read before it was interrupted, not a branch's newer one.
-        sources = fetch_sources(cfg, mesh, Sources.from_record(point.identity.get("sources")) if point else None,
+        sources = fetch_hub_pins(cfg, mesh, HubPins.from_record(point.identity.get("sources")) if point else None,
                                 model=model is None, data=task is None)
         self.components = c = build_components(cfg, mesh, self.seed, point.weights() if point is not None else None,
                                                model=model, tokenizer=tokenizer, task=task,
@@ -334,7 +339,7 @@ class Trainer:
             "wall_time_s": round(time.time() - wall_start, 1),
             "peak_rss_bytes": peak_rss_bytes(), "peak_mem_bytes": peak_memory_bytes(mesh.device),
             "trainable_parameters": c.params.numel(), **c.sources.revisions(), "offload": str(cfg.offload.mode),
-            **self._host_master_summary(), **self._optimizer_summary(), **c.stack.quantized.summary(),
+            **self._host_master_summary(), **self._optimizer_summary(), **c.quantized.summary(),
             **c.engine.summary(),
             **({"h2d_bytes_per_step": int(statistics.median(self._step_h2d))} if self._step_h2d else {}),
             "replica_checksums": replica_checksums,  # every rank's, in rank order: identical (checked)
@@ -350,9 +355,10 @@ class Trainer:
         if mesh.is_main:
             atomic_write_json(self.run_dir / "summary.json", dict(summary))
         self.metrics.write("summary", **summary)
-        log.info("Validation %s -> %s after %d steps (%s training, median %.2f s/step); test %s",
-                 headline(first) if first else f"(resumed at step {self.start_step})", headline(last), steps,
-                 format_duration(summary["train_time_s"]), summary["step_time_s"] if step_times else float("nan"),
+        pace = (f"{format_duration(summary['train_time_s'])} training, median {summary['step_time_s']:.2f} s/step"
+                if step_times else "no step left to train")
+        log.info("Validation %s -> %s after %d steps (%s); test %s",
+                 headline(first) if first else f"(resumed at step {self.start_step})", headline(last), steps, pace,
                  headline(test))
         return summary
 
@@ -387,15 +393,27 @@ class Trainer:
         n_probes = len(c.estimator.dealt_plan())
         log.info("%s", c.task.describe())
         log.info("Model %s: %s", cfg.model.name, c.engine.adapter.describe())
-        optimizer = "" if c.optimizer.name == "sgd" else f" and optimizer {c.optimizer.describe()}"
-        log.info("Training %.2fM parameters (peft=%s) with %s (q=%d, eps=%g, %s directions)%s, seed %d, mesh %s "
-                 "(%d probes per step over %d perturbation ranks, batch %d over %d data ranks), engine: %s, "
-                 "run dir %s", c.params.numel() / 1e6, cfg.peft.method, cfg.estimator.name, cfg.estimator.q,
-                 cfg.estimator.eps, cfg.estimator.distribution, optimizer, self.seed, mesh.shape, n_probes,
-                 mesh.shape.pert, cfg.batch_size, mesh.shape.data, c.engine.describe(), self.run_dir)
+        optimizer = "" if type(c.optimizer) is SGD else f" and optimizer {c.optimizer.describe()}"
+        log.info("Training %s with %s (q=%d, eps=%g, %s directions)%s, seed %d, mesh %s (%d probes per step over %d "
+                 "perturbation ranks, batch %d over %d data ranks), engine: %s, run dir %s", self._trainable(),
+                 cfg.estimator.name, cfg.estimator.q, cfg.estimator.eps, cfg.estimator.distribution, optimizer,
+                 self.seed, mesh.shape, n_probes, mesh.shape.pert, cfg.batch_size, mesh.shape.data,
+                 c.engine.describe(), self.run_dir.resolve())
         if mesh.shape.pert > n_probes:
             log.warning("mesh P=%d exceeds the %d probes a step needs: %d perturbation ranks idle; raise "
                         "estimator.q to use them", mesh.shape.pert, n_probes, mesh.shape.pert - n_probes)
+
+    def _trainable(self) -> str:
+        """What trains: the count, and which set (distzo's peft, or what a model handed over marks
+        trainable: a PEFT model's adapter, say)."""
+        c, method = self.components, self.cfg.peft.method
+        trainable, total = c.params.numel(), sum(p.numel() for p in c.model.parameters())
+        count = f"{trainable / 1e6:.2f}M" if trainable >= 1e5 else f"{trainable:,}"
+        if method != "none":
+            return f"{count} parameters (peft={method})"
+        if trainable < total:
+            return f"{count} of {total / 1e6:.2f}M parameters (those the model marks trainable; peft=none)"
+        return f"{count} parameters (peft=none)"
 
     def _log_step(self, step: int, out: StepOutcome, step_time: float, moved_before: dict[str, float]) -> None:
         """The step's trajectory record (what resume and replay re-apply), metrics line and progress."""
@@ -463,8 +481,8 @@ class Trainer:
         return in_a_row
 
 
-def train(cfg, run_dir: str | Path | RunDirectory | None = None, *, callbacks: Sequence[Callback] = (),
-          validate_config: bool = True, **kwargs: Any) -> Summary:
+def train(cfg: Config | DictConfig, run_dir: str | Path | RunDirectory | None = None, *,
+          callbacks: Sequence[Callback] = (), validate_config: bool = True, **kwargs: Any) -> Summary:
     """Train a configuration to the end: `Trainer(cfg, run_dir, ...).fit()`, closed afterwards."""
     with Trainer(cfg, run_dir, callbacks=callbacks, validate_config=validate_config, **kwargs) as trainer:
         return trainer.fit()

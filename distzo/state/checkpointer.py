@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from ..config.schema import CheckpointConfig
 from ..engine import Engine
 from ..parallel.mesh import Mesh
 from ..telemetry.jsonl import JsonlWriter
@@ -20,7 +21,8 @@ class Checkpointer:
     """Writes a run's snapshots (rank 0) on the `checkpoint` settings' cadence, and its identity file.
     identity: what every snapshot records of the run (`distzo.state.resume.run_identity`)."""
 
-    def __init__(self, checkpoint, identity: dict[str, Any], run_dir: Path, mesh: Mesh, trajectory: JsonlWriter):
+    def __init__(self, checkpoint: CheckpointConfig, identity: dict[str, Any], run_dir: Path, mesh: Mesh,
+                 trajectory: JsonlWriter):
         self.every, self.keep = int(checkpoint.every), int(checkpoint.keep)
         self.identity, self.run_dir, self.mesh, self.trajectory = identity, run_dir, mesh, trajectory
 

@@ -18,13 +18,14 @@ import json
 import logging
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import OmegaConf
 
+from ..config.legacy import v1_sections
+from ..config.schema import Config
 from ..engine import Engine
 from ..errors import DistzoError
 from ..parallel.mesh import Mesh
@@ -32,8 +33,7 @@ from ..telemetry.jsonl import read_jsonl, truncate_after
 from ..telemetry.metrics import Progress
 from ..zo.directions import DIRECTIONS_VERSION, gaussian_generator_id, same_directions
 from ..zo.estimators import estimator_type
-from ..zo.optimizers import OPTIMIZERS, optimizer_type
-from .runs import RUN_FILE
+from .saved import RUN_FILE
 from .snapshots import (
     CorruptSnapshot,
     list_snapshots,
@@ -56,10 +56,14 @@ class ResumeError(DistzoError):
     """A run directory that this configuration cannot continue."""
 
 
-def config_fingerprint(cfg) -> str:
+def config_fingerprint(cfg: Config) -> str:
     """What a snapshot must agree with to be resumed: everything that shapes the trajectory except
-    the mesh, offloading, threads and evaluation cadence (those change where and how fast, not what)."""
-    keys = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "task", "estimator", "optim", "peft")}
+    the mesh, offloading, threads and evaluation cadence (those change where and how fast, not what).
+    The estimator's and optimizer's settings are hashed in the layout of the first fingerprints
+    (distzo.config.legacy.v1_sections), so runs written before the settings moved beside their
+    components still resume."""
+    keys = {k: asdict(getattr(cfg, k)) for k in ("model", "task", "peft")}
+    keys["estimator"], keys["optim"] = v1_sections(asdict(cfg.estimator), asdict(cfg.optim))
     if keys["model"].get("adapter", "auto") == "auto":
         keys["model"].pop("adapter", None)  # the default: fingerprints of runs from before the option stay valid
     # Keys added later count only when set, so runs written before them still resume.
@@ -68,12 +72,6 @@ def config_fingerprint(cfg) -> str:
     for section, key, default in added:
         if keys[section].get(key, default) == default:
             keys[section].pop(key, None)
-    # The optimizer's name and its own settings count; sgd's fingerprint is what it was before optimizers had names.
-    optimizer = optimizer_type(keys["optim"].get("name", "sgd"))
-    settings = {t.settings for t in OPTIMIZERS.values() if t.settings}
-    for key in ("name", *settings):
-        if optimizer.name == "sgd" or key not in ("name", optimizer.settings):
-            keys["optim"].pop(key, None)
     if str(cfg.engine.compute) != "fp32":
         keys["compute"] = str(cfg.engine.compute)  # the forward's arithmetic shapes the losses
     keys["batch_size"] = cfg.batch_size
@@ -83,9 +81,9 @@ def config_fingerprint(cfg) -> str:
     return hashlib.sha256(json.dumps(keys, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def run_identity(cfg, seed: int, mesh: Mesh, sources: dict[str, Any] | None = None) -> dict[str, Any]:
+def run_identity(cfg: Config, seed: int, mesh: Mesh, sources: dict[str, Any] | None = None) -> dict[str, Any]:
     """What every snapshot of a run records, and run.json holds from its start. sources: the hub
-    commits the run reads (distzo.run.sources), which resume, eval.run and replay read again."""
+    commits the run reads (distzo.run.hub_pins), which resume, eval.run and replay read again."""
     identity = {"seed": seed, "directions_version": DIRECTIONS_VERSION,
                 "distribution": str(cfg.estimator.distribution), "device_type": mesh.device.type,
                 "gaussian_generator": gaussian_generator_id(mesh.device), "mesh": str(mesh.shape),
@@ -120,7 +118,7 @@ class ResumePoint:
         return read_optimizer_state(Path(self.snapshot)) if self.snapshot is not None else None
 
 
-def check_identity(cfg, where: str, identity: dict[str, Any]) -> int:
+def check_identity(cfg: Config, where: str, identity: dict[str, Any]) -> int:
     """The seed of a run that `cfg` may continue; raises ResumeError naming the difference."""
     if identity.get("config_fingerprint") != config_fingerprint(cfg):
         raise ResumeError(f"cannot resume from {where}: it was written with a different model, task, estimator, "
@@ -136,7 +134,7 @@ def check_identity(cfg, where: str, identity: dict[str, Any]) -> int:
     return int(identity["seed"])
 
 
-def check_resumable(cfg, run_dir: Path) -> None:
+def check_resumable(cfg: Config, run_dir: Path) -> None:
     """Whether `cfg` may continue the run in `run_dir` (its newest snapshot's, or else run.json's,
     identity), from JSON files only: the CLI checks this before Hydra writes into the directory."""
     for path in reversed(list_snapshots(run_dir)):
@@ -167,7 +165,7 @@ def logged_steps_after(run_dir: Path, step: int) -> list[dict[str, Any]]:
     return out
 
 
-def find_resume_point(cfg, run_dir: Path, mesh: Mesh) -> ResumePoint | None:
+def find_resume_point(cfg: Config, run_dir: Path, mesh: Mesh) -> ResumePoint | None:
     """With resume=auto, rank 0 finds where the run in `run_dir` continues (None: a fresh run) and
     every rank receives it."""
     found = None
@@ -176,7 +174,7 @@ def find_resume_point(cfg, run_dir: Path, mesh: Mesh) -> ResumePoint | None:
     return mesh.broadcast_object(found)
 
 
-def resume_point_at(cfg, snapshot: Path) -> ResumePoint:
+def resume_point_at(cfg: Config, snapshot: Path) -> ResumePoint:
     """Where a run continues from an explicit snapshot folder (its weights, optimizer state and step),
     whatever was logged after it. Raises ResumeError for a snapshot that `cfg` cannot continue."""
     try:
@@ -189,7 +187,7 @@ def resume_point_at(cfg, snapshot: Path) -> ResumePoint:
     return point
 
 
-def _resume_point(cfg, run_dir: Path, device: torch.device) -> ResumePoint | None:
+def _resume_point(cfg: Config, run_dir: Path, device: torch.device) -> ResumePoint | None:
     for stale in snapshots_dir(run_dir).glob(".step-*.tmp-*"):  # a snapshot whose writer died
         log.warning("Removing an unfinished snapshot %s", stale)
         shutil.rmtree(stale, ignore_errors=True)

@@ -24,12 +24,14 @@ import logging
 import os
 import re
 import shutil
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from ..config.schema import Config
 from ..errors import DistzoError
 
 log = logging.getLogger("distzo")
@@ -193,7 +195,7 @@ def newest_valid_snapshot(run_dir: Path) -> tuple[Path, dict[str, torch.Tensor],
 
 # --- the final model ---------------------------------------------------------------------------------
 
-def save_final(model, tokenizer, folder: Path, params=None, cfg=None) -> Path:
+def save_final(model, tokenizer, folder: Path, params=None, cfg: Config | None = None) -> Path:
     """The trained model as a loadable Hugging Face folder (`model.safetensors`, config, tokenizer),
     so `model=hf model.path=<run>/final` loads it. With a parameter-efficient method (cfg.peft) only
     the trainable tensors are written, as `adapter.safetensors` under their canonical names, with
@@ -206,13 +208,10 @@ def save_final(model, tokenizer, folder: Path, params=None, cfg=None) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     peft = cfg is not None and cfg.peft.method != "none"
     if peft:
-        from omegaconf import OmegaConf
-
         tmp.mkdir(parents=True)
         save_file({p.name: p.tensor.detach().to("cpu").contiguous() for p in params}, tmp / "adapter.safetensors")
-        (tmp / "peft.json").write_text(json.dumps({"peft": OmegaConf.to_container(cfg.peft, resolve=True),
-                                                   "model": OmegaConf.to_container(cfg.model, resolve=True)},
-                                                  indent=2, sort_keys=True) + "\n")
+        (tmp / "peft.json").write_text(json.dumps({"peft": asdict(cfg.peft), "model": asdict(cfg.model)},
+                                                  indent=2, sort_keys=True, default=str) + "\n")
         if cfg.peft.method in ("lora", "lora_fa"):  # also as a PEFT adapter (peft.PeftModel.from_pretrained)
             from ..peft.export import write_peft_lora
 

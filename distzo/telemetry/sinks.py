@@ -15,6 +15,8 @@ from typing import Any, Protocol
 
 from omegaconf import OmegaConf
 
+from ..config.compose import saved_form
+from ..config.schema import Config
 from ..errors import DistzoError
 
 log = logging.getLogger("distzo")
@@ -42,14 +44,14 @@ class WandbSink:
     """One wandb run per training run: train lines under train/, eval lines under <split>/ at
     their step, the summary line in the run summary."""
 
-    def __init__(self, cfg, run_dir: Path, mesh_info: dict[str, Any]):
+    def __init__(self, cfg: Config, run_dir: Path, mesh_info: dict[str, Any]):
         try:
             import wandb
         except ImportError:
             raise SinkError("logger=wandb needs the wandb package: pip install wandb (or use logger=none)") from None
         lc = cfg.logger
         mode = os.environ.get("WANDB_MODE") or lc.mode  # the environment wins, as wandb users expect
-        config = OmegaConf.to_container(cfg, resolve=True)
+        config = OmegaConf.to_container(saved_form(cfg), enum_to_str=True)
         config["launch"] = mesh_info  # world size, P, D, nodes, run seed
         run_dir.mkdir(parents=True, exist_ok=True)
         # console="off": stdout stays the training log's, not a copy captured by wandb;
@@ -82,7 +84,7 @@ class WandbSink:
             self.run = None
 
 
-def open_sinks(cfg, run_dir: Path, mesh_info: dict[str, Any]) -> list[MetricsSink]:
+def open_sinks(cfg: Config, run_dir: Path, mesh_info: dict[str, Any]) -> list[MetricsSink]:
     """The sinks `logger` selects (rank 0 calls this; other ranks log nothing)."""
     if cfg.logger.name == "wandb":
         return [WandbSink(cfg, run_dir, mesh_info)]

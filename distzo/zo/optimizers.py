@@ -2,9 +2,9 @@
 
 An estimator turns a step's losses into coefficients c_k (the projected gradient along z_k, over
 q); the optimizer decides the update. Every optimizer here is element-wise and reads z_k of the step
-being paid, so it runs chunk by chunk inside the engines' passes (the pending update fused into the
-next perturbation), on any slice of a tensor, on any rank that owns the chunk; its state is one or
-two float32 tensors shaped like the parameter (docs/optimizers.md).
+whose update it applies, so it runs chunk by chunk inside the engines' passes (the pending update
+fused into the next perturbation), on any slice of a tensor, on any rank that owns the chunk; its
+state is one or two float32 tensors shaped like the parameter (docs/optimizers.md).
 
 | name | per element (g = sum_k c_k z_k, decay = 1 - lr wd where weight decay applies) | state |
 |---|---|---|
@@ -23,15 +23,15 @@ ZO-SignSGD (Liu et al. 2019, element-wise sign of the estimate). `fzoo` is FZOO'
 al., ICLR 2026): with estimator.difference=forward the q one-sided losses l_k = l_0 + eps g_k have
 std eps std(g), so c_k / std(g) = (l_k - l_0) / (q std(l)), FZOO's coefficient (its code's form).
 
-Each optimizer is one class, registered by name (`OPTIMIZERS`, the one list of them): its rule in
-torch ops (`update`, the definition), its state slots, its settings (`optim.<name>.*`, a dataclass of
-distzo.config.schema) and its configuration checks (`check`). The engines call nothing but a
-step's `Rule`. Where a rule has a case in the fused CPU kernel (`kernel`, `distzo_chunk_rule` in
-distzo/native/kernels.c), that case performs the same float32 operations on every element in the
-same order, so the two agree bitwise (tests/unit/test_optimizers.py checks every registered rule);
-a rule without one runs on torch ops everywhere. Adding an element-wise optimizer is one class here,
-plus its settings dataclass in the schema if it has settings, plus a kernel case if the fused CPU
-path should run it.
+Each optimizer is one class, registered by name (`@register("optimizer", name)`, distzo.registry):
+its rule in torch ops (`update`, the definition), its state slots, its settings (a dataclass
+`Settings` beside it, extending `OptimSettings`: `optim.<field>`) and its configuration checks
+(`check`). The engines call nothing but a step's `Rule`. Where a rule has a case in the fused CPU
+kernel (`kernel`, `distzo_chunk_rule` in distzo/native/kernels.c), that case performs the same
+float32 operations on every element in the same order, so the two agree bitwise
+(tests/unit/test_optimizers.py checks every registered rule); a rule without one runs on torch ops
+everywhere. Adding an element-wise optimizer is one class (here, or in a module of your own named by
+DISTZO_PLUGINS), plus a kernel case if the fused CPU path should run it.
 """  # noqa: E501 (a markdown table above: its rows cannot wrap)
 
 from __future__ import annotations
@@ -39,13 +39,14 @@ from __future__ import annotations
 import math
 import struct
 from dataclasses import dataclass
-from typing import Any, ClassVar, Sequence
+from typing import ClassVar, Sequence
 
 import torch
 
-from ..config.schema import Config, OptimConfig
+from ..config.schema import Config, OptimSettings, setting
 from ..errors import ConfigError
-from ..plugins import load_plugins
+from ..registry import register, registry
+from .estimators import estimator_type
 from .estimators.base import StepResult
 
 # A term of an update: (|a_k| z_k as float32 over the chunk's elements, a_k < 0), a_k = Rule.term_scale(c_k).
@@ -107,38 +108,28 @@ class Rule:
         self.optimizer.update(x, state, terms, decay, self.constants)
 
 
-OPTIMIZERS: dict[str, type[Optimizer]] = {}  # optim.name -> its class: the one registry of names
-
-
-def register(cls: type[Optimizer]) -> type[Optimizer]:
-    """Make an optimizer class available as `optim.name=<cls.name>`."""
-    if cls.name in OPTIMIZERS and OPTIMIZERS[cls.name] is not cls:
-        raise ValueError(f"two optimizers are called {cls.name}")
-    OPTIMIZERS[cls.name] = cls
-    return cls
-
-
 class Optimizer:
     """An element-wise ZO optimizer (see the module docstring); the base holds what they share.
 
-    name: its `optim.name`. slots: its per-element float32 state tensors, by name. kernel: its case
-    in the fused CPU kernel (None: torch ops). lr_terms: a term's z is scaled by lr c_k (False: by
-    c_k). separable: the terms change x one after another and change nothing else, so a pass may
-    apply them in several kernel calls (sgd). settings: the attribute of `optim` holding its own
-    settings (None: it has none); they join the resume fingerprint. state_from_trajectory: its
-    state at step t is a function of the trajectory's steps before t (zero state at step 0), so
-    `replay` can rebuild it from the trajectory alone."""
+    name: its `optim.name` (set by `register`). Settings: its settings, `OptimSettings` extended by
+    its own fields (`optim.<field>`; they join the resume fingerprint). slots: its per-element
+    float32 state tensors, by name. kernel: its case in the fused CPU kernel (None: torch ops).
+    lr_terms: a term's z is scaled by lr c_k (False: by c_k). separable: the terms change x one
+    after another and change nothing else, so a pass may apply them in several kernel calls (sgd).
+    state_from_trajectory: its state at step t is a function of the trajectory's steps before t
+    (zero state at step 0), so `replay` can rebuild it from the trajectory alone."""
 
     name: ClassVar[str]
+    Settings: ClassVar[type] = OptimSettings
     slots: ClassVar[tuple[str, ...]] = ()
     kernel: ClassVar[int | None] = None
     lr_terms: ClassVar[bool] = True
     separable: ClassVar[bool] = False
-    settings: ClassVar[str | None] = None
     state_from_trajectory: ClassVar[bool] = True
 
-    def __init__(self, settings: Any = None):
-        """settings: this optimizer's section of the `optim` config (None: its defaults)."""
+    def __init__(self, settings: OptimSettings | None = None):
+        """settings: the `optim` section (None: this optimizer's defaults)."""
+        self.settings = settings if settings is not None else self.Settings(name=self.name)
 
     @classmethod
     def check(cls, cfg: Config) -> None:
@@ -168,11 +159,10 @@ class Optimizer:
         return self.name
 
 
-@register
+@register("optimizer", "sgd")
 class SGD(Optimizer):
     """ZO-SGD: x <- x decay - sum_k (lr c_k) z_k, each term one rounded operation, in order."""
 
-    name = "sgd"
     kernel = 0
     separable = True
 
@@ -183,21 +173,20 @@ class SGD(Optimizer):
             x.add_(z) if add else x.sub_(z)
 
 
-@register
+@register("optimizer", "momentum")
 class Momentum(Optimizer):
-    name = "momentum"
     slots = ("momentum",)
     kernel = 1
-    settings = "momentum"
 
-    def __init__(self, settings: Any = None):
-        self.mu = float(settings.mu) if settings is not None else 0.9
+    @dataclass
+    class Settings(OptimSettings):
+        mu: float = setting(0.9, ">= 0 and < 1", "the momentum (heavy ball, d <- mu d + lr g; 0 gives sgd's weights)")
+
+    def __init__(self, settings: Settings | None = None):
+        super().__init__(settings)
+        self.mu = float(self.settings.mu)
         if not 0.0 <= self.mu < 1.0:
             raise ValueError(f"momentum {self.mu} outside [0, 1)")
-
-    @classmethod
-    def check(cls, cfg: Config) -> None:
-        _below_one("optim.momentum.mu", cfg.optim.momentum.mu)
 
     def constants(self, step: int, lr: float) -> tuple[float, ...]:
         return (self.mu,)
@@ -221,24 +210,24 @@ class Momentum(Optimizer):
         return f"momentum (mu {self.mu:g})"
 
 
-@register
+@register("optimizer", "adam")
 class Adam(Optimizer):
-    name = "adam"
     slots = ("exp_avg", "exp_avg_sq")
     kernel = 2
     lr_terms = False
-    settings = "adam"
 
-    def __init__(self, settings: Any = None):
-        self.beta1, self.beta2, self.eps = ((float(settings.beta1), float(settings.beta2), float(settings.eps))
-                                            if settings is not None else (0.9, 0.999, 1e-8))
+    @dataclass
+    class Settings(OptimSettings):
+        beta1: float = setting(0.9, ">= 0 and < 1", "the first moment's decay")
+        beta2: float = setting(0.999, ">= 0 and < 1", "the second moment's decay")
+        eps: float = setting(1e-8, "> 0", "added to the bias-corrected sqrt(v)")
+
+    def __init__(self, settings: Settings | None = None):
+        super().__init__(settings)
+        s = self.settings
+        self.beta1, self.beta2, self.eps = float(s.beta1), float(s.beta2), float(s.eps)
         if not (0.0 <= self.beta1 < 1.0 and 0.0 <= self.beta2 < 1.0 and self.eps > 0):
             raise ValueError(f"adam betas ({self.beta1}, {self.beta2}) outside [0, 1) or eps {self.eps} <= 0")
-
-    @classmethod
-    def check(cls, cfg: Config) -> None:
-        _below_one("optim.adam.beta1", cfg.optim.adam.beta1)
-        _below_one("optim.adam.beta2", cfg.optim.adam.beta2)
 
     def constants(self, step: int, lr: float) -> tuple[float, ...]:
         t = step + 1  # the update's number: bias corrections are a function of the step alone
@@ -260,9 +249,8 @@ class Adam(Optimizer):
         return f"adam (betas {self.beta1:g}, {self.beta2:g}, eps {self.eps:g})"
 
 
-@register
+@register("optimizer", "sign")
 class Sign(Optimizer):
-    name = "sign"
     kernel = 3
     lr_terms = False
 
@@ -277,20 +265,19 @@ class Sign(Optimizer):
         torch.where(g > 0, x - lr, torch.where(g < 0, x + lr, x), out=x)
 
 
-@register
+@register("optimizer", "fzoo")
 class FZOO(SGD):
     """FZOO's step: the estimator's coefficients divided by the spread (population standard
     deviation) of the step's projected gradients, i.e. of its one-sided losses over eps, then sgd's
     rule. A step whose losses all tie has no spread and does not move (FZOO's code divides by zero
     there)."""
 
-    name = "fzoo"
-
     @classmethod
     def check(cls, cfg: Config) -> None:
         est = cfg.estimator
-        if est.name == "prge" or est.difference != "forward":
-            fix = ("use estimator=mezo estimator.difference=forward estimator.q=8" if est.name == "prge"
+        one_sided = "forward" in estimator_type(est.name).differences
+        if not one_sided or est.difference != "forward":
+            fix = ("use estimator=mezo estimator.difference=forward estimator.q=8" if not one_sided
                    else "add estimator.difference=forward estimator.q=8")
             raise ConfigError(f"optim.name=fzoo normalises the step by the spread of one-sided losses; "
                               f"estimator={est.name} with estimator.difference={est.difference} does not make "
@@ -307,28 +294,12 @@ class FZOO(SGD):
         return tuple((k, c / spread) for k, c in result.coefficients)
 
 
-def _below_one(key: str, value: float) -> None:
-    if not value < 1:
-        raise ConfigError(f"{key}={value} is out of range; it must be >= 0 and < 1")
-
-
 def optimizer_type(name: str) -> type[Optimizer]:
     """The optimizer class `optim.name` names, among the registered ones and those your modules
-    register ($DISTZO_PLUGINS, distzo.plugins)."""
-    if str(name) not in OPTIMIZERS:
-        load_plugins()
-    try:
-        return OPTIMIZERS[str(name)]
-    except KeyError:
-        raise ConfigError(f"optim.name={name} is not an optimizer; use one of: {', '.join(OPTIMIZERS)}") from None
+    register ($DISTZO_PLUGINS, distzo.registry)."""
+    return registry("optimizer").get(name)
 
 
-def check_optim(cfg: Config) -> None:
-    """optim.name names a registered optimizer, whose own checks hold (docs/optimizers.md)."""
-    optimizer_type(cfg.optim.name).check(cfg)
-
-
-def build_optimizer(optim: OptimConfig) -> Optimizer:
-    """The optimizer an `optim` config describes (`optim.name`, its settings in `optim.<name>`)."""
-    cls = optimizer_type(getattr(optim, "name", "sgd") or "sgd")
-    return cls(getattr(optim, cls.settings) if cls.settings else None)
+def build_optimizer(settings: OptimSettings) -> Optimizer:
+    """The optimizer the `optim` section describes (its name and settings)."""
+    return optimizer_type(settings.name)(settings)

@@ -7,6 +7,7 @@ accounting database. Commands find it through SLURM_CONF, which jobs inherit (sr
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import signal
@@ -20,7 +21,19 @@ DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "sinfo
 
 
 class SlurmUnavailable(Exception):
-    """This machine cannot run the test cluster; the message says why (the tests skip with it)."""
+    """This machine can never run the test cluster (not root, or SLURM missing and no apt-get to install it): the
+    only case where the tests skip, with this message."""
+
+
+class SlurmError(Exception):
+    """Installing or starting the test cluster failed on a machine where it should work: the tests fail with this
+    message (which names the log to read), since a skip would hide it."""
+
+
+# Machine-wide (not TMPDIR, not pytest's basetemp), so that pytest-xdist workers and concurrent pytest sessions
+# all take turns on the one install.
+INSTALL_LOCK = Path("/tmp/distzo-slurm-install.lock")
+APT_LOCK_WAIT_S = 300
 
 
 def _free_port() -> int:
@@ -34,26 +47,57 @@ def _which(name: str) -> str | None:
                                        None)
 
 
+def _missing() -> list[str]:
+    return [d for d in DAEMONS if not _which(d)]
+
+
 def ensure_installed(log: Path) -> None:
-    """apt-get install slurm-wlm and munge when missing (root only)."""
-    if all(_which(d) for d in DAEMONS):
-        return
+    """apt-get install slurm-wlm and munge when missing, once per machine: installers take turns on INSTALL_LOCK, and
+    one that waited finds SLURM installed by the one before it (two at once lost the dpkg lock to each other).
+    Root is needed even when SLURM is installed: the cluster's daemons run as root."""
     if os.geteuid() != 0:
-        raise SlurmUnavailable("SLURM tests need root to install and start slurm-wlm and munge (run pytest as root)")
+        raise SlurmUnavailable("SLURM tests need root: they install slurm-wlm and munge and start a one-node cluster "
+                               "on localhost (run pytest as root)")
+    if not _missing():
+        return
     if not shutil.which("apt-get"):
         raise SlurmUnavailable("SLURM is not installed and apt-get is not available to install slurm-wlm and munge")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    with open(log, "a") as out:
-        for cmd in (["apt-get", "update"], ["apt-get", "install", "-y", "--no-install-recommends", *PACKAGES]):
-            try:
-                r = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=600)
-            except subprocess.TimeoutExpired:
-                raise SlurmUnavailable(f"`{' '.join(cmd)}` timed out (see {log})") from None
-            if r.returncode != 0:
-                raise SlurmUnavailable(f"`{' '.join(cmd)}` failed with exit status {r.returncode} (see {log})")
-    missing = [d for d in DAEMONS if not _which(d)]
+    with open(INSTALL_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
+        if not _missing():
+            return
+        _apt(["update"], log)
+        _apt(["install", "-y", "--no-install-recommends", *PACKAGES], log)
+    missing = _missing()
     if missing:
-        raise SlurmUnavailable(f"installing {' '.join(PACKAGES)} did not provide {', '.join(missing)}")
+        raise SlurmError(f"installing {' '.join(PACKAGES)} did not provide {', '.join(missing)} (see {log})")
+
+
+def _apt(args: list[str], log: Path) -> None:
+    """`apt-get ARGS`, its output appended to `log`, waiting up to APT_LOCK_WAIT_S for any other apt or dpkg:
+    apt-get install waits through DPkg::Lock::Timeout, apt-get update (which ignores that option for its lists
+    lock) is run again while it reports a held lock."""
+    cmd = ["apt-get", "-o", f"DPkg::Lock::Timeout={APT_LOCK_WAIT_S}", *args]
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    deadline = time.monotonic() + APT_LOCK_WAIT_S
+    with open(log, "a+") as out:
+        while True:
+            out.write(f"$ {' '.join(cmd)}\n")
+            out.flush()
+            start = out.tell()
+            try:
+                r = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=2 * APT_LOCK_WAIT_S)
+            except subprocess.TimeoutExpired:
+                raise SlurmError(f"`{' '.join(cmd)}` timed out after {2 * APT_LOCK_WAIT_S} s (see {log})") from None
+            if r.returncode == 0:
+                return
+            out.seek(start)
+            output = out.read()
+            if "Could not get lock" not in output or time.monotonic() > deadline:
+                errors = [line for line in output.splitlines() if line.startswith("E:")]
+                raise SlurmError(f"`{' '.join(cmd)}` failed with exit status {r.returncode}"
+                                 f"{': ' + errors[-1] if errors else ''} (see {log})")
+            time.sleep(5)
 
 
 CONF = """\
@@ -129,14 +173,14 @@ class LocalSlurm:
                 return self
             time.sleep(0.5)
         self.stop()
-        raise SlurmUnavailable(f"the test cluster did not come up within {timeout_s:.0f} s (node state "
+        raise SlurmError(f"the test cluster did not come up within {timeout_s:.0f} s (node state "
                                f"{r.stdout.strip() or r.stderr.strip()!r}; logs in {self.root})")
 
     def _run(self, cmd: list[str]) -> None:
         r = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=60)
         if r.returncode != 0:
             self.stop()
-            raise SlurmUnavailable(f"`{' '.join(cmd)}` failed: {(r.stderr or r.stdout).strip()[-500:]}")
+            raise SlurmError(f"`{' '.join(cmd)}` failed: {(r.stderr or r.stdout).strip()[-500:]}")
 
     def stop(self) -> None:
         """Stop the daemons this cluster started (by their pid files): signal all, then wait for each."""

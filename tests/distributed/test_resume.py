@@ -253,3 +253,24 @@ def test_sigkill_of_an_adam_run_resumes_bitwise(tmp_path):
         assert r.returncode == 0, r.stderr[-3000:]
         assert "Re-applying the" in r.stdout + r.stderr
         assert_bitwise(weights(ref), weights(run_dir))
+
+
+def test_a_self_launched_mesh_restarted_after_a_kill_continues_its_run(tmp_path, uninterrupted):
+    """`python -m distzo train mesh=2x2 launch.max_restarts=1`, no resume=auto and Hydra's timestamped
+    run directory: one worker SIGKILLed mid-run, the restarted workers continue the run in the same
+    directory from its newest snapshot and logged steps, and the job ends with exit 0 and the
+    uninterrupted run's weights, bitwise; the result's line is printed once."""
+    args = [*BASE, "steps=30", "mesh=2x2", "launch.max_restarts=1"]
+    proc = subprocess.Popen([sys.executable, "-m", "distzo", "train", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=ENV, cwd=tmp_path)
+    deadline = time.time() + 120
+    while not list(tmp_path.glob("outputs/*/*")) and time.time() < deadline:
+        time.sleep(0.2)
+    (run_dir,) = tmp_path.glob("outputs/*/*")  # fixed once by the launching process, for every restart
+    kill_rank_when(proc, run_dir, min_step=12, rank="1")
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert "continuing the run from its newest snapshot" in out + err
+    assert list(tmp_path.glob("outputs/*/*")) == [run_dir]
+    assert_bitwise(weights(uninterrupted), weights(run_dir))
+    assert (out + err).count("] Validation (resumed at step") == 1, (out + err)[-3000:]

@@ -8,6 +8,7 @@ after SIGKILL; what cannot apply to a ZO step is refused in one line each."""
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import signal
 import subprocess
@@ -245,3 +246,57 @@ def test_zo_steps_read_the_loss_trl_computes_for_each_dataset_format(model_folde
     if fmt == "prompt/completion":  # the prompt is not scored
         labels = trainer.data_collator([trainer.train_dataset[0]])["labels"][0]
         assert (labels == -100).sum() >= len(tokenizer("The capital of France is")["input_ids"])
+
+
+def _registered_estimators() -> list[str]:
+    from distzo.registry import registry
+
+    return registry("estimator").names()
+
+
+@pytest.mark.parametrize("estimator", _registered_estimators())
+def test_every_registered_estimator_trains_under_zotrainer_with_its_own_defaults(model_folder, tmp_path, estimator):
+    """ZOArguments(estimator=name) alone: the estimator's own defaults from the registry (AGZO's eps
+    1e-4 and forward difference, not MeZO's), and the trainable set it runs on when it has one (P-RGE:
+    LoRA-FA). The loop trains: finite losses, and the trainable weights move."""
+    from distzo.config.compose import typed
+    from distzo.registry import registry
+
+    script = example(SCRIPT)
+    trainer = script.build(str(model_folder), str(tmp_path / "out"), 3, None, estimator=estimator, lr=1e-2)
+    cfg = typed(trainer.zo_config(3))
+    settings = registry("estimator").settings(estimator)(name=estimator)
+    assert type(cfg.estimator) is type(settings) and cfg.estimator.eps == settings.eps
+    assert cfg.estimator.difference == settings.difference and cfg.estimator.q == 2  # q: the script's own
+    only = registry("estimator").get(estimator).peft_methods
+    assert str(cfg.peft.method) == (only[0] if only else "none")
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    result = trainer.train()
+    assert math.isfinite(result.training_loss)
+    # distzo's own trainable set (P-RGE's LoRA-FA) is added when training starts, its B at zero
+    moved = [n for n, p in trainer.model.named_parameters()
+             if (not torch.equal(p.detach(), before[n]) if n in before else bool(p.detach().abs().sum() > 0))]
+    assert moved
+
+
+def test_zoarguments_refuses_a_setting_of_another_estimator(model_folder, tmp_path):
+    from distzo.errors import ConfigError
+
+    trainer = example(SCRIPT).build(str(model_folder), str(tmp_path / "out"), 2, None, rank=2)
+    with pytest.raises(ConfigError, match=r"ZOArguments\(rank=...\) is a setting of estimator=agzo, not of "
+                                          r"estimator=mezo"):
+        trainer.zo_config(2)
+
+
+def test_zosfttrainer_says_what_it_trains_and_where(model_folder, tmp_path, caplog):
+    """With a peft_config TRL wraps the model; the log names the adapter's parameters as what trains
+    (not every weight) and the run directory the files go to (output_dir/zo, absolute)."""
+    import logging
+
+    trainer = example(SFT_SCRIPT).build(str(model_folder), str(tmp_path / "sft"), 2)
+    with caplog.at_level(logging.INFO, logger="distzo"):
+        trainer.train()
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("Training "))
+    trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    assert line.startswith(f"Training {trainable:,} of ") and "(those the model marks trainable; peft=none)" in line
+    assert line.endswith(f"run dir {(tmp_path / 'sft' / 'zo').resolve()}")

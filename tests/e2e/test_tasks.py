@@ -133,7 +133,7 @@ def peft_adapter_gives_distzos_logits(run_dir, *settings):
     from distzo.models.quantize import quantize_base
     from distzo.parallel.mesh import Mesh
     from distzo.run.components import build_components
-    from distzo.state.runs import final_weights
+    from distzo.state.saved import final_weights
 
     cfg = make_config(*FAST, *settings, "task.val_size=16", "task.test_size=16")
     c = build_components(cfg, Mesh.single(), 0, weights=load_file(str(final_weights(run_dir))))

@@ -10,9 +10,9 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from distzo.config.compose import compose_config
+from distzo.config.checks import check_numbers
+from distzo.config.compose import compose_config, typed
 from distzo.config.schema import Choice, Config
-from distzo.config.validation import RANGES, check_numbers
 from distzo.errors import ConfigError
 
 CONF = Path(__file__).resolve().parents[2] / "distzo" / "config" / "presets" / "config.yaml"
@@ -36,47 +36,67 @@ def test_config_yaml_and_the_dataclasses_agree_on_every_default():
         assert default == value, f"{key}: conf/config.yaml says {value!r}, distzo/config/schema.py {default!r}"
 
 
-def _numeric_keys(cls, prefix=""):
-    """Dotted keys of every int or float field of a schema dataclass, nested ones included."""
+def _numeric_fields(cls, prefix=""):
+    """(dotted key, field) of every int or float field of a schema dataclass, nested ones included."""
     for f in dataclasses.fields(cls):
         nested = f.default_factory() if f.default_factory is not dataclasses.MISSING else None
         if dataclasses.is_dataclass(nested):
-            yield from _numeric_keys(type(nested), f"{prefix}{f.name}.")
+            yield from _numeric_fields(type(nested), f"{prefix}{f.name}.")
         elif str(f.type) in ("int", "float", "Optional[int]", "Optional[float]"):
-            yield f"{prefix}{f.name}"
+            yield f"{prefix}{f.name}", f
 
 
-def test_every_number_of_the_schema_has_a_range():
-    from distzo.config import schema as config
+def _every_settings_class():
+    """(prefix, dataclass) of the schema's sections and of every registered estimator's and optimizer's settings."""
+    from distzo.config import schema
+    from distzo.registry import registry
 
-    numeric = set()
-    for name, cls in [("model", config.ModelConfig), ("task", config.TaskConfig), ("estimator", config.EstimatorConfig),
-                      ("peft", config.PeftConfig), ("offload", config.OffloadConfig), ("logger", config.LoggerConfig)]:
-        numeric |= set(_numeric_keys(cls, f"{name}."))
-    numeric |= set(_numeric_keys(Config))
-    assert {"steps", "optim.lr", "estimator.agzo.rank", "checkpoint.keep", "task.val_size"} <= numeric  # it looks deep
-    assert numeric - {"seed"} <= set(RANGES), sorted(numeric - {"seed"} - set(RANGES))
+    yield "", Config
+    for name, cls in [("model", schema.ModelConfig), ("task", schema.TaskConfig), ("peft", schema.PeftConfig),
+                      ("offload", schema.OffloadConfig), ("logger", schema.LoggerConfig)]:
+        yield f"{name}.", cls
+    for point, group in (("estimator", "estimator"), ("optimizer", "optim")):
+        for name, _ in registry(point).items():
+            yield f"{group}[{name}].", registry(point).settings(name)
+
+
+def test_every_number_of_the_schema_and_of_every_component_has_a_range():
+    numeric = {key: f for prefix, cls in _every_settings_class() for key, f in _numeric_fields(cls, prefix)}
+    assert {"steps", "optim[sgd].lr", "estimator[agzo].rank", "optim[adam].beta2", "checkpoint.keep",
+            "task.val_size"} <= set(numeric)  # it looks deep
+    missing = sorted(key for key, f in numeric.items() if "range" not in f.metadata)
+    assert not missing, missing
+
+
+@pytest.mark.parametrize(("overrides", "line"), [
+    (["estimator=agzo", "estimator.rank=0"], "estimator.rank=0 is out of range; it must be >= 1"),
+    (["optim=adam", "optim.beta2=1"], "optim.beta2=1.0 is out of range; it must be >= 0 and < 1"),
+    (["seed=-1"], "seed=-1 is out of range; use 0 <= seed < 2**63, or seed=null to draw one"),
+    (["checkpoint.keep=0"], "checkpoint.keep=0 is out of range; it must be > 0"),
+])
+def test_a_range_in_field_metadata_is_checked(overrides, line):
+    with pytest.raises(ConfigError) as exc:
+        check_numbers(typed(compose_config(overrides)))
+    assert str(exc.value) == line
 
 
 @pytest.mark.parametrize("key", ["estimator.eps", "optim.lr", "optim.weight_decay", "peft.alpha", "dist_timeout_s",
                                  "sweep.progress_every_s"])
 @pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan])
 def test_non_finite_numbers_are_refused(key, value):
-    cfg = compose_config([f"{key}={value}"])
+    cfg = typed(compose_config([f"{key}={value}"]))
     with pytest.raises(ConfigError, match=f"^{key}=.* is not a finite number"):
         check_numbers(cfg)
 
 
 def test_the_layers_below_the_run_receive_the_schema_dataclasses(monkeypatch):
-    """The configuration is converted once where a run is built (distzo.config.compose.typed): the
-    model loader, the task, the estimator, the optimizer, PEFT and the engine receive the schema's
-    dataclass sections, their choices as Enums, not Hydra's DictConfig."""
-    from omegaconf import DictConfig
-
+    """The configuration is converted once, at the public entry point (distzo.config.compose.typed):
+    the model loader, the task, the estimator, the optimizer, PEFT and the engine receive the schema's
+    dataclass sections (a component's own settings class), their choices as Enums."""
     from distzo.config import schema
-    from distzo.config.compose import typed
     from distzo.parallel.mesh import Mesh
     from distzo.run import components
+    from distzo.zo.optimizers import Adam
     from tests.conftest import make_config
 
     seen = {}
@@ -94,15 +114,65 @@ def test_the_layers_below_the_run_receive_the_schema_dataclasses(monkeypatch):
     spy("build_estimator", "estimator", lambda a, k: a[0])
     spy("build_optimizer", "optim", lambda a, k: a[0])
     spy("apply_peft", "peft", lambda a, k: a[1])
-    spy("build_engine", "engine", lambda a, k: (k["engine"], k["offload"]))
+    spy("build_engine", "engine", lambda a, k: (a[0].engine, a[0].offload))
     cfg = make_config("model=tiny", "task=synthetic-cue", "optim.name=adam", "peft=lora")
-    assert isinstance(cfg, DictConfig)
+    assert isinstance(cfg, Config)
     c = components.build_components(cfg, Mesh.single(), 0)
     c.close()
     assert isinstance(seen["model"], schema.ModelConfig) and isinstance(seen["task"], schema.TaskConfig)
-    assert isinstance(seen["estimator"], schema.EstimatorConfig) and isinstance(seen["optim"], schema.OptimConfig)
+    assert isinstance(seen["estimator"], schema.EstimatorSettings) and type(seen["optim"]) is Adam.Settings
     assert isinstance(seen["peft"], schema.PeftConfig)
     assert isinstance(seen["engine"][0], schema.EngineConfig) and isinstance(seen["engine"][1], schema.OffloadConfig)
-    assert isinstance(seen["estimator"].name, schema.EstimatorName) and isinstance(seen["optim"].adam,
-                                                                                 schema.AdamSettings)
-    assert typed(typed(cfg)) == typed(cfg)
+    assert isinstance(seen["estimator"].difference, schema.Difference) and seen["optim"].beta2 == 0.999
+    assert typed(typed(cfg)) is typed(cfg)
+
+
+def _cfg_parameters(path: Path):
+    """(function, annotation text or None) of every parameter named cfg in a module."""
+    import ast
+
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for arg in node.args.args + node.args.kwonlyargs:
+                if arg.arg == "cfg":
+                    yield node.name, ast.unparse(arg.annotation) if arg.annotation is not None else None
+
+
+def test_the_run_state_and_telemetry_layers_take_a_typed_configuration():
+    """No `cfg` without a type or typed Any below the public entry points; those (train, Trainer,
+    evaluate, bench) may take a DictConfig and say so, and convert it once."""
+    package = Path(__file__).resolve().parents[2] / "distzo"
+    found = []
+    for layer in ("run", "state", "telemetry"):
+        for path in sorted((package / layer).rglob("*.py")):
+            for function, annotation in _cfg_parameters(path):
+                found.append((path.relative_to(package).as_posix(), function, annotation))
+    assert len(found) > 20
+    untyped = [f for f in found if f[2] is None or "Any" in f[2]]
+    assert not untyped, untyped
+    entry = {(f[0], f[1]) for f in found if "DictConfig" in f[2]}
+    assert entry <= {("run/training.py", "__init__"), ("run/training.py", "train"), ("run/evaluation.py", "evaluate"),
+                     ("run/bench.py", "bench"), ("run/evaluation.py", "evaluation_config"),
+                     ("run/checks.py", "validate"),
+                     # the local launch reads the composed run directory from Hydra's section
+                     ("run/launcher.py", "run_local_workers"), ("run/launcher.py", "fixed_run_dir")}, entry
+
+
+def test_a_training_run_converts_its_configuration_once(monkeypatch, tmp_path):
+    import distzo
+    from tests.conftest import TINY
+
+    cfg = distzo.compose(*TINY, "steps=2", "checkpoint.every=0", "save_final=false")
+    import sys
+
+    calls, real = [], OmegaConf.to_object
+
+    def to_object(node):
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        if caller.startswith("distzo"):  # not OmegaConf's own recursion into the sections
+            calls.append(caller)
+        return real(node)
+
+    monkeypatch.setattr(OmegaConf, "to_object", to_object)
+    distzo.train(cfg, tmp_path / "run")
+    assert calls == ["distzo.config.compose"]

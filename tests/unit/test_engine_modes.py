@@ -1,12 +1,12 @@
 """`build_engine` picks each mode once, from the configuration and the mesh: the one step loop, built
-with the mode's store (and P-RGE's batched probes)."""
+with the mode's store (and P-RGE's stacked probes), among the registered engine modes."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from distzo.engine import EngineConfigError, StageLoop, build_engine, work_division
+from distzo.engine import EngineConfigError, EngineSetup, StageLoop, build_engine, work_division
 from distzo.engine.offload import OffloadStore
 from distzo.engine.stores import ResidentStore
 from distzo.models.loading import random_model
@@ -27,15 +27,14 @@ def engine_for(*overrides):
     apply_peft(model, cfg.peft)
     params = TrainableParams.from_model(model)
     estimator = build_estimator(cfg.estimator)
-    return build_engine(Mesh.single(), model, adapter_for(model), params, Directions(0), estimator, engine=cfg.engine,
-                        offload=cfg.offload, comm=cfg.comm, micro_batch_size=cfg.micro_batch_size,
-                        prge=cfg.estimator.prge, peft_method=cfg.peft.method)
+    return build_engine(EngineSetup(Mesh.single(), model, adapter_for(model), params, Directions(0), estimator,
+                                    cfg.engine, cfg.offload, cfg.comm, str(cfg.peft.method), cfg.micro_batch_size))
 
 
 STACKED = "resident, each rank's probes in one batched forward over stacked LoRA B copies"
 
 
-@pytest.mark.parametrize("overrides,store,batched,mode,described", [
+@pytest.mark.parametrize("overrides,store,stacked,mode,described", [
     ((), ResidentStore, False, "resident", "resident"),
     (("offload=cpu",), OffloadStore, False, "offload", "blocks offloaded to host memory"),
     (("offload=cpu", "offload.transfer_dtype=bfloat16"), OffloadStore, False, "offload",
@@ -45,10 +44,10 @@ STACKED = "resident, each rank's probes in one batched forward over stacked LoRA
      STACKED + " (drawn inside each layer)"),
     (("peft=lora",), ResidentStore, False, "resident", "resident"),
 ])
-def test_the_mode_is_chosen_at_construction(overrides, store, batched, mode, described):
+def test_the_mode_is_chosen_at_construction(overrides, store, stacked, mode, described):
     engine = engine_for(*overrides)
     assert type(engine) is StageLoop and type(engine.store) is store and engine.mode == mode
-    assert (engine.batched is not None) == batched
+    assert (engine.stacked is not None) == stacked
     assert engine.describe() == described
 
 
@@ -57,8 +56,8 @@ def fake_mesh(shape, node_size, device="cpu"):
 
 
 def division(cfg, mesh):
-    return work_division(mesh, build_estimator(cfg.estimator), engine=cfg.engine, offload=cfg.offload,
-                         peft_method=cfg.peft.method)
+    return work_division(EngineSetup(mesh, None, None, None, Directions(0), build_estimator(cfg.estimator), cfg.engine,
+                                     cfg.offload, cfg.comm, str(cfg.peft.method)))
 
 
 @pytest.mark.parametrize("overrides,shape,node,why", [

@@ -10,7 +10,7 @@ import pytest
 
 from distzo.config.compose import shell_quoted_override
 from distzo.data.examples import Example
-from distzo.data.sources import DataError
+from distzo.data.records import DataError
 from distzo.data.splits import make_splits, split_pool
 from distzo.data.tasks import PromptTask
 from tests.conftest import make_config

@@ -12,7 +12,7 @@ import torch
 from distzo.data.batches import Scores
 from distzo.data.decoding import answer_text, greedy_decode
 from distzo.data.objectives import objective_sums
-from distzo.data.sources import DataError
+from distzo.data.records import DataError
 from distzo.data.tasks import PromptTask
 from distzo.engine import resident_engine
 from distzo.models.loading import random_model

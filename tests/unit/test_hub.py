@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from distzo import hub
-from distzo.data.sources import DataError, card_configs, read_records, repository_patterns
+from distzo.data.records import DataError, card_configs, read_records, repository_patterns
 from distzo.models.loading import MODEL_SETTING, repository_files
 
 CARD = """---

@@ -9,29 +9,39 @@ from pathlib import Path
 
 import pytest
 
-from distzo.config.schema import TaskKind
 from distzo.data.checks import check_task_config
-from distzo.data.kinds import KINDS, Generation, kind_type
+from distzo.data.kinds import Classification, Generation, MultipleChoice, kind_type
 from distzo.errors import ConfigError
+from distzo.registry import registry
 from tests.conftest import make_config
 
 PACKAGE = Path(__file__).resolve().parents[2] / "distzo"
 
 
-def test_every_task_kind_value_has_its_class():
-    assert set(KINDS) == set(TaskKind.values())
-    assert all(kind_type(TaskKind(name)) is KINDS[name] for name in KINDS)
+KINDS = {"classification": Classification, "multiple_choice": MultipleChoice, "generation": Generation}
+
+
+def test_every_task_kind_is_registered_by_its_name():
+    assert dict(registry("task_kind").items()) == KINDS
+    assert all(kind_type(name) is cls for name, cls in KINDS.items())
     with pytest.raises(ConfigError, match="is not a task kind; use one of: classification, multiple_choice"):
         kind_type("regression")
 
 
-def test_no_module_compares_a_kind_name_outside_the_kinds():
-    """The behaviour of a kind lives in its class: no `== "generation"` (or `!=`, `in (...)` over
-    kind names) in the package's other modules."""
-    names = set(KINDS)
+# The one module of the package that knows the names of earlier layouts' components.
+LEGACY = PACKAGE / "config" / "legacy.py"
+
+
+@pytest.mark.parametrize("point", ["task_kind", "estimator", "optimizer"])
+def test_no_module_compares_a_component_name_outside_its_own(point):
+    """The behaviour of a kind, an estimator or an optimizer lives in its class and its properties: no
+    `== "generation"` or `est.name == "prge"` (or `!=`, `in (...)` over the names) in the package's
+    other modules."""
+    names = set(registry(point).names())
+    homes = {Path(__import__(cls.__module__, fromlist=["_"]).__file__) for _, cls in registry(point).items()}
     found = []
     for path in sorted(PACKAGE.rglob("*.py")):
-        if path.name == "kinds.py" and path.parent.name == "data":
+        if path in homes or path == LEGACY:
             continue
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Compare):
@@ -39,7 +49,7 @@ def test_no_module_compares_a_kind_name_outside_the_kinds():
                           if isinstance(c, ast.Constant) and c.value in names]
                 if consts:
                     found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}")
-    assert not found, "kind names compared outside distzo/data/kinds.py:\n" + "\n".join(found)
+    assert not found, f"{point} names compared outside their own modules:\n" + "\n".join(found)
 
 
 @pytest.mark.parametrize("overrides,objective,message", [

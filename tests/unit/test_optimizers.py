@@ -1,12 +1,13 @@
-"""The ZO optimizers (docs/optimizers.md), every registered one including a test-only rule added in one
-file (tests/plugins/signum.py): each update rule against its formula computed in float64 by a plain
-loop; every kernel case bitwise its rule's torch form; momentum at 0 is sgd bitwise; FZOO's
+"""The ZO optimizers (docs/optimizers.md), every registered one including a rule added in one file
+(examples/plugins/signum.py, through DISTZO_PLUGINS): each update rule against its formula computed in
+float64 by a plain loop; every kernel case bitwise its rule's torch form; momentum at 0 is sgd bitwise; FZOO's
 normalisation; offloaded = resident with state (every slot count, reduced precision within its
 tolerance); the state in snapshots, resume and replay; configuration errors; sgd's fingerprint."""
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,17 +20,21 @@ from distzo.engine.optstate import state_key
 from distzo.engine.pending import PendingUpdate, Target, apply_pending
 from distzo.models.loading import random_model
 from distzo.models.selection import adapter_for
+from distzo.registry import load_plugin, registry
 from distzo.zo.directions import Directions, chunks_of, param_key
 from distzo.zo.estimators import SPSA, StepResult
-from distzo.zo.optimizers import FZOO, OPTIMIZERS, SGD, Adam, build_optimizer
+from distzo.zo.optimizers import FZOO, SGD, Adam, build_optimizer
 from distzo.zo.params import TrainableParam
-from tests.plugins import signum
 from tests.unit.test_offload import batches, train_steps
 
-PLUGIN = {"DISTZO_PLUGINS": signum.__name__}  # what makes optim.name=signum known to another process
-NAMES = list(OPTIMIZERS)  # every registered optimizer, the test-only one included (imported above)
+SIGNUM = str(Path(__file__).resolve().parents[2] / "examples" / "plugins" / "signum.py")
+signum = load_plugin(SIGNUM)  # registers optim.name=signum in this process, as DISTZO_PLUGINS does in others
+PLUGIN = {"DISTZO_PLUGINS": SIGNUM}  # what makes optim.name=signum known to another process
+OPTIMIZERS = dict(registry("optimizer").items())
+NAMES = list(OPTIMIZERS)  # every registered optimizer, the example plugin's included
 KERNEL_CASES = [n for n in NAMES if OPTIMIZERS[n].kernel is not None]
 STATEFUL = [n for n in NAMES if OPTIMIZERS[n].slots]
+SIGNUM_BETA = signum.Signum.Settings.beta
 # (step, coefficients, lr, weight decay) of three updates: two queries, signs of both kinds
 STEPS = [(0, ((0, 0.83), (1, -1.7)), 3e-3, 0.1), (1, ((0, -0.4), (1, 2.2)), 3e-3, 0.1),
          (2, ((0, 1.1), (1, 0.05)), 2e-3, 0.1)]
@@ -79,7 +84,7 @@ def reference(name: str, params, directions: Directions) -> tuple[list[list[floa
                 elif name == "sign":
                     x[i] = x[i] * decay - lr * ((g > 0) - (g < 0))
                 elif name == "signum":
-                    st[0][i] = signum.BETA * st[0][i] + (1 - signum.BETA) * g
+                    st[0][i] = SIGNUM_BETA * st[0][i] + (1 - SIGNUM_BETA) * g
                     x[i] = x[i] * decay - lr * ((st[0][i] > 0) - (st[0][i] < 0))
                 else:
                     raise AssertionError(f"no float64 reference for optimizer {name}: add one here")
@@ -234,21 +239,25 @@ def test_sgd_keeps_its_resume_fingerprint():
     """Runs from before optimizers had names resume: sgd's fingerprint leaves the new keys out
     (values recorded at the commit before them); the other optimizers' include their own keys only."""
     import distzo
+    from distzo.config.compose import typed
     from distzo.state.resume import config_fingerprint
 
-    assert config_fingerprint(distzo.compose(validate=False)) == "b2b1e3f36e13a274"
-    sgd = distzo.compose("optim.name=sgd", "optim.adam.beta2=0.5", validate=False)
-    assert config_fingerprint(sgd) == "b2b1e3f36e13a274"
-    adam = config_fingerprint(distzo.compose("optim.name=adam", validate=False))
+    def fingerprint(*overrides):
+        return config_fingerprint(typed(distzo.compose(*overrides, validate=False)))
+
+    assert fingerprint() == "b2b1e3f36e13a274"
+    assert fingerprint("optim.name=sgd", "optim.adam.beta2=0.5") == "b2b1e3f36e13a274"
+    adam = fingerprint("optim.name=adam")
     assert adam != "b2b1e3f36e13a274"
-    assert config_fingerprint(distzo.compose("optim.name=adam", "optim.momentum.mu=0.1", validate=False)) == adam
-    assert config_fingerprint(distzo.compose("optim.name=adam", "optim.adam.beta2=0.99", validate=False)) != adam
+    assert fingerprint("optim.name=adam", "optim.momentum.mu=0.1") == adam
+    assert fingerprint("optim.name=adam", "optim.adam.beta2=0.99") != adam
 
 
 @pytest.mark.parametrize("overrides,message", [
     (["optim.name=adamw"], "optim.name=adamw is not an optimizer; use one of: sgd, momentum, adam, sign, fzoo"),
-    (["optim.name=momentum", "optim.momentum.mu=1"], "optim.momentum.mu=1.0 is out of range; it must be >= 0 and < 1"),
-    (["optim.name=adam", "optim.adam.beta1=1"], "optim.adam.beta1=1.0 is out of range; it must be >= 0 and < 1"),
+    (["optim.name=momentum", "optim.momentum.mu=1"], "optim.mu=1.0 is out of range; it must be >= 0 and < 1"),
+    (["optim.name=adam", "optim.adam.beta1=1"], "optim.beta1=1.0 is out of range; it must be >= 0 and < 1"),
+    (["optim=adam", "optim.beta1=1"], "optim.beta1=1.0 is out of range; it must be >= 0 and < 1"),
     (["optim.name=fzoo"], "add estimator.difference=forward estimator.q=8"),
     (["optim.name=fzoo", "estimator.difference=forward"], "use estimator.q >= 2 (FZOO uses 8)"),
     (["optim.name=fzoo", "estimator=prge", "peft=lora_fa"], "use estimator=mezo estimator.difference=forward"),

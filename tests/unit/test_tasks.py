@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from distzo.data.sources import DataError
+from distzo.data.records import DataError
 from distzo.data.tasks import PromptTask
 from distzo.errors import ConfigError
 from tests.conftest import make_config

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from ...config.schema import SweepConfig
 from .expansion import SweepError
 from .report import Row, summarize_metrics, write_outputs
 
@@ -90,8 +91,8 @@ def _error_line(log: Path) -> str:
 class Sweep:
     """Runs the jobs, then writes sweep.json / sweep.csv / sweep.md / sweep.png into `root`."""
 
-    def __init__(self, jobs: list[Job], root: Path, cfg, say: Callable[[str], None] | None = None):
-        self.jobs, self.root, self.sc = jobs, root, cfg.sweep
+    def __init__(self, jobs: list[Job], root: Path, settings: SweepConfig, say: Callable[[str], None] | None = None):
+        self.jobs, self.root, self.sc = jobs, root, settings
         self.tools = {"scontrol": "scontrol", "scancel": "scancel"}
         self.say = say or (lambda text: print(f"[sweep] {text}", flush=True))
 

@@ -14,22 +14,38 @@ the q perturbed probes are dealt over the mesh like any other.
 The paper restores and updates in one fused pass (W -= (eps + lr g) Delta). Here perturbed weights
 are working copies and the master is never perturbed, so there is nothing to restore: the master
 receives exactly one write per step, the update (fused into the next step's first pass).
+
+Defaults: r 1 and K 3 as the paper; eps 1e-4 (the paper's 1e-7 is for fp32 models far larger than
+the default one). q > 1 draws q independent R (one clean forward, q perturbed ones).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from ...config.schema import EstimatorConfig
+from ...config.schema import Config, Difference, EstimatorSettings, TiedEmbeddings, setting
 from ...errors import ConfigError
+from ...registry import register
 from ..subspace import ActivationCapture, SubspaceDirections
 from .base import CLEAN, Estimator, Probe, StepResult
 
 
+@register("estimator", "agzo")
 class AGZO(Estimator):
-    name = "agzo"
     shared_clean = True
     replayable = False  # the directions follow each step's activations, not the seed alone
+    differences = ("forward",)
+
+    @dataclass
+    class Settings(EstimatorSettings):
+        eps: float = setting(1e-4, "> 0", "the perturbation scale (eps)")
+        difference: Difference = setting(Difference.forward, doc="forward (AGZO is one-sided)")
+        rank: int = setting(1, ">= 1", "r: columns of each linear layer's input basis A (the paper's value)")
+        power_iters: int = setting(3, ">= 0", "K: block power iterations on the layer's input activations")
+        tied_embeddings: TiedEmbeddings = setting(TiedEmbeddings.freeze, doc="a token embedding shared with the "
+                                                  "LM head: freeze (not trained) or dense (MeZO's dense Gaussian)")
 
     def __init__(self, eps: float = 1e-4, q: int = 1, rank: int = 1, power_iters: int = 3,
                  tied_embeddings: str = "freeze"):
@@ -37,15 +53,14 @@ class AGZO(Estimator):
         self.tied_embeddings = tied_embeddings
 
     @classmethod
-    def from_config(cls, cfg: EstimatorConfig) -> AGZO:
-        return cls(eps=cfg.eps, q=cfg.q, rank=cfg.agzo.rank, power_iters=cfg.agzo.power_iters,
-                   tied_embeddings=str(cfg.agzo.tied_embeddings))
+    def from_settings(cls, s: Settings) -> AGZO:
+        return cls(eps=s.eps, q=s.q, rank=s.rank, power_iters=s.power_iters, tied_embeddings=str(s.tied_embeddings))
 
     @classmethod
-    def check_config(cls, cfg: EstimatorConfig, peft_method: str) -> None:
-        if cfg.difference != "forward":
+    def check(cls, cfg: Config) -> None:
+        if cfg.estimator.difference != "forward":
             raise ConfigError("estimator=agzo is one-sided (AGZO Algorithm 2); it needs estimator.difference=forward")
-        if cfg.distribution != "gaussian":
+        if cfg.estimator.distribution != "gaussian":
             raise ConfigError("estimator=agzo draws Gaussian R and dense noise; it needs "
                               "estimator.distribution=gaussian")
 

@@ -4,11 +4,9 @@ An estimator plans the forward probes a step needs, then turns their losses into
 gradients g_k (scalars) and update coefficients: the update is theta -= lr * sum_k c_k z_k with
 c_k = weight_k * g_k. It never touches weights or data, so any engine and any mesh can run it.
 
-Two class attributes tell the driver and engine how to run the plan:
-  shared_clean  the CLEAN probe is run by every rank on the whole global batch (not dealt over
-                the mesh): AGZO reads its activations to build the step's directions, which every
-                rank needs.
-  batched       a rank runs all its probes as one forward (P-RGE's inner and outer loop).
+An estimator is registered by name (`@register("estimator", name)`, distzo.registry) and declares
+its settings as a dataclass `Settings` beside its class, extending `EstimatorSettings` (eps, q,
+difference, distribution) with its own fields and defaults; `estimator=<name>` selects them.
 """
 
 from __future__ import annotations
@@ -18,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ...config.schema import EstimatorConfig
+from ...config.schema import Config, EstimatorSettings
+from ...errors import ConfigError
 from ..directions import Directions
 
 CLEAN = -1  # query index of an unperturbed probe
@@ -50,31 +49,45 @@ class Estimator(ABC):
     distzo must know of an estimator are these properties, never its name:
 
     shared_clean: every rank runs a clean forward on the whole global batch each step (AGZO's bases).
-    batched: a rank's probes run as one batched forward (P-RGE over stacked LoRA-FA copies).
+    stacked: a rank's probes run as one forward over stacked copies of the trainable weights
+      (P-RGE over LoRA-FA's B matrices, distzo.engine.stacked).
     replayable: a step's directions are a function of (seed, step) alone, so logged steps can be
       re-applied without data (resume's catch-up, `replay`); not AGZO's, which follow activations.
     streams_blocks: its directions are seeded dense noise over every trainable element, drawn block
       by block, so engines may stream blocks from host memory (offloading) or divide a block's noise
       among a node's ranks (work division).
-    decodes: it can train on a decoding objective (f1, exact_match), each probe decoding its answers."""
+    decodes: it can train on a decoding objective (f1, exact_match), each probe decoding its answers.
+    differences: the `estimator.difference` values it runs with (central, forward).
+    peft_methods: the trainable sets it runs on (None: any); the first is the one ZOTrainer picks
+      when none is chosen."""
 
     name = "?"
+    Settings = EstimatorSettings
     eps: float
     shared_clean: bool = False
-    batched: bool = False
+    stacked: bool = False
     replayable: bool = True
     streams_blocks: bool = False
     decodes: bool = False
+    differences: tuple[str, ...] = ("central", "forward")
+    peft_methods: tuple[str, ...] | None = None
 
     @classmethod
-    def from_config(cls, cfg: EstimatorConfig) -> Estimator:
-        """The estimator of an `estimator` config group."""
-        return cls(eps=cfg.eps, q=cfg.q)
+    def from_settings(cls, s: EstimatorSettings) -> Estimator:
+        """The estimator of an `estimator` section."""
+        return cls(eps=s.eps, q=s.q)
 
     @classmethod
-    def check_config(cls, cfg: EstimatorConfig, peft_method: str) -> None:
-        """Settings of the `estimator` group (and the trainable set) this estimator cannot run with:
-        raises ConfigError naming the fix."""
+    def check(cls, cfg: Config) -> None:
+        """What of a run's configuration this estimator cannot run with: raises ConfigError naming the
+        fix. The base checks `differences` and `peft_methods`; an estimator adds its own rules."""
+        e, peft = cfg.estimator, str(cfg.peft.method)
+        if cls.peft_methods is not None and peft not in cls.peft_methods:
+            raise ConfigError(f"estimator={cls.name} trains {' or '.join(f'peft={m}' for m in cls.peft_methods)} only; "
+                              f"add peft={cls.peft_methods[0]} (now peft={peft})")
+        if str(e.difference) not in cls.differences:
+            raise ConfigError(f"estimator={cls.name} needs estimator.difference={cls.differences[0]} (now "
+                              f"{e.difference})")
 
     def directions(self, seed: int, distribution: str, device, **kwargs) -> Directions:
         """The directions of a run: seeded dense noise (`distzo.zo.directions`)."""

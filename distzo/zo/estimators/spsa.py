@@ -1,19 +1,21 @@
 """SPSA as in MeZO: g_k = (L(theta + eps z_k) - L(theta - eps z_k)) / (2 eps), update (1/q) sum_k g_k z_k.
 
-q = 1 is MeZO's Algorithm 1; q > 1 is n-SPSA (Algorithm 2). `difference="forward"` uses one clean
-probe shared by all queries: g_k = (L(theta + eps z_k) - L(theta)) / eps.
+q = 1 is MeZO's Algorithm 1; q > 1 is n-SPSA (Algorithm 2), all queries on the same batch: scale
+optim.lr with q (MeZO appendix A.2). `difference="forward"` uses one clean probe shared by all
+queries: g_k = (L(theta + eps z_k) - L(theta)) / eps. Defaults: eps 1e-3, q 1, central, Gaussian z.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ...config.schema import EstimatorConfig
+from ...config.schema import EstimatorSettings
+from ...registry import register
 from .base import CLEAN, Estimator, Probe, StepResult
 
 
+@register("estimator", "mezo")
 class SPSA(Estimator):
-    name = "mezo"
     streams_blocks = True
     decodes = True
 
@@ -23,8 +25,8 @@ class SPSA(Estimator):
         self.eps, self.q, self.difference = float(eps), int(q), difference
 
     @classmethod
-    def from_config(cls, cfg: EstimatorConfig) -> SPSA:
-        return cls(eps=cfg.eps, q=cfg.q, difference=str(cfg.difference))
+    def from_settings(cls, s: EstimatorSettings) -> SPSA:
+        return cls(eps=s.eps, q=s.q, difference=str(s.difference))
 
     def plan(self) -> list[Probe]:
         if self.difference == "central":

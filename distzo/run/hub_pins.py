@@ -7,7 +7,7 @@ receives those pins, so every rank reads the same files however a branch moves m
 node's local rank 0 then fetches the files into the node's hub cache while its peers wait, so no two
 processes download the same file onto one node, and every rank finally reads the cached snapshot
 without a request. A process on its own does the same with a mesh of one. The pins go into run.json
-and the run's summary (`Sources.record`).
+and the run's summary (`HubPins.record`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from .. import hub
-from ..data.sources import dataset_fetch
+from ..config.schema import Config
+from ..data.records import dataset_fetch
 from ..errors import DistzoError
 from ..models.loading import model_fetches
 from ..parallel.mesh import Mesh
@@ -26,7 +27,7 @@ log = logging.getLogger("distzo")
 
 
 @dataclass(frozen=True)
-class Sources:
+class HubPins:
     """The hub commits a run reads, by role (model, tokenizer, dataset); empty when all is local."""
 
     pins: dict[str, hub.Pin] = field(default_factory=dict)
@@ -36,7 +37,7 @@ class Sources:
         return {role: pin.record() for role, pin in self.pins.items()}
 
     @classmethod
-    def from_record(cls, record: Mapping[str, Any] | None) -> Sources:
+    def from_record(cls, record: Mapping[str, Any] | None) -> HubPins:
         return cls({role: hub.Pin.from_record(r) for role, r in (record or {}).items()})
 
     def revisions(self) -> dict[str, str]:
@@ -47,7 +48,7 @@ class Sources:
         return self.pins.get(role)
 
 
-def uses_hub(cfg: Any, model: bool = True, data: bool = True) -> bool:
+def uses_hub(cfg: Config, model: bool = True, data: bool = True) -> bool:
     """Whether a configuration names anything on the hub (decided alike on every rank, no request):
     its model and tokenizer (`model`), its data (`data`)."""
     m, t = cfg.model, cfg.task
@@ -56,15 +57,15 @@ def uses_hub(cfg: Any, model: bool = True, data: bool = True) -> bool:
             or (data and t.dataset not in ("trivia",) and hub.is_hub_id(t.path)))
 
 
-def fetch_sources(cfg: Any, mesh: Mesh, recorded: Sources | None = None, *, model: bool = True,
-                  data: bool = True) -> Sources:
+def fetch_hub_pins(cfg: Config, mesh: Mesh, recorded: HubPins | None = None, *, model: bool = True,
+                  data: bool = True) -> HubPins:
     """Resolve, fetch (once per node) and pin what `cfg` names on the hub; collective. recorded: the
     pins of an earlier run of this configuration (resume, eval.run), read instead of a branch's
     current commit. model / data: whether the run reads the configuration's model and tokenizer, its
     data (not where you hand over your own). Raises HubError (the same line on every rank)."""
     if not uses_hub(cfg, model, data):
-        return Sources()
-    recorded = recorded or Sources()
+        return HubPins()
+    recorded = recorded or HubPins()
     plan, error = None, None
     if mesh.is_main:
         try:
@@ -90,4 +91,4 @@ def fetch_sources(cfg: Any, mesh: Mesh, recorded: Sources | None = None, *, mode
     errors = [e for e in mesh.all_gather_object(error, patient=True) if e is not None]
     if errors:
         raise errors[0]
-    return Sources({f.role: f.pin for f in plan})
+    return HubPins({f.role: f.pin for f in plan})

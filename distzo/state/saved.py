@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
-from ..config.schema import Config
+from ..config.compose import saved_config
 from ..errors import DistzoError
 
 CONFIG_FILE = Path(".hydra") / "config.yaml"  # written by Hydra on the command line, by the library otherwise
@@ -19,32 +19,21 @@ class RunFilesError(DistzoError):
     """A directory that is not the run it was given as."""
 
 
-def load_run_config(run_dir: str | Path, key: str = "") -> Any:
+def load_run_config(run_dir: str | Path, key: str = "") -> DictConfig:
     """A run's saved configuration over the current schema's defaults (keys added since it was
-    written take their defaults). key: the setting that named the directory, for messages."""
+    written take their defaults; the layouts of earlier versions are read by distzo.config.legacy).
+    key: the setting that named the directory, for messages."""
     path = Path(run_dir) / CONFIG_FILE
     if not path.is_file():
         raise RunFilesError(f"{f'{key}=' if key else ''}{run_dir} is not a distzo run directory "
                             f"(no {CONFIG_FILE}); give the directory a training run wrote (its hydra.run.dir)")
     try:
-        return OmegaConf.merge(OmegaConf.structured(Config), _nested_optimizer_settings(OmegaConf.load(path)))
+        return saved_config(OmegaConf.to_container(OmegaConf.load(path)))
+    except DistzoError:
+        raise
     except Exception as exc:  # OmegaConf's merge errors: a key this distzo no longer has, a wrong type
         raise RunFilesError(f"{path} does not fit this distzo's configuration ({' '.join(str(exc).split())[:200]}); "
                             "use the distzo version that trained it") from None
-
-
-def _nested_optimizer_settings(saved: Any) -> Any:
-    """A configuration saved before the optimizers' settings had sections of their own
-    (optim.momentum, beta1, beta2, adam_eps) in today's layout (optim.momentum.mu, optim.adam.*)."""
-    optim = saved.get("optim") if hasattr(saved, "get") else None
-    if optim is None:
-        return saved
-    flat = {k: optim.pop(k) for k in ("beta1", "beta2", "adam_eps") if k in optim}
-    if flat:
-        optim["adam"] = {{"adam_eps": "eps"}.get(k, k): v for k, v in flat.items()}
-    if isinstance(optim.get("momentum"), (int, float)):
-        optim["momentum"] = {"mu": optim["momentum"]}
-    return saved
 
 
 def recorded_sources(run_dir: str | Path) -> dict[str, Any] | None:

@@ -1,0 +1,107 @@
+"""Hydra's application around the commands that run a configuration (train, eval, bench): the
+packaged presets (conf/) with the command line's overrides, Hydra's flags (`--cfg job`, `--help`,
+`-m`) and `hydra.run.dir=...` as Hydra users expect. Before Hydra runs, the overrides are composed and
+checked once, and rank 0 claims the run directory, so a mistake costs one line and leaves nothing
+behind."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from ..parallel.launch_env import launched_rank, launched_world_size
+from .args import MULTIRUN, SKIP_PRECHECK, fail, reported, split_args
+
+
+def claim_run_dir(cfg: Any):
+    """Before Hydra creates the run directory and writes .hydra/ into it: the library's checks of it
+    (`RunDirectory.claim`); the claimed directory, which the Hydra job hands to the library so that a
+    failure before training removes what this command created. A timestamped default
+    (`${now:...}`) is checked by its fixed part."""
+    from omegaconf import OmegaConf
+
+    from ..config.compose import typed
+    from ..run.rundir import RunDirectory
+
+    raw = str(OmegaConf.to_container(cfg.hydra.run, resolve=False)["dir"])
+    if cfg.resume == "auto" and "${now:" in raw:
+        fail("resume=auto needs a fixed run directory that a restarted job finds again: add "
+             "hydra.run.dir=/path/to/run")
+    try:
+        path, fixed = Path(OmegaConf.select(cfg, "hydra.run.dir")), True
+    except Exception:  # an interpolation that needs Hydra's runtime (${now:...}): check its fixed part
+        path, fixed = Path(raw.split("${", 1)[0] or "."), False
+    return RunDirectory.claim(typed(cfg), path, fixed=fixed)
+
+
+def run_hydra(task: Callable[[Any, Any], Any], command: str, args: list[str]) -> None:
+    """Run `task(cfg, claimed)` as Hydra's application of `command` (claimed: the run directory this
+    command claimed for rank 0 of a single run, else None)."""
+    import hydra
+
+    from ..config.compose import (
+        config_dir,
+        override_key,
+        register_configs,
+        search_path_override,
+        upgrade_overrides,
+        user_config_dirs,
+    )
+    from ..run.checks import compose_and_check
+    from ..run.launcher import restart_overrides
+
+    register_configs()
+    flags, overrides = split_args(args)
+    multirun = bool(MULTIRUN.intersection(flags))
+    overrides = upgrade_overrides(overrides if multirun else restart_overrides(overrides))
+    if multirun and launched_world_size() > 1:
+        fail("-m (multirun) cannot run under torchrun: every rank would sweep on its own; run one torchrun "
+             "per configuration instead")
+    # Jobs of a launcher other than Hydra's basic one (submitit's) run elsewhere, each its own mesh.
+    remote = multirun and any(override_key(o) == "hydra/launcher" and o.split("=", 1)[-1] != "basic" for o in overrides)
+    if multirun and not remote and any(override_key(o) == "mesh" and ("," in o or "(" in o) for o in overrides):
+        fail(f"{command} -m runs every configuration in this one process, so the mesh cannot vary; sweep layouts "
+             "with python -m distzo sweep mesh=1x2,2x1 ... (one torchrun job per layout)")
+    conf = config_dir()
+    if not any(override_key(o) == "hydra.searchpath" for o in overrides):  # your presets ($DISTZO_CONFIG_PATH)
+        overrides = search_path_override(user_config_dirs()) + overrides
+    claimed = None
+    if not SKIP_PRECHECK.intersection(flags):
+        # eval deals its batches over whatever processes run (the library fits the mesh to them)
+        cfg = compose_and_check(overrides, multirun=multirun, check_world=command != "eval" and not remote)
+        if not multirun and launched_rank() == 0:
+            claimed = claim_run_dir(cfg)
+    sys.argv = ([f"distzo {command}"] + flags + overrides + worker_overrides()
+                + [f"hydra.help.app_name={command}"])
+
+    def job(cfg):
+        with reported():
+            return task(cfg, claimed)
+
+    hydra.main(config_path=conf, config_name="config", version_base="1.3")(job)()
+
+
+def worker_overrides() -> list[str]:
+    """Under torchrun every rank runs this CLI; only rank 0 may create the run directory and its logs
+    (otherwise Hydra makes one timestamped directory per rank). Other ranks stay in the current
+    directory, write no .hydra/ and no log file, and adopt rank 0's run directory by broadcast."""
+    if launched_rank() == 0:
+        return []
+    return ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=worker", "hydra/hydra_logging=none"]
+
+
+def run_dir(claimed: Any):
+    """The run directory the library is handed inside Hydra: the one this command claimed (rank 0 of
+    a single run), Hydra's job directory (a multirun job: the library checks it), or None (the
+    other ranks take rank 0's)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from ..run.rundir import RunDirectory
+
+    if launched_rank() != 0:
+        return None
+    output = Path(HydraConfig.get().runtime.output_dir)
+    if claimed is not None:
+        return RunDirectory(output, claimed.created_from)
+    return output

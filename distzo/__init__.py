@@ -38,6 +38,7 @@ _LAZY = {  # name -> module: imported on first use, so `import distzo` stays lig
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
+    from .config.schema import Config
     from .data.tasks import PromptTask
     from .errors import ConfigError, DistzoError
     from .run.bench import bench
@@ -74,10 +75,16 @@ def compose(*overrides: str, config_dirs: Sequence[str | os.PathLike] = (), vali
     from .config.compose import GROUPS, compose_config
     from .errors import ConfigError
 
-    groups = [f"{k}={v}" for k, v in values.items() if k in GROUPS and isinstance(v, str)]
-    cfg = compose_config([*overrides, *groups], config_dirs=config_dirs)
+    def as_override(key: str, value: Any) -> bool:
+        """A preset chosen by its group, or a key of the estimator's or optimizer's section (which
+        decides their settings' schema, and may be an earlier spelling): passed as an override."""
+        section = key.split(".")[0] in ("estimator", "optim") and isinstance(value, (str, int, float))
+        return (key in GROUPS and isinstance(value, str)) or section
+
+    chosen = [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in values.items() if as_override(k, v)]
+    cfg = compose_config([*overrides, *chosen], config_dirs=config_dirs)
     for key, value in values.items():
-        if key in GROUPS and isinstance(value, str):
+        if as_override(key, value):
             continue
         try:
             OmegaConf.update(cfg, key, value, merge=False)
@@ -91,7 +98,7 @@ def compose(*overrides: str, config_dirs: Sequence[str | os.PathLike] = (), vali
     return cfg
 
 
-def evaluate(cfg: DictConfig | None = None, run_dir: str | os.PathLike | None = None, *,
+def evaluate(cfg: Config | DictConfig | None = None, run_dir: str | os.PathLike | None = None, *,
              run: str | os.PathLike | None = None, split: str | None = None,
              overrides: Sequence[str] = ()) -> dict[str, Any]:
     """Score a model on a split of its task without training: `cfg` (default: composed from
@@ -103,7 +110,10 @@ def evaluate(cfg: DictConfig | None = None, run_dir: str | os.PathLike | None = 
     if cfg is None:
         cfg = compose(*overrides, validate=False)
     if run is not None or split is not None:
-        cfg = cfg.copy()
+        from .config.compose import saved_form
+        from .config.schema import Config
+
+        cfg = saved_form(cfg) if isinstance(cfg, Config) else cfg.copy()
         if run is not None:
             cfg.eval.run = str(run)
         if split is not None:

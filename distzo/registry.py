@@ -36,7 +36,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Iterator, TypeVar
 
 from .errors import ConfigError
 
@@ -126,11 +126,14 @@ def registry(point: str) -> Registry:
     return _REGISTRIES[point]
 
 
-def register(point: str, name: str) -> Callable[[T], T]:
+def register(point: str | type, name: str | None = None) -> Any:
     """Class decorator: make the class available as component `name` of extension point `point`
-    (sets the class's `name`)."""
-    if point not in _REGISTRIES:
-        raise ValueError(f"unknown extension point {point!r}; one of: {', '.join(_REGISTRIES)}")
+    (sets the class's `name`). `@register` on a class with a `name` attribute, the optimizers'
+    decorator before there were extension points, registers an optimizer (still read)."""
+    if isinstance(point, type):
+        return _REGISTRIES["optimizer"].add(point.name, point)
+    if point not in _REGISTRIES or name is None:
+        raise ValueError(f"register(point, name): unknown extension point {point!r}; one of: {', '.join(_REGISTRIES)}")
     return lambda cls: _REGISTRIES[point].add(name, cls)
 
 
@@ -158,6 +161,9 @@ def load_plugin(name: str) -> ModuleType:
     except ImportError as exc:
         raise ConfigError(f"{PLUGINS_ENV} names {name!r}, which cannot be imported ({exc}); put it on PYTHONPATH, "
                           f"install it or give the path of its .py file, or remove it from {PLUGINS_ENV}") from None
+    except Exception as exc:  # the plugin's own code failed as it ran: its author's line to fix
+        raise ConfigError(f"{PLUGINS_ENV}: importing {name!r} failed ({type(exc).__name__}: {exc}); fix it, or remove "
+                          f"it from {PLUGINS_ENV}") from None
     _plugins[name] = module
     return module
 

@@ -22,10 +22,11 @@ def claim_run_dir(cfg: Any):
     from omegaconf import OmegaConf
 
     from ..config.compose import typed
+    from ..run.launcher import timestamped
     from ..run.rundir import RunDirectory
 
     raw = str(OmegaConf.to_container(cfg.hydra.run, resolve=False)["dir"])
-    if cfg.resume == "auto" and "${now:" in raw:
+    if cfg.resume == "auto" and timestamped(raw):
         fail("resume=auto needs a fixed run directory that a restarted job finds again: add "
              "hydra.run.dir=/path/to/run")
     try:

@@ -19,7 +19,7 @@ from .legacy import upgrade_overrides, upgrade_saved
 from .schema import Config, EstimatorSettings, OptimSettings
 
 CONFIG_PATH_ENV = "DISTZO_CONFIG_PATH"  # your own config directories, searched before the presets
-GROUPS = ("model", "task", "estimator", "offload", "logger", "peft")
+GROUPS = ("model", "task", "estimator", "optim", "offload", "logger", "peft")
 # Hydra presets that plugins bring (distzo's own hydra/launcher=distzo_slurm builds on submitit's).
 PLUGINS = {("hydra/launcher", "submitit_slurm"): "hydra-submitit-launcher",
            ("hydra/launcher", "distzo_slurm"): "hydra-submitit-launcher",
@@ -37,7 +37,11 @@ def register_configs() -> None:
     store.store(name="distzo_schema", node=Config)
     for point, base in SETTINGS_BASES.items():
         for name, cls in registry(point).items():
-            store.store(group=registry(point).point.group, name=name, node=component_settings(point, name, cls, base))
+            try:
+                node = component_settings(point, name, cls, base)
+            except ValueError as exc:  # a plugin's mistake: one line naming it, whichever component a run chooses
+                raise ConfigError(f"{exc}; fix it, or remove its module from DISTZO_PLUGINS") from None
+            store.store(group=registry(point).point.group, name=name, node=node)
 
 
 SETTINGS_BASES = {"estimator": EstimatorSettings, "optimizer": OptimSettings}
@@ -235,7 +239,7 @@ def explain(exc: BaseException) -> str:
         key, value = ambiguous.groups()
         return (f"{key}={value}: a comma separates the values of a sweep (with -m) or of a list ([a,b]); for one "
                 f"text holding a comma, quote it: {shell_quoted_override(key, value)}")
-    missing = re.search(r"Could not find '([^']+)/([^'/]+)'", text)
+    missing = re.search(r"Could not find '([^']+)/([^'/]*)'", text)
     if missing:
         group, option = missing.groups()
         options = re.findall(r"^\t(\S+)$", text, flags=re.M)
@@ -253,8 +257,9 @@ def explain(exc: BaseException) -> str:
         owners = setting_owners(name)
         if owners:
             group = name.split(".")[0]
-            return (f"{name} is a setting of {' and '.join(f'{group}={o}' for o in owners)}, not of the chosen "
-                    f"{group}; add {group}={owners[0]}")
+            named = [f"{group}={o}" for o in owners]
+            which = named[0] if len(named) == 1 else f"{', '.join(named[:-1])} or {named[-1]}"
+            return f"{name} is a setting of {which}, not of the chosen {group}; add {named[0]}"
         return (f"unknown config key '{name}'; see `python -m distzo train --cfg job` for the valid keys "
                 f"(prefix with + only to add keys deliberately)")
     conversion = re.search(r"Value '([^']*)' (?:of type '\w+' )?could not be converted to (\w+)", text)

@@ -5,14 +5,16 @@ their own settings were sections named after them: `estimator.agzo.rank`, `estim
 `optim.momentum.mu`, `optim.adam.beta1`; an optimizer was chosen with `optim.name=adam` (still a
 spelling of the config group option `optim=adam`). Command lines, run directories'
 `.hydra/config.yaml` and the resume fingerprints of runs started then (run.json, snapshots) keep
-working through this module, the one place that knows those layouts.
+working through this module, the one place that knows those layouts. One case does not: a run of the
+earlier layout that set a setting of an estimator it did not choose (`estimator=mezo
+estimator.agzo.rank=2`, as a sweep over estimators gives) hashed that value, which today's layout has
+nowhere to hold, so such a run does not resume (its fingerprint differs; the message says so).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import re
 from typing import Any
 
 from ..errors import ConfigError
@@ -20,7 +22,7 @@ from ..registry import registry
 
 log = logging.getLogger("distzo")
 
-GROUPS = {"estimator": "estimator", "optim": "optimizer"}  # config group -> extension point
+POINTS = {"estimator": "estimator", "optim": "optimizer"}  # config group -> its extension point
 
 # The sections the first layout had, with their defaults then (part of every v1 fingerprint).
 V1_ESTIMATOR_SECTIONS = {"prge": {"materialize": True},
@@ -30,42 +32,63 @@ V1_OPTIMIZER_SECTIONS = {"momentum": {"mu": 0.9}, "adam": {"beta1": 0.9, "beta2"
 _noted: set[str] = set()
 
 
-# The group options config.yaml's defaults list chooses (tests/unit/test_config.py checks them).
+# The group options config.yaml's defaults list chooses (tests/unit/test_legacy.py checks them).
 DEFAULT_CHOICES = {"estimator": "mezo", "optim": "sgd"}
+
+
+def _choices(override: str) -> list[str]:
+    """The options a group override selects: one, or each value of a sweep (`a,b`, `choice(a,b)`)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        parsed = OverridesParser.create().parse_overrides([override])[0]
+    except Exception:  # not Hydra's grammar: composition names the mistake
+        return [override.partition("=")[2]]
+    if parsed.is_sweep_override():
+        return [str(v) for v in parsed.sweep_string_iterator()]
+    return [str(parsed.value())]
 
 
 def upgrade_overrides(overrides: list[str]) -> list[str]:
     """Command-line overrides in today's spelling: `optim.name=X` / `estimator.name=X` select the
-    group option (`optim=X`), and a component's setting under its name (`optim.adam.beta2=0.99`)
-    is the group's own key (`optim.beta2=0.99`), or, for a component the run does not choose, is
-    dropped (the earlier layout held every component's section and read only the chosen one's).
-    Other overrides pass unchanged."""
-    chosen: dict[str, str] = {}
-    selections: list[str] = []
-    for override in overrides:  # the group options chosen, in today's spelling
+    group option (`optim=X`; a later choice wins, as a later override did), and a component's setting
+    under its name (`optim.adam.beta2=0.99`) is the group's own key (`optim.beta2=0.99`) where the
+    run chooses that component, and is left out where it does not (the earlier layout held every
+    component's section and read only the chosen one's). A sweep over a group whose options differ
+    in having such a setting is refused in one line. Other overrides pass unchanged."""
+    chosen: dict[str, tuple[int, list[str]]] = {}
+    for i, override in enumerate(overrides):  # the group options chosen, in today's spelling
         key, sep, value = override.partition("=")
         parts = key.split(".")
-        if sep and key[:1] not in "+~" and parts[0] in GROUPS and (len(parts) == 1 or parts[1:] == ["name"]):
-            if len(parts) == 2 and re.fullmatch(r"[\w.-]+(,[\w.-]+)*", value):  # each value of a sweep (a,b)
-                for name in value.split(","):
-                    registry(GROUPS[parts[0]]).get(name, key=key)
-            if chosen.get(parts[0], value) != value:
-                raise ConfigError(f"{parts[0]} is chosen twice ({parts[0]}={chosen[parts[0]]} and {value}); choose one")
-            chosen[parts[0]] = value
+        if sep and key[:1] not in "+~" and parts[0] in POINTS and (len(parts) == 1 or parts[1:] == ["name"]):
+            names = _choices(f"{parts[0]}={value}")
+            if len(parts) == 2:  # optim.name=X names a registered component
+                for name in names:
+                    registry(POINTS[parts[0]]).get(name, key=key)
+            chosen[parts[0]] = (i, names)
     out: list[str] = []
-    for override in overrides:
+    for i, override in enumerate(overrides):
         key, sep, value = override.partition("=")
         parts = key.split(".")
-        if not sep or key[:1] in "+~" or parts[0] not in GROUPS:
+        if not sep or key[:1] in "+~" or parts[0] not in POINTS:
             out.append(override)
         elif len(parts) == 1 or parts[1:] == ["name"]:
-            if f"{parts[0]}={value}" not in selections:
-                selections.append(f"{parts[0]}={value}")
+            if chosen[parts[0]][0] == i:  # the last choice of the group
                 out.append(f"{parts[0]}={value}")
-        elif len(parts) == 3 and _is_setting(GROUPS[parts[0]], parts[1], parts[2]):
-            if parts[1] in chosen.get(parts[0], DEFAULT_CHOICES[parts[0]]).split(","):
-                out.append(f"{parts[0]}.{parts[2]}={value}")
-            _note(key, f"{parts[0]}.{parts[2]}")
+        elif len(parts) == 3 and _is_setting(POINTS[parts[0]], parts[1], parts[2]):
+            new = f"{parts[0]}.{parts[2]}"
+            names = chosen.get(parts[0], (0, [DEFAULT_CHOICES[parts[0]]]))[1]
+            have = [n for n in names if _is_setting(POINTS[parts[0]], n, parts[2])]
+            if have and len(have) < len(names):
+                raise ConfigError(f"{key} applies to {parts[0]}={parts[1]}, and the sweep also chooses "
+                                  f"{', '.join(n for n in names if n not in have)}, which has no {parts[2]}: sweep "
+                                  f"presets of your own instead ({parts[0]}/my_{parts[1]}.yaml holding defaults: "
+                                  f"[{parts[1]}, _self_] and {parts[2]}: ...)")
+            if have:
+                out.append(f"{new}={value}")
+                _note(f"{key} is spelled {new} now (the old spelling is still accepted)")
+            else:
+                _note(f"{key} is ignored: {parts[0]}={parts[1]} is not this run's {parts[0]}")
         else:
             out.append(override)
     return out
@@ -79,12 +102,12 @@ def _is_setting(point: str, component: str, field: str) -> bool:
     return settings is not None and field in getattr(settings, "__dataclass_fields__", {})
 
 
-def _note(old: str, new: str) -> None:
+def _note(line: str) -> None:
     """One line per old spelling and process (rank 0's only, under a launcher)."""
-    if old in _noted or os.environ.get("RANK", "0") != "0":
+    if line in _noted or os.environ.get("RANK", "0") != "0":
         return
-    _noted.add(old)
-    log.warning("%s is spelled %s now (the old spelling is still accepted)", old, new)
+    _noted.add(line)
+    log.warning("%s", line)
 
 
 def upgrade_saved(data: dict[str, Any]) -> dict[str, Any]:
@@ -100,7 +123,7 @@ def upgrade_saved(data: dict[str, Any]) -> dict[str, Any]:
         if isinstance(optim.get("momentum"), (int, float)):
             optim["momentum"] = {"mu": optim["momentum"]}
         optim.setdefault("name", "sgd")
-    for group, point in GROUPS.items():
+    for group, point in POINTS.items():
         section = data.get(group)
         if not isinstance(section, dict):
             continue

@@ -467,7 +467,8 @@ class LaunchConfig:
 
     nproc: local workers (null: the mesh's P*D; eval: 1 unless set). rdzv_endpoint: host:port of
     the rendezvous (null: a free local port). max_restarts: restarts of the worker group after a
-    failure (as torchrun's --max-restarts; with resume=auto a restarted run continues).
+    failure (as torchrun's --max-restarts): a restarted worker group continues the run from its newest
+    snapshot and logged steps (resume=auto, in the run directory the launch fixed once).
     stop_timeout_s: after Ctrl-C or SIGTERM, how long the workers get to finish the step in flight
     and write its snapshot before they are killed."""
 

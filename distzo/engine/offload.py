@@ -244,10 +244,6 @@ def sliced_offload_engine(model, adapter, params, directions, *, node: Node, slo
     return StageLoop(model, adapter, params, directions, store, optimizer=optimizer, mode="offload-sliced", **kwargs)
 
 
-def _transfer_dtype(s: EngineSetup) -> torch.dtype | None:
-    return getattr(torch, str(s.offload.transfer_dtype)) if s.offload.transfer_dtype else None
-
-
 @register("engine_mode", "offload")
 class OffloadMode(EngineMode):
     """offload=cpu with every weight trainable: whole blocks per rank (one rank per node, or

@@ -15,11 +15,16 @@ reaches anything else).
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from ..config.tables import owners, zo_argument_fields
 from ..errors import ConfigError
+
+log = logging.getLogger("distzo")
+# ZOArguments' earlier fields -> the fields they are now
+_EARLIER = {"momentum": ("optim_mu",), "adam_betas": ("optim_beta1", "optim_beta2"), "adam_eps": ("optim_eps",)}
 
 
 @dataclass
@@ -43,6 +48,10 @@ class _ZOArgumentsBase:
     mesh: str | None = None
     device: str = "auto"
     overrides: list[str] = field(default_factory=list)
+    # The earlier spellings of the optimizers' settings, still read: optim_mu, optim_beta1/beta2, optim_eps.
+    momentum: float | None = None
+    adam_betas: list[float] | None = None
+    adam_eps: float | None = None
 
 
 def _build() -> type:
@@ -61,10 +70,22 @@ def setting_overrides(args: Any) -> list[str]:
     """The overrides selecting `args`' estimator and optimizer and setting what it sets of theirs (in
     the components' own keys: `estimator.rank=2`, `optim.beta2=0.99`). ConfigError for a setting the
     chosen component does not have."""
+    from ..config.compose import override_key
+
     chosen = {"estimator": args.estimator, "optim": args.optimizer}
-    out = [f"estimator={args.estimator}", f"optim={args.optimizer}"]
+    named = {override_key(o).split(".")[0] for o in args.overrides
+             if override_key(o) in ("estimator", "estimator.name", "optim", "optim.name")}
+    out = [f"{group}={name}" for group, name in chosen.items() if group not in named]  # `overrides` choose last
+    given = {key: getattr(args, key, None) for key in zo_argument_fields()}
+    for old, new in _EARLIER.items():
+        value = getattr(args, old, None)
+        if value is not None:
+            log.warning("ZOArguments(%s=...) is spelled %s now (the old spelling is still read)", old,
+                        " and ".join(new))
+            values = list(value) if isinstance(value, (list, tuple)) else [value]
+            given.update({key: v for key, v in zip(new, values) if given.get(key) is None})
     for key, (group, name, _) in zo_argument_fields().items():
-        value = getattr(args, key, None)
+        value = given.get(key)
         if value is None:
             continue
         have = owners(group, name)

@@ -20,7 +20,7 @@ from typing import Any, Sequence
 from omegaconf import DictConfig, OmegaConf, open_dict
 from safetensors.torch import load_file
 
-from ..config.compose import saved_form, typed
+from ..config.compose import saved_form, typed, upgrade_overrides
 from ..config.schema import Config
 from ..data.answers import exact_match, f1_score
 from ..data.objectives import accuracy_counts, objective_sums
@@ -119,7 +119,8 @@ def evaluation_config(run: str | Path, cfg: DictConfig, overrides: Sequence[str]
 
     run_cfg = load_run_config(run, key="eval.run")
     weights = final_weights(run)
-    keys = [o.key_or_group for o in OverridesParser.create().parse_overrides(list(overrides))]
+    overrides = upgrade_overrides(list(overrides))  # what the command line set, in today's spelling
+    keys = [o.key_or_group for o in OverridesParser.create().parse_overrides(overrides)]
     cfg = copy.deepcopy(cfg)
     for section in RUN_SECTIONS:
         if section in keys:  # a preset chosen on the command line (task=sst2): the command line's

@@ -18,7 +18,7 @@ import time
 import uuid
 from typing import Sequence
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from ..config.schema import LaunchConfig
 from ..errors import ConfigError, DistzoError
@@ -68,47 +68,59 @@ def run_local_workers(command: str, args: Sequence[str], cfg: DictConfig) -> boo
     if nproc <= 1:
         return False
     check_local_devices(nproc, str(cfg.mesh), str(cfg.device))
-    run_dir = fixed_run_dir(cfg)
-    if run_dir is not None and str(cfg.resume) == "auto":
+    from ..config.compose import override_key, upgrade_overrides
+
+    raw = str(OmegaConf.to_container(cfg.hydra.run, resolve=False)["dir"]) if "hydra" in cfg else ""
+    if str(cfg.resume) == "auto" and timestamped(raw):
         raise ConfigError("resume=auto needs a fixed run directory that a restarted job finds again: add "
                           "hydra.run.dir=/path/to/run")
-    start_local_workers(nproc, [command, *args, *([f"hydra.run.dir={run_dir}"] if run_dir else [])], cfg.launch)
+    # The workers read today's spelling (the old one's note was printed here, once) and one run directory.
+    flags = [a for a in args if a.startswith("-")]
+    overrides = upgrade_overrides([a for a in args if not a.startswith("-")])
+    run_dir = resolved_run_dir(cfg) if not any(override_key(o) == "hydra.run.dir" for o in overrides) else None
+    start_local_workers(nproc, [command, *flags, *overrides, *([f"hydra.run.dir={run_dir}"] if run_dir else [])],
+                        cfg.launch)
     return True
+
+
+def timestamped(run_dir: str) -> bool:
+    """Whether a run directory's setting names a new directory at every start (Hydra's `${now:...}`)."""
+    return "${now:" in run_dir
 
 
 def restart_overrides(overrides: list[str]) -> list[str]:
     """A worker group that the elastic agent restarted after a failure (torchrun --max-restarts,
     launch.max_restarts) continues the run its first start began: resume=auto, in the same run
-    directory (the self-launch fixes it; under torchrun the command line must). A first start's
-    overrides pass unchanged."""
+    directory (the self-launch fixes it; under torchrun the command line must name one that is not
+    timestamped). An explicit resume= is kept; a first start's overrides pass unchanged."""
+    from ..config.compose import override_key
+
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-    if restart == 0 or any(o.startswith("resume=") and o != "resume=never" for o in overrides):
+    if restart == 0 or any(override_key(o) == "resume" for o in overrides):
         return overrides
-    if not any(o.split("=", 1)[0] == "hydra.run.dir" for o in overrides):
-        if os.environ.get("RANK", "0") == "0":
-            logging.getLogger("distzo").warning(
-                "restart %d of the worker group: hydra.run.dir is timestamped, so this restart starts a new run; "
-                "give hydra.run.dir to have restarts continue the run", restart)
+    say = logging.getLogger("distzo").warning if os.environ.get("RANK", "0") == "0" else (lambda *a: None)
+    run_dir = [o.split("=", 1)[1] for o in overrides if override_key(o) == "hydra.run.dir"]
+    if not run_dir or timestamped(run_dir[-1]):
+        say("restart %d of the worker group: hydra.run.dir is timestamped, so this restart starts a new run; give a "
+            "fixed hydra.run.dir to have restarts continue the run", restart)
         return overrides
-    if os.environ.get("RANK", "0") == "0":
-        logging.getLogger("distzo").warning("restart %d of the worker group: continuing the run from its newest "
-                                            "snapshot and logged steps (resume=auto)", restart)
-    return [o for o in overrides if not o.startswith("resume=")] + ["resume=auto"]
+    say("restart %d of the worker group: continuing the run from its newest snapshot and logged steps (resume=auto)",
+        restart)
+    return [*overrides, "resume=auto"]
 
 
-def fixed_run_dir(cfg: DictConfig) -> str | None:
-    """The run directory Hydra would name now (its `${now:...}` resolved once), for every worker and
-    every restart of them; None where the command line names it already or it cannot be resolved here."""
+def resolved_run_dir(cfg: DictConfig) -> str | None:
+    """The run directory Hydra would name now (its `${now:...}` and other interpolations resolved
+    once), for every worker and every restart of them; None where it cannot be resolved outside
+    Hydra's app (each worker then resolves it itself)."""
     from hydra.core.utils import setup_globals
-    from omegaconf import OmegaConf
 
-    raw = OmegaConf.to_container(cfg.hydra.run, resolve=False)["dir"] if "hydra" in cfg else None
-    if raw is None or "${" not in str(raw):
+    if "hydra" not in cfg:
         return None
     setup_globals()  # Hydra's resolvers (${now:...}), as inside its app
     try:
         return str(OmegaConf.select(cfg, "hydra.run.dir"))
-    except Exception:  # an interpolation that needs Hydra's runtime: each worker resolves it itself
+    except Exception:  # an interpolation that needs Hydra's runtime
         return None
 
 

@@ -282,8 +282,8 @@ def test_every_registered_estimator_trains_under_zotrainer_with_its_own_defaults
 def test_zoarguments_refuses_a_setting_of_another_estimator(model_folder, tmp_path):
     from distzo.errors import ConfigError
 
-    trainer = example(SCRIPT).build(str(model_folder), str(tmp_path / "out"), 2, None, rank=2)
-    with pytest.raises(ConfigError, match=r"ZOArguments\(rank=...\) is a setting of estimator=agzo, not of "
+    trainer = example(SCRIPT).build(str(model_folder), str(tmp_path / "out"), 2, None, power_iters=2)
+    with pytest.raises(ConfigError, match=r"ZOArguments\(power_iters=...\) is a setting of estimator=agzo, not of "
                                           r"estimator=mezo"):
         trainer.zo_config(2)
 

@@ -155,7 +155,7 @@ def test_the_run_state_and_telemetry_layers_take_a_typed_configuration():
                      ("run/bench.py", "bench"), ("run/evaluation.py", "evaluation_config"),
                      ("run/checks.py", "validate"),
                      # the local launch reads the composed run directory from Hydra's section
-                     ("run/launcher.py", "run_local_workers"), ("run/launcher.py", "fixed_run_dir")}, entry
+                     ("run/launcher.py", "run_local_workers"), ("run/launcher.py", "resolved_run_dir")}, entry
 
 
 def test_a_training_run_converts_its_configuration_once(monkeypatch, tmp_path):

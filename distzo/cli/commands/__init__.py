@@ -20,7 +20,7 @@ class Command:
 
     @classmethod
     def summary(cls) -> str:
-        return (cls.__doc__ or "").strip().splitlines()[0]
+        return next(iter((cls.__doc__ or "").strip().splitlines()), "")
 
     @classmethod
     def run(cls, args: list[str]) -> None:

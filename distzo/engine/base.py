@@ -71,6 +71,11 @@ class Engine(ABC):
         shard) at step `step`, returning their Scores by index into `plan`. A rank dealt none returns
         {} (after walking the blocks with its peers where the mode needs it)."""
 
+    def begin_step(self, step: int) -> None:
+        """Before step `step`'s probes (and before re-applying its logged update): directions that read
+        the weights refresh what they read (Sparse MeZO's thresholds), on the weights as they are
+        then. Collective where `materialized` is; nothing for most directions."""
+
     @abstractmethod
     def apply(self, step: int, coefficients: Sequence[tuple[int, float]], lr: float, weight_decay: float) -> None:
         """theta <- theta (1 - lr wd) - sum_k (lr c_k) z_k(step) (or the optimizer's rule), for every

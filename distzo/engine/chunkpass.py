@@ -15,6 +15,10 @@ and the others are as their classes define), then every copy is written from the
 
     copy(q, sign) = x + eps z_q(step)  or  x - eps z_q(step)
 
+Where the directions give a parameter a magnitude mask (Sparse MeZO, `Directions.magnitude_threshold`),
+z reaches only the elements with |x| <= h: a term's z where the master held such a value before the
+update, a copy's z where the updated value is one (+0 elsewhere, so those elements keep their value).
+
 Two implementations do exactly this. The fused kernel (`distzo.native`, CPU, float32) runs a rule
 that has a kernel case in one pass over the chunk; torch ops run `Rule.apply` on the chunk and one
 pass per copy. z is scaled as it is drawn (the value of z.mul_(scale), see `Directions.fill_chunk`),
@@ -86,28 +90,33 @@ def _torch_ops(directions: Directions, p: TrainableParam, ref: ChunkRef, master:
     z drawn into scratch slots (a separable rule's one at a time, into one slot), then each copy."""
     size = ref.stop - ref.start
     window = slice(None) if part is None else slice(*part)
+    h = directions.magnitude_threshold(p.key)
     if u is not None:
+        keep = master.abs() <= h if h is not None else None  # the mask of the values before the update
         x = master if master.dtype == torch.float32 else master.to(torch.float32)
         decay = _decay(p, u)
+
+        def term(slot: int, k: int, a: float) -> torch.Tensor:
+            z = directions.fill_chunk(directions.scratch(size, slot), u.step, k, ref, abs(a))[window]
+            return z if keep is None else torch.where(keep, z, 0.0)
+
         if u.rule.separable:
             for k, a in u.terms:
-                z = directions.fill_chunk(directions.scratch(size), u.step, k, ref, abs(a))[window]
-                u.rule.apply(x, state, [(z, a < 0)], decay)
+                u.rule.apply(x, state, [(term(0, k, a), a < 0)], decay)
                 decay = None  # applied once, before the first term
             if decay is not None:
                 u.rule.apply(x, state, [], decay)
         else:
-            terms = [(directions.fill_chunk(directions.scratch(size, i), u.step, k, ref, abs(a))[window], a < 0)
-                     for i, (k, a) in enumerate(u.terms)]
-            u.rule.apply(x, state, terms, decay)
+            u.rule.apply(x, state, [(term(i, k, a), a < 0) for i, (k, a) in enumerate(u.terms)], decay)
         if x is not master:
             master.copy_(x)
     fp32 = p.tensor.dtype == torch.float32
+    keep = master.abs() <= h if h is not None and copies else None  # the mask of the updated values
     for q, outs in copies.items():
         z = directions.fill_chunk(directions.scratch(size), step, q, ref, eps if fp32 else 1.0)
         if not fp32:
             z = z.to(p.tensor.dtype).mul_(eps)
-        zq = z[window]
+        zq = z[window] if keep is None else torch.where(keep, z[window], 0.0)
         for sign, out in outs:
             (torch.add if sign > 0 else torch.sub)(master, zq, out=out)
 
@@ -121,10 +130,12 @@ def _fused(kernels: Kernels, directions: Directions, p: TrainableParam, ref: Chu
     one (sgd) may spread them over calls. Copies whose z no longer fits follow in calls that only
     write copies, reading the updated master."""
     rule = u.rule if u is not None else NO_UPDATE
-    call = _KernelCall(kernels, master, rule, state, part[0] if part is not None else 0, _decay(p, u))
+    mask = directions.magnitude_threshold(p.key)
+    call = _KernelCall(kernels, master, rule, state, part[0] if part is not None else 0, _decay(p, u), mask)
     size = ref.stop - ref.start
     budget = VALUE_SLOTS
-    if not rule.separable and u is not None:  # every term in the first call
+    # every term in the first call: a rule that is not separable, or a mask read before the update
+    if (not rule.separable or mask is not None) and u is not None:
         budget = max(VALUE_SLOTS, sum(directions.stream(u.step, k, ref, abs(a)) is None for k, a in u.terms) + 1)
 
     def source(at_step: int, query: int, scale: float) -> Source:
@@ -153,8 +164,8 @@ class _KernelCall:
     in the first call; later calls of the pass write copies only (sgd's rule with nothing to apply)."""
 
     def __init__(self, kernels: Kernels, master: torch.Tensor, rule: Rule, state: Sequence[torch.Tensor],
-                 offset: int, decay: float | None):
-        self.kernels, self.master, self.offset = kernels, master, offset
+                 offset: int, decay: float | None, mask: float | None = None):
+        self.kernels, self.master, self.offset, self.mask = kernels, master, offset, mask
         self.rule, self.state, self.decay = rule, state, decay
         self.terms: list[tuple[Source, bool]] = []
         self.queries: list[Source] = []
@@ -163,8 +174,9 @@ class _KernelCall:
 
     def run(self) -> None:
         if self.rule is not NO_UPDATE or self.decay is not None or self.terms or self.queries:
+            mask = {"mask_threshold": self.mask} if self.mask is not None else {}
             self.kernels.chunk(self.master, self.rule.kernel, self.rule.constants, self.state, self.offset,
-                               self.decay, self.terms, self.queries, self.outs)
+                               self.decay, self.terms, self.queries, self.outs, **mask)
         if not self.rule.separable:  # its update is done: the rest of the pass writes copies
             self.rule, self.state = NO_UPDATE, ()
         self.decay = None  # applied once, in the first call

@@ -46,6 +46,7 @@ from .weights import CleanWeights, PerturbedWeights, StageNoise, Workspace
 if TYPE_CHECKING:
     from .stacked import StackedProbes
 
+DIRECTIONS_STATE = "directions/"  # the prefix of the directions' state among a snapshot's state tensors
 HEAD_ROWS = 256  # scored positions per full-vocabulary head product (bounds its [rows, vocab] temporary)
 
 
@@ -131,12 +132,21 @@ class StageLoop(Engine):
         scores = self._run([parts] * len(mine), [plan[i] for i in mine], step, plan)
         return dict(zip(mine, scores))
 
+    def begin_step(self, step: int) -> None:
+        if self.directions.refreshes_at(step):
+            with self.materialized() as weights:
+                self.directions.refresh(step, weights.params)
+            # Every rank has read the master before any writes it again: where the node's ranks share
+            # it (divided, sliced), a peer re-applying logged steps (resume) would otherwise update it
+            # under a rank still reading; a training step's loss exchange would not come in time.
+            self.mesh.barrier()
+
     def apply(self, step: int, coefficients: Sequence[tuple[int, float]], lr: float, weight_decay: float) -> None:
         """Records the update as pending for every stage (docs/architecture.md#engines)."""
         self.flush()  # a rank without probes never walked the previous update through its blocks
         stages = {OUTER, *range(self.store.blocks)}
         self.pending = PendingUpdate(step, tuple(coefficients), lr, weight_decay,
-                                     self.optimizer.rule(step, lr, weight_decay), stages)
+                                     self.optimizer.rule(step, lr, weight_decay), stages, self.directions)
 
     @contextmanager
     def materialized(self) -> Iterator[Materialized]:
@@ -171,13 +181,20 @@ class StageLoop(Engine):
         return self.store.host_master_bytes()
 
     def optimizer_state(self) -> dict[str, torch.Tensor]:
-        return self.store.optimizer_state()
+        """The optimizer's state, and what the directions keep between steps (LOZO-M's factors,
+        Sparse MeZO's thresholds) under `directions/`."""
+        own = {f"{DIRECTIONS_STATE}{k}": v for k, v in self.directions.state().items()}
+        return {**self.store.optimizer_state(), **own}
 
     def load_optimizer_state(self, tensors) -> None:
-        self.store.load_optimizer_state(tensors)
+        own = {k[len(DIRECTIONS_STATE):]: v for k, v in tensors.items() if k.startswith(DIRECTIONS_STATE)}
+        self.directions.load_state(own)
+        self.store.load_optimizer_state({k: v for k, v in tensors.items() if not k.startswith(DIRECTIONS_STATE)})
 
     def optimizer_state_bytes(self) -> dict[str, int]:
-        return {"copy": self.optimizer.state_bytes(self.params.numel()), "resident": self.store.state_resident_bytes()}
+        extra = self.directions.state_bytes()
+        return {"copy": self.optimizer.state_bytes(self.params.numel()) + extra,
+                "resident": self.store.state_resident_bytes() + extra}
 
     def close(self) -> None:
         self.store.close()

@@ -53,11 +53,13 @@ class PendingUpdate:
     weight_decay: float
     rule: Rule
     stages: set = field(default_factory=set)
+    directions: Directions | None = None  # whose update_terms decide the terms (None: the rule's own)
 
-    @property
-    def terms(self) -> list[tuple[int, float]]:
-        """(k, a_k): z_k enters scaled by |a_k| (lr c_k, or c_k for a rule that says so)."""
-        return [(k, self.rule.term_scale(c)) for k, c in self.coefficients if c != 0.0]
+    def __post_init__(self) -> None:
+        terms = [(k, self.rule.term_scale(c)) for k, c in self.coefficients if c != 0.0]
+        if self.directions is not None:
+            terms = self.directions.update_terms(self.step, self.coefficients, terms, self.rule.term_scale(1.0))
+        self.terms = terms  # (query, a): z_query enters scaled by |a| (lr c_k, or c_k for a rule that says so)
 
     def awaits(self, stage: Any) -> bool:
         return stage in self.stages

@@ -179,11 +179,12 @@ class PerturbedWeights:
         if p is None:
             return CleanWeights(self.model, self.sources).rows(name, index)
         unique, inverse, z = self.noise.rows(p, self.ev.query, index)
-        if index is None:  # the whole table
-            master = self.source(p)
-            return master + z if self.ev.sign > 0 else master - z
-        master = self.source(p)[unique]
-        return (master + z if self.ev.sign > 0 else master - z)[inverse]
+        master = self.source(p) if index is None else self.source(p)[unique]  # the whole table, or the rows read
+        h = self.noise.directions.magnitude_threshold(p.key)
+        if h is not None:  # Sparse MeZO's mask, as the chunk pass applies it to the copies
+            z = torch.where(master.abs() <= h, z, 0.0)
+        copy = master + z if self.ev.sign > 0 else master - z
+        return copy if index is None else copy[inverse]
 
     def call(self, prefix: str, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         local: dict[str, TrainableParam] = {}

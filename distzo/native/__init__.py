@@ -82,7 +82,7 @@ class Kernels:
         lib.distzo_rademacher_fill.argtypes = [ptr, i64, ctypes.c_uint64, i64, f32]
         lib.distzo_rademacher_rows.argtypes = [ptr, i64, i64, ptr, ptr, f32]
         lib.distzo_chunk_rule.argtypes = [ptr, i64, i64, i32, ptr, ptr, ptr, i32, f32, i32, ptr, ptr, i32, ptr, i32,
-                                          ptr, ptr, ptr]
+                                          ptr, ptr, ptr, i32, f32]
         for fn in (lib.distzo_rademacher_fill, lib.distzo_rademacher_rows, lib.distzo_chunk_rule):
             fn.restype = None
         self._lib = lib
@@ -107,13 +107,16 @@ class Kernels:
 
     def chunk(self, master: torch.Tensor, rule: int, constants: Sequence[float], state: Sequence[torch.Tensor] = (),
               offset: int = 0, decay: float | None = None, terms: Sequence[tuple[Source, bool]] = (),
-              queries: Sequence[Source] = (), outs: Sequence[tuple[torch.Tensor, int, int]] = ()) -> None:
+              queries: Sequence[Source] = (), outs: Sequence[tuple[torch.Tensor, int, int]] = (),
+              mask_threshold: float | None = None) -> None:
         """One pass over `master`, which holds chunk elements [offset, offset + master.numel()): an
         optimizer's update (its kernel case `rule`, its float32 `constants`, its `state` tensors over
         the same elements), then the copies: for each (out, q, sign) of outs, out = x + z_q if
         sign > 0 else x - z_q, with z_q = queries[q] and x the updated values. Terms are (z, add):
         a_k z_k enters as +z when add, -z otherwise. A rule that is not separable needs every term
-        of its update in this one call; sgd's (rule 0) with no decay and no terms writes copies only."""
+        of its update in this one call; sgd's (rule 0) with no decay and no terms writes copies only.
+        mask_threshold: z reaches only elements with |x| <= it (the master's value before the update
+        for a term, the updated value for a copy; Sparse MeZO), None: every element."""
         n = master.numel()
         for t in state:
             _check_f32(t, "optimizer state", n)
@@ -126,7 +129,9 @@ class Kernels:
         c_consts = (ctypes.c_float * max(1, len(constants)))(*constants)
         ptrs = [t.data_ptr() for t in state] + [None] * (2 - len(state))
         self._lib.distzo_chunk_rule(master.data_ptr(), n, offset, rule, c_consts, ptrs[0], ptrs[1],
-                                    int(decay is not None), 1.0 if decay is None else decay, *a.terms, *a.copies)
+                                    int(decay is not None), 1.0 if decay is None else decay, *a.terms, *a.copies,
+                                    int(mask_threshold is not None),
+                                    0.0 if mask_threshold is None else float(mask_threshold))
 
     def _arguments(self, master: torch.Tensor, offset: int, terms: Sequence[tuple[Source, bool]],
                    queries: Sequence[Source], outs: Sequence[tuple[torch.Tensor, int, int]]) -> _Arguments:

@@ -86,15 +86,24 @@ void distzo_rademacher_rows(float *out, int64_t n_rows, int64_t row_numel, const
         distzo_rademacher_fill(out + r * row_numel, row_numel, seeds[r], offsets[r], scale);
 }
 
-/* Copies of one tile: for each output o, outs[o][i] = x + z_q or x - z_q (shared by both entry points). */
+/* A magnitude mask (Sparse MeZO): z reaches element i only where |x[i]| <= h; elsewhere it is +0,
+ * as torch.where(x.abs() <= h, z, 0) gives it. Returns z itself when there is no mask. */
+static const float *masked(const float *z, const float *x, int64_t m, int has_mask, float h, float *out) {
+    if (!has_mask) return z;
+    for (int64_t i = 0; i < m; i++) out[i] = fabsf(x[i]) <= h ? z[i] : 0.0f;
+    return out;
+}
+
+/* Copies of one tile: for each output o, outs[o][i] = x + z_q or x - z_q (shared by both entry points),
+ * z_q masked by the updated x where there is a mask. */
 static void write_copies(const float *x, int64_t i0, int64_t m, int64_t offset, int n_queries,
                          const distzo_source *queries, int n_outs, float *const *outs, const int *out_query,
-                         const int *out_sign, float *buf) {
+                         const int *out_sign, float *buf, int has_mask, float mask_h, float *mbuf) {
     for (int q = 0; q < n_queries; q++) {
         const float *z = 0;
         for (int o = 0; o < n_outs; o++) {
             if (out_query[o] != q) continue;
-            if (!z) z = source_tile(&queries[q], offset + i0, m, buf);
+            if (!z) z = masked(source_tile(&queries[q], offset + i0, m, buf), x, m, has_mask, mask_h, mbuf);
             float *dst = outs[o] + i0;
             if (out_sign[o] > 0)
                 for (int64_t i = 0; i < m; i++) dst[i] = x[i] + z[i];
@@ -118,21 +127,25 @@ static void write_copies(const float *x, int64_t i0, int64_t m, int64_t offset, 
  *     x = x - (m * alpha) / (sqrt(v) * inv_bc2s + eps)
  *   rule 3 (sign; consts lr): g as above; x = x * decay; x = g > 0 ? x - lr : g < 0 ? x + lr : x
  * Copies: for each output o, outs[o][i] = x + z_q (out_sign[o] > 0) or x - z_q, with q = out_query[o]
- * indexing `queries`. */
+ * indexing `queries`.
+ * With has_mask, every z is masked by magnitude (Sparse MeZO): a term's z where |x| <= mask_h for x as
+ * the master held it before the update, a copy's z where |x| <= mask_h for the updated x. */
 void distzo_chunk_rule(float *master, int64_t n, int64_t offset, int rule, const float *consts,
                        float *state0, float *state1, int has_decay, float decay,
                        int n_terms, const distzo_source *terms, const int *term_add,
                        int n_queries, const distzo_source *queries,
-                       int n_outs, float *const *outs, const int *out_query, const int *out_sign) {
-    float x[TILE], buf[TILE], g[TILE];
+                       int n_outs, float *const *outs, const int *out_query, const int *out_sign,
+                       int has_mask, float mask_h) {
+    float x[TILE], x0[TILE], buf[TILE], g[TILE], mbuf[TILE];
     for (int64_t i0 = 0; i0 < n; i0 += TILE) {
         const int64_t m = n - i0 < TILE ? n - i0 : TILE;
         memcpy(x, master + i0, (size_t)m * sizeof(float));
+        if (has_mask) memcpy(x0, x, (size_t)m * sizeof(float));
         if (rule == 0) {
             if (has_decay)
                 for (int64_t i = 0; i < m; i++) x[i] = x[i] * decay;
             for (int t = 0; t < n_terms; t++) {
-                const float *z = source_tile(&terms[t], offset + i0, m, buf);
+                const float *z = masked(source_tile(&terms[t], offset + i0, m, buf), x0, m, has_mask, mask_h, mbuf);
                 if (term_add[t])
                     for (int64_t i = 0; i < m; i++) x[i] = x[i] + z[i];
                 else
@@ -147,7 +160,7 @@ void distzo_chunk_rule(float *master, int64_t n, int64_t offset, int rule, const
                 for (int64_t i = 0; i < m; i++) x[i] = x[i] - mu * d[i];
             for (int64_t i = 0; i < m; i++) d[i] = d[i] * mu;
             for (int t = 0; t < n_terms; t++) {
-                const float *z = source_tile(&terms[t], offset + i0, m, buf);
+                const float *z = masked(source_tile(&terms[t], offset + i0, m, buf), x0, m, has_mask, mask_h, mbuf);
                 if (term_add[t])
                     for (int64_t i = 0; i < m; i++) { x[i] = x[i] + z[i]; d[i] = d[i] - z[i]; }
                 else
@@ -156,7 +169,7 @@ void distzo_chunk_rule(float *master, int64_t n, int64_t offset, int rule, const
         } else {
             for (int64_t i = 0; i < m; i++) g[i] = 0.0f;
             for (int t = 0; t < n_terms; t++) {
-                const float *z = source_tile(&terms[t], offset + i0, m, buf);
+                const float *z = masked(source_tile(&terms[t], offset + i0, m, buf), x0, m, has_mask, mask_h, mbuf);
                 if (term_add[t])
                     for (int64_t i = 0; i < m; i++) g[i] = g[i] - z[i];
                 else
@@ -181,7 +194,8 @@ void distzo_chunk_rule(float *master, int64_t n, int64_t offset, int rule, const
             }
         }
         if (rule != 0 || has_decay || n_terms > 0) memcpy(master + i0, x, (size_t)m * sizeof(float));
-        write_copies(x, i0, m, offset, n_queries, queries, n_outs, outs, out_query, out_sign, buf);
+        write_copies(x, i0, m, offset, n_queries, queries, n_outs, outs, out_query, out_sign, buf, has_mask, mask_h,
+                     mbuf);
     }
 }
 

@@ -79,29 +79,34 @@ def build_model_stack(cfg: Config, mesh: Mesh, seed: int, weights: Mapping[str, 
     params = TrainableParams.from_model(model)
     if len(params) == 0:
         raise NothingToTrain("nothing to train: every parameter is frozen "
-                             "(check peft and estimator.agzo.tied_embeddings)")
+                             "(check peft and estimator.tied_embeddings)")
+    # The directions see the initial weights (Sparse MeZO's thresholds), before a snapshot's replace them.
+    directions = estimator.directions(seed, str(cfg.estimator.distribution), mesh.device, params, kernels=kernels,
+                                      clock=clock)
     if weights is not None:
         params.load(weights)
-    directions = estimator.directions(seed, str(cfg.estimator.distribution), mesh.device, kernels=kernels,
-                                      clock=clock)
     adapter = adapter_for(model, str(cfg.model.adapter))
     engine = build_engine(EngineSetup(mesh, model, adapter, params, directions, estimator, cfg.engine, cfg.offload,
                                       cfg.comm, str(cfg.peft.method), cfg.micro_batch_size, timers, optimizer,
                                       resident))
-    if optimizer.slots and optimizer_state is not None:  # a snapshot's (the engine starts from zeros)
-        engine.load_optimizer_state(check_optimizer_state(optimizer, params, optimizer_state))
+    if (optimizer.slots or directions.state_keys()) and optimizer_state is not None:  # a snapshot's
+        engine.load_optimizer_state(check_optimizer_state(optimizer, params, optimizer_state, directions))
     return ModelStack(model, tokenizer, params, estimator, engine,
                       estimator.activation_capture(model, params, directions), optimizer, directions, timers,
                       quantized)
 
 
-def check_optimizer_state(optimizer: Optimizer, params: TrainableParams,
-                          tensors: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
-    """A snapshot's optimizer state: exactly the tensors the optimizer keeps for this trainable set."""
+def check_optimizer_state(optimizer: Optimizer, params: TrainableParams, tensors: Mapping[str, torch.Tensor],
+                          directions: Directions | None = None) -> Mapping[str, torch.Tensor]:
+    """A snapshot's state: exactly the tensors the optimizer keeps for this trainable set, and those
+    the directions keep (`directions/...`)."""
+    from ..engine.loop import DIRECTIONS_STATE
     from ..engine.optstate import state_key
 
     want = {state_key(slot, p.name): p.shape for p in params for slot in optimizer.slots}
-    if set(tensors) != set(want) or any(tuple(tensors[k].shape) != tuple(shape) for k, shape in want.items()):
+    extra = {DIRECTIONS_STATE + k for k in directions.state_keys()} if directions is not None else set()
+    if (set(tensors) != set(want) | extra
+            or any(tuple(tensors[k].shape) != tuple(shape) for k, shape in want.items())):
         raise DistzoError(f"the snapshot's optimizer state does not match optim.name={optimizer.name} on this "
                           f"trainable set (missing {sorted(set(want) - set(tensors))[:2]}, extra "
                           f"{sorted(set(tensors) - set(want))[:2]}); resume with the settings it was written with")

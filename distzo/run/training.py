@@ -80,6 +80,7 @@ def zo_step(c: Components, step: int, lr_at: Callable[[int], float] | None = Non
     """One ZO step on the mesh; every rank returns the same outcome. lr_at: the learning rate of a
     step (default: the configuration's schedule, `optim.schedule`)."""
     cfg, mesh, engine, estimator = c.cfg, c.mesh, c.engine, c.estimator
+    engine.begin_step(step)                                                  # Sparse MeZO: thresholds
     batch = c.task.train_batch(c.sampler.indices(step))                     # the global batch
     shard = batch.shard(mesh.data_rank, mesh.shape.data)                     # my data shard
     plan = estimator.dealt_plan()                                            # every forward dealt over P

@@ -248,6 +248,7 @@ def catch_up(engine: Engine, records: list[dict[str, Any]], nonfinite_in_a_row: 
     training applied them; returns the non-finite steps in a row at the last one. Collective."""
     progress = Progress("catching up step", len(records), enabled=show)
     for i, r in enumerate(records):
+        engine.begin_step(r["update"])  # as the step began in training
         if r.get("skipped"):
             nonfinite_in_a_row += 1
         else:

@@ -27,7 +27,7 @@ import hashlib
 import math
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Protocol, Sequence
 
 import torch
 
@@ -37,6 +37,7 @@ from .workers import CHUNK_NUMEL, ChunkWorkers
 
 if TYPE_CHECKING:
     from ..telemetry.timing import WorkClock
+    from .params import TrainableParams as TrainableParams
 
 
 class RademacherKernels(Protocol):
@@ -261,6 +262,43 @@ class Directions:
             return self.kernels.rademacher_rows(torch.empty(len(rows_cpu), row), seeds, offsets, 1.0)
         return stream_rows(torch.tensor([_int64(s) for s in seeds], dtype=torch.int64, device=self.device),
                            torch.tensor(offsets, dtype=torch.int64, device=self.device), row)
+
+    # --- what a direction rule may add (low-rank factors, a magnitude mask) ------------------------
+
+    def update_terms(self, step: int, coefficients: Sequence[tuple[int, float]],
+                     terms: list[tuple[int, float]], unit: float) -> list[tuple[int, float]]:
+        """The (query, scale) terms whose z the update of `step` applies: by default the rule's
+        terms of the step's coefficients; a rule with a momentum of its own (LOZO-M) records the
+        coefficients and returns its update query with `unit`, the rule's scale of a coefficient of 1."""
+        return terms
+
+    def magnitude_threshold(self, key: int) -> float | None:
+        """A parameter's magnitude mask (Sparse MeZO): z reaches only elements with |x| <= this
+        (x the master's value where the mask is read); None: every element."""
+        return None
+
+    def refreshes_at(self, step: int) -> bool:
+        """Whether `refresh` runs before step `step`'s probes (on the weights as they are then)."""
+        return False
+
+    def refresh(self, step: int, params: TrainableParams) -> None:
+        """Re-derive what the directions read of the weights (Sparse MeZO's thresholds)."""
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """What the directions keep between steps that a snapshot must carry (names without '/' clash
+        with no parameter's state); {} for counter-derived z alone."""
+        return {}
+
+    def state_keys(self) -> set[str]:
+        """The names `state` returns (a snapshot's state is checked against them)."""
+        return set()
+
+    def load_state(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Continue from a snapshot's `state`."""
+
+    def state_bytes(self) -> int:
+        """Bytes of what `state` holds, on this rank."""
+        return 0
 
     def close(self) -> None:
         self.workers.close()

@@ -9,7 +9,8 @@ each rank's evaluations in one batched forward) and AGZO (q=3 perturbed evaluati
 mesh, one rank idle; every rank derives the bases from the shared clean forward). Beside them,
 MeZO on models driven other ways (docs/models.md), 1x1 against 2x2: random GPT-2, Gemma 3,
 GPT-NeoX (also with LoRA), Phi-3, Falcon and StableLM on the general path, and the tiny Llama on
-the whole-model fallback; LoRA and P-RGE's LoRA-FA on an int8 and an int4 (NF4) quantized base.
+the whole-model fallback; LoRA and P-RGE's LoRA-FA on an int8 and an int4 (NF4) quantized base;
+LOZO, LOZO-M, SubZero and Sparse MeZO.
 """
 
 from __future__ import annotations
@@ -71,6 +72,15 @@ RUNS = {
     "lora-int4": [*CUE, "peft=lora", "model.quantize=int4", "estimator=mezo", "estimator.q=2", "optim.lr=1e-2",
                   "estimator.eps=1e-2"],
     "prge-int4": [*CUE, "estimator=prge", "peft=lora_fa", "model.quantize=int4", "estimator.q=2", "optim.lr=0.5"],
+    # structured directions (docs/estimators.md): low-rank factors (V renewed every 2 steps of the 5),
+    # LOZO-M's momentum of the factor, SubZero's subspaces, Sparse MeZO's magnitude mask (thresholds
+    # re-derived from the weights every 2 steps)
+    "lozo": [*CUE, "estimator=lozo", "estimator.q=2", "estimator.lazy_interval=2", "optim.lr=1e-3"],
+    "lozo-m": [*CUE, "estimator=lozo", "estimator.q=2", "estimator.lazy_interval=2", "estimator.factor_momentum=0.9",
+               "optim.lr=1e-3"],
+    "subzero": [*CUE, "estimator=subzero", "estimator.q=2", "estimator.rank=4", "estimator.subspace_interval=2",
+                "optim.lr=1e-3"],
+    "sparse": [*CUE, "estimator=sparse_mezo", "estimator.q=2", "estimator.mask_interval=2", "optim.lr=1e-2"],
 }
 QA = ["task=custom", "task.kind=generation", "task.template='Q: {question} A:'", "task.max_new_tokens=3"]
 MESHES = ["2x2", "4x1"]
@@ -81,6 +91,7 @@ ONLY_2X2 = {"gpt2", "gemma3", "gpt_neox", "phi3", "falcon", "stablelm", "lora-ne
             "prge-adam"}
 # optimizers whose update is discontinuous where the estimate is zero, and their lr (see the test)
 SIGN_LIKE = {"adam": 1e-3, "sign": 1e-3, "signum": 1e-3}
+MASKED = {"sparse"}  # directions with a magnitude mask (see the test)
 JOBS = [(name, mesh) for name in RUNS for mesh in MESHES if mesh == "2x2" or name not in ONLY_2X2]
 
 
@@ -207,6 +218,16 @@ def test_estimator_is_layout_invariant(layouts, name, mesh):
         off = sum(int(((ref[k] - got[k]).abs() > 1e-4 * moved).sum()) for k in ref)
         assert off <= 1e-3 * sum(t.numel() for t in ref.values()), off
         assert diff <= 2 * SIGN_LIKE[name] * STEPS * (1 + 1e-6), diff
+    elif name in MASKED and mesh == "2x2":
+        # Sparse MeZO's mask |x| <= h is discontinuous in x: the shards' rounding (~1e-7 relative in
+        # c_k, hence ~1e-10 in x) puts an element within that of its threshold on the other side of
+        # it, and the re-derived thresholds (an element of the weights) move with such elements. That
+        # element then takes or misses whole updates (at most the largest move of any element, twice
+        # over); every other element is held to the tolerance above, and a wrong mask, shard or
+        # direction would put a large share of them off.
+        off = sum(int(((ref[k] - got[k]).abs() > 1e-4 * moved).sum()) for k in ref)
+        assert off <= 1e-3 * sum(t.numel() for t in ref.values()), off
+        assert diff <= 2 * moved, (diff, moved)
     else:
         assert diff < 1e-4 * moved, (diff, moved)
     if mesh == "4x1" and name != "prge":

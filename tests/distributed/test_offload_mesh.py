@@ -135,3 +135,25 @@ def test_a_streamed_quantized_base_equals_its_resident_run(tmp_path, mesh, nproc
     per_step = summary_s["h2d_bytes_per_step"]  # one walk of the blocks (the sliced path: my slice of each)
     assert slice_share <= per_step <= everything + 4096
     assert per_step < summary_s["quantized_float32_bytes"] / (4 if nproc == 4 else 1)
+
+
+STRUCTURED = {  # the structured directions (docs/estimators.md), renewing their factors, thresholds and
+    # momentum within the run's six steps
+    "lozo-m": ["estimator=lozo", "estimator.lazy_interval=2", "estimator.factor_momentum=0.9"],
+    "subzero": ["estimator=subzero", "estimator.rank=4", "estimator.subspace_interval=2"],
+    "sparse": ["estimator=sparse_mezo", "estimator.mask_interval=2", "optim.lr=1e-2"],
+}
+
+
+@pytest.mark.parametrize("name", list(STRUCTURED))
+@pytest.mark.parametrize("mesh,nproc,slots", [("1x1", 1, 3), ("2x2", 4, 1)])
+def test_structured_directions_offloaded_equal_resident(tmp_path, name, mesh, nproc, slots):
+    """LOZO-M, SubZero and Sparse MeZO: on 1x1 the offloaded blocks' chunk passes draw the factors and
+    read the masks as the resident ones do; on 2x2 each rank updates only its slice of a block while the
+    resident run divides the node's chunks, and LOZO-M's momentum factors advance on every rank from the
+    steps it recorded. Weights and evaluations bitwise."""
+    args = ["model=tiny", f"mesh={mesh}", "estimator.q=2", *STRUCTURED[name]]
+    weights_r, evals_r = run(tmp_path, "resident", nproc, *args)
+    weights_o, evals_o = run(tmp_path, "offloaded", nproc, *args, "offload=cpu", f"offload.slots={slots}")
+    assert all(torch.equal(weights_r[k], weights_o[k]) for k in weights_r)
+    assert evals_r == evals_o

@@ -274,3 +274,31 @@ def test_a_self_launched_mesh_restarted_after_a_kill_continues_its_run(tmp_path,
     assert list(tmp_path.glob("outputs/*/*")) == [run_dir]
     assert_bitwise(weights(uninterrupted), weights(run_dir))
     assert (out + err).count("] Validation (resumed at step") == 1, (out + err)[-3000:]
+
+
+@pytest.mark.parametrize("name,args", [
+    ("lozo-m", ["estimator=lozo", "estimator.lazy_interval=4", "estimator.factor_momentum=0.8"]),
+    ("sparse", ["estimator=sparse_mezo", "estimator.mask_interval=4", "optim.lr=1e-2"]),
+])
+def test_sigkill_of_a_run_whose_directions_keep_state_resumes_bitwise(tmp_path, name, args):
+    """LOZO-M's momentum factors and Sparse MeZO's re-derived thresholds are state of the directions:
+    a 2x2 run killed after its snapshot at step 8 resumes from the snapshot's (directions/... beside the
+    weights) and re-applies the logged steps after it, re-deriving the thresholds at the same steps,
+    to the uninterrupted run's weights, bitwise."""
+    common = [*BASE, *args, "steps=16", "mesh=2x2", "checkpoint.every=8"]
+    ref = tmp_path / "ref"
+    r = torchrun(4, *common, f"hydra.run.dir={ref}", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(launch_cmd(4, *common, f"hydra.run.dir={run_dir}"), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, env=ENV, cwd=tmp_path)
+    kill_rank_when(proc, run_dir, min_step=11, rank="1")
+    proc.communicate(timeout=300)
+    killed_at = trained_steps(run_dir)
+    assert proc.returncode != 0 and 11 <= killed_at < 16 and [p.name for p in list_snapshots(run_dir)] == [
+        "step-00000008"]
+    state = load_file(run_dir / "checkpoints" / "step-00000008" / "optimizer.safetensors")
+    assert state and all(k.startswith("directions/") for k in state)
+    r = torchrun(4, *common, "resume=auto", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert_bitwise(weights(ref), weights(run_dir))

@@ -23,7 +23,7 @@ def test_train_help_and_cfg_are_hydras():
     r = distzo("train", "--help")
     assert r.returncode == 0 and "== distzo train ==" in r.stdout
     assert "model: gemma3-270m, hf, llama-1b, smollm2-135m, tiny" in r.stdout
-    assert "estimator: agzo, mezo, prge" in r.stdout
+    assert "estimator: agzo, lozo, mezo, prge, sparse_mezo, subzero" in r.stdout
     assert "steps: 200" in r.stdout
     r = distzo("train", "--cfg", "job", "model=tiny", "steps=7")
     assert r.returncode == 0 and "steps: 7" in r.stdout and "name: tiny" in r.stdout

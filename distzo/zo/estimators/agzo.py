@@ -28,6 +28,7 @@ import torch
 from ...config.schema import Config, Difference, EstimatorSettings, TiedEmbeddings, setting
 from ...errors import ConfigError
 from ...registry import register
+from ..params import TrainableParams
 from ..subspace import ActivationCapture, SubspaceDirections
 from .base import CLEAN, Estimator, Probe, StepResult
 
@@ -64,7 +65,7 @@ class AGZO(Estimator):
             raise ConfigError("estimator=agzo draws Gaussian R and dense noise; it needs "
                               "estimator.distribution=gaussian")
 
-    def directions(self, seed: int, distribution: str, device, **kwargs) -> SubspaceDirections:
+    def directions(self, seed: int, distribution: str, device, params: TrainableParams, **kwargs) -> SubspaceDirections:
         return SubspaceDirections(seed, distribution, device, **kwargs)
 
     def prepare_model(self, model) -> None:

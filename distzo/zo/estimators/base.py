@@ -19,6 +19,7 @@ import torch
 from ...config.schema import Config, EstimatorSettings
 from ...errors import ConfigError
 from ..directions import Directions
+from ..params import TrainableParams
 
 CLEAN = -1  # query index of an unperturbed probe
 
@@ -89,8 +90,9 @@ class Estimator(ABC):
             raise ConfigError(f"estimator={cls.name} needs estimator.difference={cls.differences[0]} (now "
                               f"{e.difference})")
 
-    def directions(self, seed: int, distribution: str, device, **kwargs) -> Directions:
-        """The directions of a run: seeded dense noise (`distzo.zo.directions`)."""
+    def directions(self, seed: int, distribution: str, device, params: TrainableParams, **kwargs) -> Directions:
+        """The directions of a run: seeded dense noise (`distzo.zo.directions`). params: the trainable
+        set, holding the initial weights (a resumed run's snapshot is loaded afterwards)."""
         return Directions(seed, distribution, device, **kwargs)
 
     def prepare_model(self, model) -> None:

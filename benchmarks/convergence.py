@@ -1,5 +1,21 @@
-"""Forward passes (and wall time) each ZO optimizer needs to reach the validation accuracy that
-`optim.name=sgd` reaches at step 200 (BENCHMARKS.md, "Optimizers: forward passes to sgd's accuracy").
+"""Forward passes each ZO method needs: the validation-loss study of structured directions (BENCHMARKS.md,
+"Fewer forward passes: structured directions on validation loss") and the earlier accuracy-target
+study of the optimizers ("Optimizers: forward passes to sgd's accuracy").
+
+**The loss study** (`--method`): each run trains one method at one learning rate and seed for the whole
+budget (`--full`), evaluating the validation split every `--eval-every` forward passes, and appends its
+curve to a JSON-lines file. `table` then takes MeZO's mean validation loss at the budget over its seeds
+as each task's target, and gives each method's forward passes to that loss per seed, the fraction of
+MeZO's, and the goal's verdict (at most half of MeZO's forward passes on both tasks, every seed); `plot`
+draws loss against forward passes, one line per method (the seeds' mean), the seeds' range shaded.
+
+    for s in 0 1 2; do python benchmarks/convergence.py run --task mr --method mezo --lr 2e-5 --seed $s \
+        --full --eval-every 50 --out study.jsonl; done
+    python benchmarks/convergence.py run --task mr --method sparse --lr 1e-4 --full --eval-every 50 --out study.jsonl
+    python benchmarks/convergence.py table study.jsonl
+    python benchmarks/convergence.py plot study.jsonl docs/img/structured-directions.png
+
+**The accuracy study** (`--optim`, `--target`):
 
 One invocation trains one setting and appends what it saw to a JSON-lines file; `table` turns the
 file into the markdown table of BENCHMARKS.md. Each run evaluates the validation split every
@@ -48,6 +64,14 @@ TASKS = {
 OPTIM_ARGS = {
     "fzoo": ["estimator.difference=forward", "estimator.distribution=rademacher", "estimator.q=8"],
 }
+# The methods of the loss study: each at the setting docs/estimators.md documents.
+METHODS = {
+    "mezo": [],
+    "lozo": ["estimator=lozo"],
+    "lozo-m": ["estimator=lozo", "estimator.factor_momentum=0.9"],
+    "subzero": ["estimator=subzero"],
+    "sparse": ["estimator=sparse_mezo"],
+}
 
 
 def vader_csv() -> Path:
@@ -63,7 +87,8 @@ def overrides(ns) -> list[str]:
     task = [o.format(data=vader_csv()) if "{data}" in o else o.replace("{{", "{").replace("}}", "}")
             for o in TASKS[ns.task]]
     optim = [] if ns.optim == "sgd" and not ns.name_key else [f"optim.name={ns.optim}"]
-    return [*task, *optim, *OPTIM_ARGS.get(ns.optim, []), f"optim.lr={ns.lr}", f"seed={ns.seed}",
+    method = METHODS[ns.method] if ns.method else []
+    return [*task, *method, *optim, *OPTIM_ARGS.get(ns.optim, []), f"optim.lr={ns.lr}", f"seed={ns.seed}",
             f"threads={ns.threads}", "eval_every=0", "checkpoint.every=0", "save_final=false", "log_every=1000",
             f"steps={ns.max_forwards}", *ns.extra]
 
@@ -85,7 +110,8 @@ def run(ns) -> None:
     args = overrides(ns)
     cfg = distzo.compose(*args)
     run_dir = Path(tempfile.mkdtemp(prefix=f"conv-{ns.task}-{ns.optim}-"))
-    record = {"task": ns.task, "optim": ns.optim, "lr": ns.lr, "seed": ns.seed, "target": ns.target,
+    record = {"task": ns.task, "optim": ns.optim, "method": ns.method, "lr": ns.lr, "seed": ns.seed,
+              "target": ns.target,
               "max_forwards": ns.max_forwards, "overrides": args, "commit": git_commit(),
               "date": datetime.date.today().isoformat(), "machine": f"{socket.gethostname()} {platform.machine()}, "
               f"{os.cpu_count()} CPUs, torch {torch.__version__}", "load_at_start": os.getloadavg()[0],
@@ -115,26 +141,125 @@ def run(ns) -> None:
             if forwards >= next_eval:
                 next_eval += ns.eval_every
                 e = evaluate(forwards, train_s)
-                if e["accuracy"] >= ns.target and not ns.full:
+                if ns.target is not None and e["accuracy"] >= ns.target and not ns.full:
                     outcome = "reached"
                     break
                 if not math.isfinite(e["loss"]) or e["loss"] > 1.5 * first["loss"]:
                     outcome = "diverged"
                     break
                 if not ns.full and forwards >= ns.max_forwards / 2 and e["accuracy"] < first["accuracy"] + 0.5 * (
-                        ns.target - first["accuracy"]):
+                        (ns.target or 1.0) - first["accuracy"]):
                     outcome = "too slow"
                     break
     record["outcome"] = outcome
-    record["reached_at"] = next((e for e in record["evals"] if e["accuracy"] >= ns.target), None)
+    record["reached_at"] = next((e for e in record["evals"] if ns.target is not None and e["accuracy"] >= ns.target),
+                                None)
     record["best"] = max(record["evals"], key=lambda e: e["accuracy"])
     with open(ns.out, "a") as fh:
         fh.write(json.dumps(record) + "\n")
-    print(f"{ns.task} {ns.optim} lr={ns.lr} seed={ns.seed}: {outcome}", flush=True)
+    print(f"{ns.task} {ns.method or ns.optim} lr={ns.lr} seed={ns.seed}: {outcome}", flush=True)
+
+
+def loss_study(records: list[dict]) -> dict:
+    """Per task: MeZO's target (its seeds' mean validation loss at the budget) and, per (method, lr),
+    each seed's curve and forward passes to the target (None: not within the budget)."""
+    out: dict = {}
+    for r in records:
+        task = out.setdefault(r["task"], {"runs": {}})
+        task["runs"].setdefault((r["method"], r["lr"]), {})[r["seed"]] = r
+    for task in out.values():
+        base = [runs for (m, _), runs in task["runs"].items() if m == "mezo"]
+        if not base:
+            continue
+        finals = [r["evals"][-1] for r in base[0].values()]
+        task["budget"] = max(e["forwards"] for e in finals)
+        task["target"] = sum(e["loss"] for e in finals) / len(finals)
+        task["reached"] = {key: {seed: next((e["forwards"] for e in r["evals"] if e["loss"] <= task["target"]), None)
+                                 for seed, r in runs.items()} for key, runs in task["runs"].items()}
+    return out
+
+
+def loss_table(records: list[dict]) -> None:
+    study = loss_study(records)
+    print("| task (MeZO's mean validation loss at its budget) | method | lr | seeds | forward passes to it, each "
+          "seed | / MeZO's | validation loss at 100 / 200 / 400 forward passes (mean, range) |")
+    print("|---|---|---|---|---|---|---|")
+    verdict: dict = {}
+    for name, task in study.items():
+        if "target" not in task:
+            continue
+        for (method, lr), runs in sorted(task["runs"].items(), key=lambda kv: (kv[0][0] != "mezo", kv[0])):
+            reached = task["reached"][(method, lr)]
+            worst = None if None in reached.values() else max(reached.values())
+            frac = f"{worst / task['budget']:.2f}" if worst is not None else f"> {1.0:.2f}"
+            cells = []
+            for at in (100, 200, 400):
+                losses = [next((e["loss"] for e in r["evals"] if e["forwards"] >= at), float("nan"))
+                          for r in runs.values()]
+                cells.append(f"{sum(losses) / len(losses):.4f} ({min(losses):.4f}-{max(losses):.4f})")
+            budget = task["budget"]
+            each = ", ".join(str(reached[s]) if reached[s] is not None else f">{budget}" for s in sorted(reached))
+            print(f"| {name} ({task['target']:.4f} at {task['budget']}) | {method} | {lr:g} | {len(runs)} | {each} "
+                  f"| {frac} | {' / '.join(cells)} |")
+            if method != "mezo" and len(runs) >= 3:
+                verdict.setdefault((method, lr), {})[name] = (worst / task["budget"]) if worst is not None else None
+    tasks = [t for t in study if "target" in study[t]]
+    print()
+    met = [k for k, v in verdict.items()
+           if len(v) == len(tasks) and all(f is not None and f <= 0.5 for f in v.values())]
+    if met:
+        print("Goal met (at most 0.5x MeZO's forward passes on every task, every seed): "
+              + ", ".join(f"{m} at lr {lr:g}" for m, lr in met))
+    else:
+        best = min(verdict.items(), key=lambda kv: max((f if f is not None else 9.9) for f in kv[1].values()),
+                   default=None)
+        if best is None:
+            print("Goal not assessed: no method has three seeds on every task.")
+        else:
+            (m, lr), fr = best
+            print("Goal not met: no method reaches MeZO's loss in at most 0.5x its forward passes on every task, every "
+                  f"seed. Best: {m} at lr {lr:g}, "
+                  + ", ".join(f"{t} {f:.2f}x" if f is not None else f"{t} not within the budget"
+                              for t, f in fr.items()))
+
+
+def plot(ns) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = [json.loads(line) for line in open(ns.file) if line.strip() and json.loads(line).get("method")]
+    study = loss_study(records)
+    chosen = {m: float(lr) for m, lr in (c.split("=") for c in ns.methods)} if ns.methods else None
+    fig, axes = plt.subplots(1, len(study), figsize=(6 * len(study), 4.2), squeeze=False)
+    for ax, (name, task) in zip(axes[0], study.items()):
+        for (method, lr), runs in sorted(task["runs"].items()):
+            if chosen is not None and chosen.get(method) != lr:
+                continue
+            forwards = [e["forwards"] for e in next(iter(runs.values()))["evals"]]
+            curves = [[e["loss"] for e in r["evals"]][:len(forwards)] for r in runs.values()]
+            mean = [sum(c[i] for c in curves) / len(curves) for i in range(len(forwards))]
+            line, = ax.plot(forwards, mean, label=f"{method} (lr {lr:g}, {len(curves)} seeds)")
+            ax.fill_between(forwards, [min(c[i] for c in curves) for i in range(len(forwards))],
+                            [max(c[i] for c in curves) for i in range(len(forwards))], color=line.get_color(),
+                            alpha=0.2)
+        if "target" in task:
+            ax.axhline(task["target"], color="gray", linestyle=":", linewidth=1, label="MeZO's loss at its budget")
+        ax.set_title(f"{name}: validation loss")
+        ax.set_xlabel("forward passes")
+        ax.set_ylabel("loss")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(ns.png, dpi=110)
+    print(ns.png)
 
 
 def table(ns) -> None:
     records = [json.loads(line) for line in open(ns.file) if line.strip()]
+    if any(r.get("method") for r in records):
+        loss_table([r for r in records if r.get("method")])
+        return
     print("| task | optimizer | lr | seed | forward passes to the target | steps | training time | best validation "
           "accuracy (at forwards) | outcome |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -153,9 +278,10 @@ def main() -> None:
     p = sub.add_parser("run", help="train one setting until it reaches the target (or cannot)")
     p.add_argument("--task", choices=sorted(TASKS), default="mr")
     p.add_argument("--optim", default="sgd")
+    p.add_argument("--method", choices=sorted(METHODS), default=None, help="a method of the loss study")
     p.add_argument("--lr", type=float, required=True)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--target", type=float, required=True, help="validation accuracy to reach")
+    p.add_argument("--target", type=float, default=None, help="validation accuracy to reach (accuracy study)")
     p.add_argument("--max-forwards", type=int, default=400)
     p.add_argument("--eval-every", type=int, default=40, help="forward passes between evaluations")
     p.add_argument("--threads", type=int, default=2)
@@ -167,6 +293,11 @@ def main() -> None:
     t = sub.add_parser("table", help="the markdown table of a results file")
     t.add_argument("file", type=Path)
     t.set_defaults(fn=table)
+    g = sub.add_parser("plot", help="validation loss against forward passes (the loss study)")
+    g.add_argument("file", type=Path)
+    g.add_argument("png", type=Path)
+    g.add_argument("--methods", nargs="*", help="method=lr pairs to draw (default: every run)")
+    g.set_defaults(fn=plot)
     ns = parser.parse_args()
     ns.fn(ns)
 

@@ -88,9 +88,16 @@ void distzo_rademacher_rows(float *out, int64_t n_rows, int64_t row_numel, const
 
 /* A magnitude mask (Sparse MeZO): z reaches element i only where |x[i]| <= h; elsewhere it is +0,
  * as torch.where(x.abs() <= h, z, 0) gives it. Returns z itself when there is no mask. */
-static const float *masked(const float *z, const float *x, int64_t m, int has_mask, float h, float *out) {
+static const float *masked(const float *__restrict__ z, const float *__restrict__ x, int64_t m, int has_mask, float h,
+                          float *__restrict__ out) {
     if (!has_mask) return z;
-    for (int64_t i = 0; i < m; i++) out[i] = fabsf(x[i]) <= h ? z[i] : 0.0f;
+    /* Branch-free on the bits (so it vectorises): z's bits where kept, all zero bits (+0) elsewhere. */
+    for (int64_t i = 0; i < m; i++) {
+        uint32_t bits;
+        memcpy(&bits, &z[i], sizeof bits);
+        bits &= (uint32_t)0 - (uint32_t)(fabsf(x[i]) <= h);
+        memcpy(&out[i], &bits, sizeof bits);
+    }
     return out;
 }
 

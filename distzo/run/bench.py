@@ -12,13 +12,15 @@ Three measurements on the same model and the same batches, in this order:
 3. **one rank alone** (under torchrun, `bench.single_rank`): rank 0 runs a 1x1 copy of the same
    training, with the same threads, while its peers wait asleep in a collective. It gives the
    mesh's throughput against one rank as a ratio taken in the same run.
-4. **sgd beside another optimizer** (`optim.name` other than sgd): the same run with
-   `optim.name=sgd`, built on the same mesh after the configured run's peak memory was taken (it
-   holds a second copy of the model), its steps timed in the same rounds on the same batches, so
-   the optimizer's step cost over sgd's is a ratio taken in one run; with the optimizer's state
-   bytes (one copy, and what the node holds). Peak memory beside sgd's comes from bench runs of
-   their own (`benchmarks/optimizer_cost.py`), since a process's peak cannot be split between
-   two models it holds.
+4. **MeZO with sgd beside another estimator or optimizer** (`estimator` other than mezo, or `optim`
+   other than sgd): the same run with `estimator=mezo` (the run's eps, q, difference and
+   distribution) and `optim=sgd`, built on the same mesh after the configured run's peak memory was
+   taken (it holds a second copy of the model), its steps timed in the same rounds on the same
+   batches, so the step's cost over the baseline's is a ratio taken in one run, also per forward
+   pass where the estimator's plan has another number of them; with the optimizer's and the
+   directions' state bytes. Peak memory beside the baseline's comes from bench runs of their own
+   (`benchmarks/optimizer_cost.py`, `benchmarks/estimator_cost.py`), since a process's peak cannot
+   be split between two models it holds.
 5. **the MeZO reference** (one process only): the paper's Algorithm 1 as published: the global RNG
    re-seeded before each of four passes over the parameters (perturb +eps, perturb -2 eps,
    restore +eps, update), z drawn per parameter with `torch.normal`, parameters changed in place
@@ -54,7 +56,7 @@ from ..parallel.mesh import Mesh
 from ..parallel.shape import MeshShape
 from ..telemetry.metrics import peak_memory_bytes, reset_peak_memory
 from ..telemetry.timing import Timers, WorkClock
-from ..zo.estimators import CLEAN, Probe
+from ..zo.estimators import CLEAN, SPSA, Probe
 from ..zo.optimizers import SGD
 from ..zo.reference import mezo_step
 from .checks import validate
@@ -194,12 +196,19 @@ def single_rank_round(solo: Components | None, mesh: Mesh, untimed: int, step: i
     return seconds
 
 
-def sgd_components(c: Components) -> Components:
-    """The same run with optim.name=sgd, on the same mesh (every rank builds it, as the run's)."""
-    cfg = replace(c.cfg, optim=switch_component(c.cfg.optim, "optimizer", "sgd"))
-    sgd = build_components(cfg, c.mesh, c.seed, sources=c.sources)
+def baseline_components(c: Components) -> Components:
+    """The same run with estimator=mezo and optim=sgd (keeping the settings every estimator and every
+    optimizer has), on the same mesh (every rank builds it, as the run's)."""
+    cfg = replace(c.cfg, estimator=switch_component(c.cfg.estimator, "estimator", "mezo"),
+                  optim=switch_component(c.cfg.optim, "optimizer", "sgd"))
+    baseline = build_components(cfg, c.mesh, c.seed, sources=c.sources)
     c.mesh.barrier()
-    return sgd
+    return baseline
+
+
+def is_baseline(c: Components) -> bool:
+    """MeZO's SPSA with ZO-SGD: what other estimators and optimizers are timed beside."""
+    return type(c.optimizer) is SGD and type(c.estimator) is SPSA
 
 
 def bench(cfg: Config | DictConfig, run_dir: str | Path | RunDirectory | None = None, *,
@@ -259,9 +268,9 @@ def _bench(cfg: Config, c: Components, run_dir: Path) -> dict[str, Any]:
     if reference:
         log.info("bench: each round also times a step of MeZO's Algorithm 1 (bench.reference)")
         mezo_reference_steps(c, warm, lr, eps)  # its own warm-up
-    sgd = sgd_components(c) if type(c.optimizer) is not SGD else None  # the baseline: ZO-SGD itself
+    sgd = baseline_components(c) if not is_baseline(c) else None  # MeZO with ZO-SGD beside the run
     if sgd is not None:
-        log.info("bench: each round also times the step with optim.name=sgd (a second copy of the run)")
+        log.info("bench: each round also times the step with estimator=mezo optim=sgd (a second copy of the run)")
         training_steps(sgd, warm)  # its own warm-up
     # On CUDA the phase timers synchronise the device at every boundary, which would serialise the
     # streams whose overlap offloading relies on: there the timed step runs uninstrumented and the
@@ -292,7 +301,6 @@ def _bench(cfg: Config, c: Components, run_dir: Path) -> dict[str, Any]:
     materialize(c)
     if sgd is not None:
         materialize(sgd)
-        sgd.close()
     log.info("bench: forward passes alone %.3f s/step, ZO step %.3f s/step", _median(forward_times),
              _median(step_times))
 
@@ -319,6 +327,7 @@ def _bench(cfg: Config, c: Components, run_dir: Path) -> dict[str, Any]:
         "peak_memory_bytes": {"inference": inference_peak, "training": training_peak},
         "memory_ratio": round(training_peak / inference_peak, 3) if inference_peak else None,
         "optimizer": optimizer_figures(c, step_times, sgd_times, forward_times),
+        "estimator_cost": estimator_figures(c, sgd, step_times, sgd_times),
         "model_bytes": c.quantized.model_bytes,  # the base's parameters as stored
         "h2d_bytes_per_step": int(_median(step_h2d)),  # weights streamed to the device by one step (this rank)
         **c.quantized.summary(),
@@ -345,6 +354,8 @@ def _bench(cfg: Config, c: Components, run_dir: Path) -> dict[str, Any]:
                                     "distzo_over_reference": round(ratio, 3),
                                     "speedup": round(1 / ratio, 3)}  # the same figure inverted, even for even rounds
         log.info("bench: MeZO reference %.3f s/step", result["mezo_reference"]["step_time_s"])
+    if sgd is not None:
+        sgd.close()
     scoring = candidate_scoring_rounds(c, b.steps)
     if scoring is not None:
         result["candidate_scoring"] = scoring
@@ -371,6 +382,24 @@ def optimizer_figures(c: Components, step_times: list[float], sgd_times: list[fl
     return out
 
 
+def estimator_figures(c: Components, baseline: Components | None, step_times: list[float],
+                      baseline_times: list[float]) -> dict[str, Any]:
+    """The estimator, its forward passes a step (the whole plan), its directions' state bytes (on
+    this rank), and with MeZO timed beside it: MeZO's forward passes and step, and the step's ratio
+    to MeZO's, as it is and per forward pass (medians of the rounds' ratios)."""
+    passes = len(c.estimator.plan())
+    out: dict[str, Any] = {"name": c.estimator.name, "forward_passes": passes,
+                           "directions_state_bytes": c.directions.state_bytes(),
+                           "directions_memory_bytes": c.directions.memory_bytes()}
+    if baseline is not None and baseline_times:
+        base = len(baseline.estimator.plan())
+        ratio = _median([t / s for t, s in zip(step_times, baseline_times)])
+        out.update({"mezo_forward_passes": base, "mezo_step_time_s": round(_median(baseline_times), 4),
+                    "step_over_mezo": round(ratio, 3),
+                    "step_over_mezo_per_forward": round(ratio * base / passes, 3)})
+    return out
+
+
 def report(r: dict[str, Any]) -> str:
     gib = 2**30
     lines = [
@@ -386,9 +415,15 @@ def report(r: dict[str, Any]) -> str:
     o = r.get("optimizer", {"name": "sgd", "state_bytes": 0})
     line = f"  optimizer          {o['name']}, state {o['state_bytes'] / gib:.3f} GiB"
     if "sgd_step_time_s" in o:
-        line += (f"; sgd's step {o['sgd_step_time_s']:.3f} s (overhead ratio {o['sgd_overhead_ratio']}), this step "
-                 f"x{o['step_over_sgd']} sgd's")
+        line += (f"; MeZO with sgd: step {o['sgd_step_time_s']:.3f} s (overhead ratio {o['sgd_overhead_ratio']}), "
+                 f"this step x{o['step_over_sgd']} its")
     lines.append(line)
+    e = r.get("estimator_cost", {})
+    if "mezo_step_time_s" in e:
+        lines.append(f"  estimator          {e['name']}: {e['forward_passes']} forward passes a step (MeZO "
+                     f"{e['mezo_forward_passes']}), directions' state {e['directions_state_bytes'] / gib:.4f} GiB "
+                     f"(held with their factors: {e['directions_memory_bytes'] / gib:.4f} GiB); "
+                     f"step x{e['step_over_mezo']} MeZO's, per forward pass x{e['step_over_mezo_per_forward']}")
     if r.get("h2d_bytes_per_step"):
         lines.append(f"  streamed           {r['h2d_bytes_per_step'] / gib:.3f} GiB host-to-device a step (this rank)")
     if "quantize" in r:

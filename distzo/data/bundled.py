@@ -1,5 +1,6 @@
 """Data that ships with distzo: the movie-review polarity sentences (the embedded default task), a
-multiple-choice task built from them, and a synthetic task for tests on random models.
+multiple-choice task and long documents built from them, and a synthetic task for tests on random
+models.
 
 Each returns records, plain dicts, as a file read by `distzo.data.records` would give them, so
 bundled and user data go through the same templates, splits and encoding.
@@ -79,7 +80,30 @@ def synthetic_cue(n: int, seed: int) -> Records:
     return out
 
 
-BUNDLED = ("mr-polarity", "mr-endings", "synthetic-cue")
+# Long texts for language modelling at a fixed sequence length (task=lm-2048): each is movie-review
+# sentences drawn with replacement until it has DOCUMENT_WORDS words, more than 2,048 tokens in any
+# subword tokenizer (each word is at least one token), so `task.max_tokens` cuts every text to the same
+# length. Real text, not random ids: a trained model's loss on it means something.
+DOCUMENT_WORDS = 2_400
+
+
+def review_documents(n: int, seed: int, words: int = DOCUMENT_WORDS) -> Records:
+    """`n` texts `{"text"}` of at least `words` words each (a fixed draw per seed)."""
+    sentences = [r["sentence"] for r in movie_reviews()]
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        parts, count = [], 0
+        while count < words:
+            sentence = rng.choice(sentences)
+            parts.append(sentence)
+            count += len(sentence.split())
+        out.append({"text": " ".join(parts)})
+    return out
+
+
+BUNDLED = ("mr-polarity", "mr-endings", "synthetic-cue", "review-documents")
+BUNDLED_TEXTS = ("review-documents",)  # texts to model whole (task.kind=generation), no labels
 
 
 def bundled_records(name: str, num_examples: int, split_seed: int) -> Records:
@@ -89,4 +113,6 @@ def bundled_records(name: str, num_examples: int, split_seed: int) -> Records:
         return movie_review_endings()
     if name == "synthetic-cue":
         return synthetic_cue(num_examples, split_seed)
+    if name == "review-documents":
+        return review_documents(num_examples, split_seed)
     raise ValueError(f"unknown bundled data set {name!r}")

@@ -9,7 +9,7 @@ from ..config.schema import TaskConfig
 from ..errors import ConfigError
 from ..hub import is_hub_id
 from ..registry import registry
-from .bundled import BUNDLED
+from .bundled import BUNDLED, BUNDLED_TEXTS
 from .kinds import format_string, kind_type
 from .readers import READERS
 
@@ -42,7 +42,10 @@ def check_task_config(t: TaskConfig, objective: str = "loss") -> None:
                           f"{'local data' if t.path else 'none'}; use task.path=org/name, or drop task.revision")
     format_string(t.template, "task.template")
     kind = kind_type(t.kind)
-    kind.check(t, t.dataset in BUNDLED)
+    if t.dataset in BUNDLED_TEXTS and kind.scores_candidates:
+        raise ConfigError(f"the bundled {t.dataset} set holds texts to model whole, with no labels; use task=lm-2048 "
+                          "or add task.kind=generation")
+    kind.check(t, t.dataset in BUNDLED and t.dataset not in BUNDLED_TEXTS)
     for _, other in registry("task_kind").items():
         for settings, mistake in other.reads.items():
             if other is not kind and any(getattr(t, key) for key in settings):

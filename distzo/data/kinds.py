@@ -255,7 +255,9 @@ class MultipleChoice(Kind):
 @register("task_kind", "generation")
 class Generation(Kind):
     reads = {("messages_field",): ("task.messages_field (a chat) is read by task.kind=generation only; add "
-                                   "task.kind=generation")}
+                                   "task.kind=generation"),
+             ("max_tokens",): ("task.max_tokens caps a generation task's sequences (prompt and completion); the "
+                               "prompts of classification and multiple choice are capped by task.max_length")}
     scores_candidates = False
 
     @classmethod

@@ -22,6 +22,7 @@ ICL baseline): a fixed draw (`split_seed`) shared by every example and every ran
 
 from __future__ import annotations
 
+import logging
 import random
 from typing import Iterator, Sequence
 
@@ -43,6 +44,8 @@ from .splits import Splits, make_splits
 from .trivia import trivia_records
 
 SPLITS = ("train", "validation", "test")
+
+log = logging.getLogger("distzo")
 
 
 def load_examples(cfg: TaskConfig, chat=None, pin: hub.Pin | None = None) -> tuple[Splits, str]:
@@ -102,6 +105,8 @@ class PromptTask:
             cache: dict[str, list[int]] = {}
             self._candidates = {s: [[self._continuation(c, cache) for c in ex.candidates]
                                     for ex in getattr(self.splits, s)] for s in SPLITS}
+        if cfg.max_tokens is not None:
+            self._cap_sequences(cfg.max_tokens)
         self._labels = {s: torch.tensor([ex.label for ex in getattr(self.splits, s)], dtype=torch.long) for s in SPLITS}
         self._gold = {s: [ex.gold for ex in getattr(self.splits, s)] for s in SPLITS}
         self._answers = {s: [ex.answers for ex in getattr(self.splits, s)] for s in SPLITS}
@@ -142,6 +147,23 @@ class PromptTask:
             ids = [bos if bos is not None else eos]
         return ids[-self.max_length:]
 
+    def _cap_sequences(self, limit: int) -> None:
+        """task.max_tokens: every sequence at most `limit` tokens, prompt and completion. A completion
+        loses its end; a prompt that leaves no room keeps its last limit - 1 tokens (as max_length
+        keeps a prompt's end) and the completion its first token."""
+        cut = total = 0
+        for split in SPLITS:
+            prompts, candidates = self._prompts[split], self._candidates[split]
+            for i, prompt in enumerate(prompts):
+                total += 1
+                kept = prompt[-(limit - 1):]
+                capped = [c[:limit - len(kept)] for c in candidates[i]]
+                if len(kept) < len(prompt) or capped != candidates[i]:
+                    prompts[i], candidates[i] = kept, capped
+                    cut += 1
+        if cut:
+            log.info("task %s: %d of %d sequences cut to task.max_tokens=%d tokens", self.name, cut, total, limit)
+
     def _continuation(self, text: str, cache: dict[str, list[int]]) -> list[int]:
         """A candidate's tokens, encoded on their own (so every candidate follows the same prompt tokens)."""
         if text not in cache:
@@ -153,6 +175,17 @@ class PromptTask:
         return cache[text]
 
     # --- batches ---------------------------------------------------------------------------------
+
+    def longest_sequence(self) -> int:
+        """The most tokens one forward pass of this task reads: a prompt and its longest candidate,
+        plus the tokens evaluation generates when it decodes answers."""
+        longest = 0
+        for split in SPLITS:
+            candidates = self._candidates.get(split)
+            for i, prompt in enumerate(self._prompts[split]):
+                extra = max((len(c) for c in candidates[i]), default=0) if candidates else 1
+                longest = max(longest, len(prompt) + extra)
+        return longest + (self.max_new_tokens if self.decodes else 0)
 
     def size(self, split: str) -> int:
         return len(self._prompts[split])

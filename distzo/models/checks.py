@@ -35,6 +35,9 @@ def check_model_config(m: ModelConfig) -> None:
                               "model.path=/path/to/a/transformers/model (a local folder)")
         if not is_hub_id(m.path):
             check_local_model(str(m.path))
+    if str(m.init_device) != "cpu" and m.source != "random":
+        raise ConfigError(f"model.init_device={m.init_device} sets where a random model's weights are drawn; the "
+                          f"{m.name} preset loads a checkpoint. Drop model.init_device")
     if m.source == "random":
         # Built on the meta device (no memory, instant): shape errors surface here, not mid-run.
         random_model(str(m.arch), 1024, dict(m.arch_config), 0, getattr(torch, str(m.dtype)), device="meta")

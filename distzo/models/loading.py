@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import struct
+import time
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -246,12 +247,27 @@ def random_model(arch: str, vocab_size: int, overrides: dict[str, Any], init_see
     try:
         config = AutoConfig.for_model(arch, **settings)
         config._attn_implementation = "sdpa"
-        with torch.random.fork_rng(devices=[]), torch.device(device):
+        on = torch.device(device)
+        cuda = [on.index if on.index is not None else torch.cuda.current_device()] if on.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda), on:
             torch.manual_seed(init_seed)
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     except (ValueError, TypeError, RuntimeError, AttributeError) as exc:
         raise ConfigError(f"model.arch_config={overrides} does not make a valid {arch} model: {exc}") from None
     return model.eval()  # dropout off: ZO forwards must be deterministic
+
+
+def check_positions(model: torch.nn.Module, longest: int, task: str) -> None:
+    """A model with learned position embeddings (OPT, GPT-2, ...) has none beyond its configured
+    maximum: refuse a task whose sequences are longer (rotary models extrapolate; they pass)."""
+    learned = any(isinstance(m, torch.nn.Embedding) and name.endswith(("embed_positions", "wpe", "position_embeddings"))
+                  for name, m in model.named_modules())
+    config = getattr(model, "config", None)
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if learned and limit and longest > limit:
+        raise ConfigError(f"task {task} has sequences of {longest} tokens, and the model's learned position embeddings "
+                          f"stop at {limit}; lower task.max_length / task.max_tokens, or for a random model raise "
+                          f"model.arch_config.max_position_embeddings")
 
 
 def model_folder(cfg: ModelConfig, pins: Mapping[str, hub.Pin] | None = None) -> Path:
@@ -267,17 +283,23 @@ def model_folder(cfg: ModelConfig, pins: Mapping[str, hub.Pin] | None = None) ->
     return Path(os.path.expanduser(cfg.path))
 
 
-def load_model(cfg: ModelConfig, pins: Mapping[str, hub.Pin] | None = None) -> tuple[torch.nn.Module, Any]:
+def load_model(cfg: ModelConfig, pins: Mapping[str, hub.Pin] | None = None,
+               device: torch.device | None = None) -> tuple[torch.nn.Module, Any]:
     """(model in eval mode with dropout off, tokenizer) for a ModelConfig. pins: the hub commits the
-    run fetched (distzo.run.hub_pins), by role (model, tokenizer)."""
+    run fetched (distzo.run.hub_pins), by role (model, tokenizer). device: the run's device, where a
+    random model is drawn with model.init_device=device (None: cpu)."""
     from transformers import AutoModelForCausalLM
 
     pins = pins or {}
     dtype = getattr(torch, cfg.dtype)  # one of config.DTYPES
     if cfg.source == "random":
         tok = load_tokenizer(cfg.tokenizer, pins.get("tokenizer"))
-        model = random_model(cfg.arch, len(tok), dict(cfg.arch_config), cfg.init_seed, dtype)
+        where = device if device is not None and str(cfg.init_device) == "device" else "cpu"
+        started = time.perf_counter()
+        model = random_model(cfg.arch, len(tok), dict(cfg.arch_config), cfg.init_seed, dtype, where)
+        drawn = f", random weights drawn on {where} in {time.perf_counter() - started:.1f} s"
     else:
+        drawn = ""
         folder = model_folder(cfg, pins)
         tok = load_tokenizer(cfg.tokenizer, pins.get("tokenizer")) if cfg.tokenizer else load_tokenizer(str(folder))
         check_weight_files(folder)
@@ -291,5 +313,5 @@ def load_model(cfg: ModelConfig, pins: Mapping[str, hub.Pin] | None = None) -> t
     model.eval()
     model.requires_grad_(True)
     n = sum(p.numel() for p in model.parameters())
-    log.info("Model %s: %s, %.1fM parameters, %s", cfg.name, type(model).__name__, n / 1e6, cfg.dtype)
+    log.info("Model %s: %s, %.1fM parameters, %s%s", cfg.name, type(model).__name__, n / 1e6, cfg.dtype, drawn)
     return model, tok

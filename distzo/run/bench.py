@@ -26,7 +26,14 @@ Three measurements on the same model and the same batches, in this order:
    restore +eps, update), z drawn per parameter with `torch.normal`, parameters changed in place
    (`p.add_(z, alpha=...)`, the paper's in-place update; its code's `p.data = p.data + s * z * eps`
    allocates three temporaries and is about twice as slow here, so it would flatter distzo), losses
-   from the stock model forward on right-padded batches with the full vocabulary head.
+   from the stock model forward on right-padded batches with the full vocabulary head (MeZO's
+   label-word loss for classification, transformers' token loss for language modelling).
+
+Beside the times: tokens/s, the model FLOPs utilisation (`distzo.telemetry.flops`: 2 x parameters x
+tokens x forward passes against the card's dense peak), the device's and the host's peak memory
+(the host's while loading and while training), and the bytes streamed to the device a step.
+`bench.profile` adds a torch.profiler table of two more steps (profile.txt, and profile-trace.json.gz
+for chrome://tracing or Perfetto) and the device time by kind of kernel in bench.json.
 
 The forward passes alone, the training step, the step on one rank alone, sgd's step and the
 reference's step are timed in interleaved rounds on the same batch (a shared machine's speed drifts over minutes).
@@ -36,9 +43,12 @@ this one invocation.
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
 import os
+import re
+import shutil
 import statistics
 import time
 from contextlib import nullcontext
@@ -54,7 +64,8 @@ from ..config.compose import switch_component, typed
 from ..config.schema import Config
 from ..parallel.mesh import Mesh
 from ..parallel.shape import MeshShape
-from ..telemetry.metrics import peak_memory_bytes, reset_peak_memory
+from ..telemetry.flops import forward_precision, model_flops_utilisation
+from ..telemetry.metrics import host_memory_bytes, peak_memory_bytes, reset_host_peak, reset_peak_memory
 from ..telemetry.timing import Timers, WorkClock
 from ..zo.estimators import CLEAN, SPSA, Probe
 from ..zo.optimizers import SGD
@@ -101,32 +112,104 @@ def training_steps(c: Components, steps: range) -> tuple[list[float], list[dict[
     return times, phases
 
 
-def mezo_reference_steps(c: Components, steps: range, lr: float, eps: float) -> list[float]:
-    """MeZO's Algorithm 1 as published (`distzo.zo.reference`) on the run's batches, with the
-    label-word head of MeZO's classification tasks; changes the model's weights."""
+def reference_supported(c: Components) -> bool:
+    """Whether MeZO's reference can score the task: the label-word head of MeZO's classification
+    tasks, or the token loss of plain sequences (language modelling, teacher forcing without branches)."""
+    if c.task.label_ids is not None:
+        return True
+    batch = c.task.train_batch(c.sampler.indices(0))
+    return batch.readout == "tokens" and not any(s.branches for s in batch.sequences)
+
+
+def reference_loss(c: Components, step: int):
+    """The loss MeZO's code computes on the step's batch, from the stock model forward on right-padded
+    sequences with the whole vocabulary head: the label words' cross-entropy at each prompt's last
+    token (classification), or transformers' token loss (`labels`, the positions each sequence scores)."""
     model, device = c.model, c.mesh.device
-    params = [p for _, p in model.named_parameters() if p.requires_grad]
-    label_ids = c.task.label_ids.to(device)
-    times = []
-    for step in steps:
-        batch = c.task.train_batch(c.sampler.indices(step))
-        prompts = [torch.tensor(s.tokens) for s in batch.sequences]
-        ids = torch.nn.utils.rnn.pad_sequence(prompts, batch_first=True, padding_value=c.task.pad_id).to(device)
-        mask = (torch.arange(ids.shape[1])[None] < torch.tensor([len(p) for p in prompts])[:, None]).to(device)
-        last = torch.tensor([len(p) - 1 for p in prompts], device=device)
+    batch = c.task.train_batch(c.sampler.indices(step))
+    seqs = [torch.tensor(s.tokens) for s in batch.sequences]
+    ids = torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True, padding_value=c.task.pad_id).to(device)
+    mask = (torch.arange(ids.shape[1])[None] < torch.tensor([len(p) for p in seqs])[:, None]).to(device)
+    if c.task.label_ids is not None:
+        label_ids = c.task.label_ids.to(device)
+        last = torch.tensor([len(p) - 1 for p in seqs], device=device)
         labels = batch.labels.to(device)
 
         @torch.inference_mode()
-        def loss(ids=ids, mask=mask, last=last, labels=labels) -> float:  # this step's batch, bound now
+        def loss() -> float:
             logits = model(input_ids=ids, attention_mask=mask).logits  # every position, the whole vocabulary
             return float(F.cross_entropy(logits[torch.arange(ids.shape[0]), last][:, label_ids].float(), labels))
+        return loss
+    targets = torch.full(ids.shape, -100, dtype=torch.long)
+    for row, s in enumerate(batch.sequences):  # position p scores token p + 1 (transformers shifts labels)
+        targets[row, [p + 1 for p in s.scored]] = torch.tensor(s.targets)
+    targets = targets.to(device)
 
+    @torch.inference_mode()
+    def token_loss() -> float:
+        return float(model(input_ids=ids, attention_mask=mask, labels=targets).loss)
+    return token_loss
+
+
+def mezo_reference_steps(c: Components, steps: range, lr: float, eps: float) -> list[float]:
+    """MeZO's Algorithm 1 as published (`distzo.zo.reference`) on the run's batches, with MeZO's
+    loss (`reference_loss`); changes the model's weights."""
+    params = [p for _, p in c.model.named_parameters() if p.requires_grad]
+    times = []
+    for step in steps:
+        loss = reference_loss(c, step)
         started = time.perf_counter()
         mezo_step(params, loss, lr, eps, seed=int(torch.randint(0, 10**9, (1,))))
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        if c.mesh.device.type == "cuda":
+            torch.cuda.synchronize(c.mesh.device)
         times.append(time.perf_counter() - started)
     return times
+
+
+# Kinds of kernel (or, on CPU, of operator) for a profile's time budget; the first pattern that
+# matches a name wins, the rest is "other".
+KERNEL_KINDS = (
+    ("attention", r"flash|fmha|attention|sdpa"),
+    ("matmul", r"gemm|gemv|matmul|aten::mm$|aten::addmm|aten::bmm|aten::linear|cutlass|xmma|cublas|nvjet"),
+    ("noise", r"_draw_kernel|normal|randn|rademacher|bernoulli|philox"),
+    ("copy", r"memcpy|memset|copy|aten::to$|_to_copy|aten::cat"),
+)
+
+
+def profile_steps(c: Components, steps: list[int], run_dir: Path) -> dict[str, Any]:
+    """torch.profiler over `steps` (uninstrumented, as the timed steps): the table of the operators
+    and kernels by self time in run_dir/profile.txt, the trace in profile-trace.json.gz, and the
+    device's time by kind of kernel (on CPU the operators' self time), with how busy the device was."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = c.mesh.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    started = time.perf_counter()
+    with c.timers.paused() if cuda else nullcontext(), profile(activities=activities) as prof:
+        training_steps(c, steps)
+    wall_us = (time.perf_counter() - started) * 1e6
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    events = [e for e in prof.key_averages() if getattr(e, key) > 0]
+    budget = dict.fromkeys([k for k, _ in KERNEL_KINDS] + ["other"], 0.0)
+    for e in events:
+        kind = next((k for k, pattern in KERNEL_KINDS if re.search(pattern, e.key, re.IGNORECASE)), "other")
+        budget[kind] += getattr(e, key)
+    total = sum(budget.values())
+    if c.mesh.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "profile.txt").write_text(prof.key_averages().table(sort_by=key, row_limit=40) + "\n")
+        trace = run_dir / "profile-trace.json"
+        prof.export_chrome_trace(str(trace))
+        with open(trace, "rb") as src, gzip.open(f"{trace}.gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        trace.unlink()
+    top = sorted(events, key=lambda e: -getattr(e, key))[:15]
+    return {"steps": len(steps), "time": "device kernels" if cuda else "operators' self CPU time",
+            "seconds_per_step": round(total / 1e6 / len(steps), 4),
+            "busy_fraction": round(total / wall_us, 3) if cuda else None,
+            "by_kind_s": {k: round(v / 1e6 / len(steps), 4) for k, v in budget.items()},
+            "top": [{"name": e.key, "calls": e.count // len(steps),
+                     "seconds_per_step": round(getattr(e, key) / 1e6 / len(steps), 5)} for e in top]}
 
 
 def candidate_scoring_rounds(c: Components, rounds: int) -> dict[str, Any] | None:
@@ -243,17 +326,20 @@ def _bench(cfg: Config, c: Components, run_dir: Path) -> dict[str, Any]:
     tokens = [c.task.train_batch(c.sampler.indices(s)).tokens for s in timed]
     log.info("bench: %d warm-up steps, then %d rounds of (forward passes alone, ZO step)", b.warmup, b.steps)
 
+    host_load = host_memory_bytes()["peak"]  # loading's high-water mark: read before any reset clears it
     reset_peak_memory(device)
     forward_baseline(c, [*warm, *timed])
     inference_peak = peak_memory_bytes(device)  # on the timed batches, before training allocates anything
     clock = c.directions.clock
 
     reset_peak_memory(device)
+    reset_host_peak()
     training_steps(c, warm)
     materialize(c)
     # The steady state: every buffer a step uses exists after the first step, and the second applies a
     # fused update. Taken before the single-rank copy (if any) adds a second model to rank 0.
     training_peak = peak_memory_bytes(device)
+    host_training = host_memory_bytes()
     single = wants_single_rank(cfg, mesh)
     solo = single_rank_components(c) if single else None
     if single:
@@ -261,9 +347,8 @@ def _bench(cfg: Config, c: Components, run_dir: Path) -> dict[str, Any]:
         if solo is not None:
             training_steps(solo, warm)  # its own warm-up
         mesh.barrier()
-    # The reference's loss is the label-word head of MeZO's classification tasks.
     reference = (b.reference and mesh.world_size == 1 and cfg.offload.mode == "none"
-                 and c.task.label_ids is not None)
+                 and reference_supported(c))
     lr, eps = cfg.optim.lr, cfg.estimator.eps
     if reference:
         log.info("bench: each round also times a step of MeZO's Algorithm 1 (bench.reference)")
@@ -328,6 +413,12 @@ def _bench(cfg: Config, c: Components, run_dir: Path) -> dict[str, Any]:
         "memory_ratio": round(training_peak / inference_peak, 3) if inference_peak else None,
         "optimizer": optimizer_figures(c, step_times, sgd_times, forward_times),
         "estimator_cost": estimator_figures(c, sgd, step_times, sgd_times),
+        "mfu": model_flops_utilisation(
+            sum(p.numel() for p in c.model.parameters()), _median(tokens), len(c.estimator.plan()), step_time,
+            mesh.world_size, torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+            forward_precision(str(cfg.model.dtype), str(cfg.engine.compute)), b.peak_tflops),
+        "host_memory_bytes": {"load_peak": host_load, "training_peak": host_training["peak"],
+                              "training_now": host_training["now"]},
         "model_bytes": c.quantized.model_bytes,  # the base's parameters as stored
         "h2d_bytes_per_step": int(_median(step_h2d)),  # weights streamed to the device by one step (this rank)
         **c.quantized.summary(),
@@ -356,6 +447,12 @@ def _bench(cfg: Config, c: Components, run_dir: Path) -> dict[str, Any]:
         log.info("bench: MeZO reference %.3f s/step", result["mezo_reference"]["step_time_s"])
     if sgd is not None:
         sgd.close()
+    if b.profile:
+        after = b.warmup + 2 * b.steps
+        result["profile"] = profile_steps(c, [after, after + 1], run_dir)
+        materialize(c)
+        log.info("bench: profiled 2 steps: %s", ", ".join(f"{k} {v:.3f} s" for k, v in
+                                                       result["profile"]["by_kind_s"].items()))
     scoring = candidate_scoring_rounds(c, b.steps)
     if scoring is not None:
         result["candidate_scoring"] = scoring
@@ -412,6 +509,15 @@ def report(r: dict[str, Any]) -> str:
         f"  peak memory        inference {r['peak_memory_bytes']['inference'] / gib:.2f} GiB, training "
         f"{r['peak_memory_bytes']['training'] / gib:.2f} GiB (x{r['memory_ratio']})",
     ]
+    h = r.get("host_memory_bytes")
+    if h and h.get("training_peak") is not None and r["device"] != "cpu":
+        lines.append(f"  host memory        peak while loading {h['load_peak'] / gib:.2f} GiB, while training "
+                     f"{h['training_peak'] / gib:.2f} GiB")
+    m = r.get("mfu")
+    if m:
+        value = f"{m['value']:.1%} of {m['peak_tflops']:.0f} TFLOP/s ({m['precision']})" if m["value"] is not None \
+            else "n/a (" + m["why_none"].split(":")[0] + ")"
+        lines.append(f"  FLOPs              {m['achieved_tflops']} TFLOP/s achieved; MFU {value}")
     o = r.get("optimizer", {"name": "sgd", "state_bytes": 0})
     line = f"  optimizer          {o['name']}, state {o['state_bytes'] / gib:.3f} GiB"
     if "sgd_step_time_s" in o:
@@ -439,6 +545,11 @@ def report(r: dict[str, Any]) -> str:
         lines.append(f"  candidate scoring  shared prompts {s['shared_prompt_s']:.3f} s, one sequence per candidate "
                      f"{s['one_sequence_each_s']:.3f} s ({s['speedup']}x; {s['examples']} examples, "
                      f"{s['candidates_per_example']} candidates each)")
+    if "profile" in r:
+        p = r["profile"]
+        lines.append(f"  profile            {p['time']} {p['seconds_per_step']:.3f} s a step: " + ", ".join(
+            f"{k} {v:.3f}" for k, v in p["by_kind_s"].items()) + (
+            f"; device busy {p['busy_fraction']:.0%}" if p["busy_fraction"] is not None else ""))
     if "mezo_reference" in r:
         m = r["mezo_reference"]
         lines.append(f"  MeZO reference     {m['step_time_s']:.3f} s   distzo/reference {m['distzo_over_reference']} "

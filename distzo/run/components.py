@@ -16,6 +16,7 @@ from ..data.tasks import PromptTask, TrainSampler
 from ..engine import Engine, EngineSetup, build_engine
 from ..errors import DistzoError
 from ..models import adapter_for, load_model
+from ..models.loading import check_positions
 from ..models.quantize import QuantizedBase, quantize_base
 from ..parallel.mesh import Mesh
 from ..peft import apply_peft
@@ -70,7 +71,7 @@ def build_model_stack(cfg: Config, mesh: Mesh, seed: int, weights: Mapping[str, 
     kernels = native.load(cfg.engine.native, mesh.device)  # None: torch ops (same values); first, it may fail
     if model is None:
         sources = sources if sources is not None else fetch_hub_pins(cfg, mesh)
-        model, tokenizer = load_model(cfg.model, sources.pins)
+        model, tokenizer = load_model(cfg.model, sources.pins, mesh.device)
     estimator = build_estimator(cfg.estimator)
     optimizer = build_optimizer(cfg.optim)
     quantized = quantize_base(model, cfg.model.quantize)  # the frozen base's linear weights, before the adapters
@@ -147,9 +148,10 @@ def build_components(cfg: Config, mesh: Mesh, seed: int, weights: Mapping[str, t
     if sources is None:
         sources = fetch_hub_pins(cfg, mesh, model=model is None, data=task is None)
     if model is None:
-        model, tokenizer = load_model(cfg.model, sources.pins)
+        model, tokenizer = load_model(cfg.model, sources.pins, mesh.device)
     if task is None:
         task = PromptTask(cfg.task, tokenizer, str(cfg.objective), sources.get("dataset"))
+    check_positions(model, task.longest_sequence(), task.name)
     stack = build_model_stack(cfg, mesh, seed, weights, timers, clock, model, tokenizer,
                               optimizer_state=optimizer_state, sources=sources)
     return Components(**{f.name: getattr(stack, f.name) for f in fields(ModelStack)}, cfg=cfg, mesh=mesh, seed=seed,

@@ -67,7 +67,8 @@ def config_fingerprint(cfg: Config) -> str:
     if keys["model"].get("adapter", "auto") == "auto":
         keys["model"].pop("adapter", None)  # the default: fingerprints of runs from before the option stay valid
     # Keys added later count only when set, so runs written before them still resume.
-    added = (("model", "revision", None), ("model", "quantize", "none"), ("task", "revision", None),
+    added = (("model", "revision", None), ("model", "quantize", "none"), ("model", "init_device", "cpu"),
+             ("task", "revision", None), ("task", "max_tokens", None),
              ("task", "subset", None), ("task", "split_names", {"train": None, "validation": None, "test": None}))
     for section, key, default in added:
         if keys[section].get(key, default) == default:

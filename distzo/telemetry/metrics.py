@@ -13,19 +13,43 @@ from .jsonl import JsonlWriter
 log = logging.getLogger("distzo")
 
 
-def peak_rss_bytes() -> int:
-    """Peak resident set size of this process since start or the last reset_peak_memory (Linux
-    VmHWM; ru_maxrss where /proc is unavailable)."""
+def _status_kib(field: str) -> int | None:
     try:
         with open("/proc/self/status", encoding="ascii") as fh:
             for line in fh:
-                if line.startswith("VmHWM:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
+    return None
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process since start or the last reset_peak_memory (Linux
+    VmHWM; ru_maxrss where /proc is unavailable)."""
+    peak = _status_kib("VmHWM")
+    if peak is not None:
+        return peak
     import resource
 
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def host_memory_bytes() -> dict[str, int | None]:
+    """This process's host memory: `peak` (the high-water mark since it started or since the last
+    reset_host_peak / reset_peak_memory on CPU, which clear ru_maxrss too: read it before one) and
+    `now` (VmRSS)."""
+    return {"peak": peak_rss_bytes(), "now": _status_kib("VmRSS")}
+
+
+def reset_host_peak() -> None:
+    """Start a new high-water mark (Linux: 5 written to /proc/self/clear_refs resets VmHWM and
+    ru_maxrss alike)."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as fh:
+            fh.write("5")
+    except OSError:
+        pass
 
 
 def peak_memory_bytes(device) -> int:
@@ -47,11 +71,7 @@ def reset_peak_memory(device) -> None:
     if getattr(device, "type", str(device)) == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         return
-    try:
-        with open("/proc/self/clear_refs", "w", encoding="ascii") as fh:
-            fh.write("5")
-    except OSError:
-        pass
+    reset_host_peak()
 
 
 class MetricsWriter:

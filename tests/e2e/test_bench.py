@@ -62,3 +62,73 @@ def test_bench_with_idle_ranks_on_a_sliced_offload_mesh(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads((tmp_path / "b" / "bench.json").read_text())
     assert out["mesh"] == "4x1" and out["offload"] == "cpu" and out["step_time_s"] > 0
+
+
+# DistZO2's Table 1 workload in miniature: batch 4 of 2,048-token sequences on OPT's architecture.
+OPT_2048 = ["model=tiny-opt", "+model.arch_config.max_position_embeddings=2048", "task=lm-2048", "batch_size=4"]
+
+
+def test_the_table_harness_runs_a_tiny_opt_at_2048_tokens(tmp_path):
+    """benchmarks/distzo2_table.py, which the GPU session runs, on OPT's architecture at 2,048 tokens:
+    a resident row (with MeZO's Algorithm 1 on the token loss) and an offloaded row, both profiled,
+    each its own bench invocation; the figures the table reads agree with each other and the table
+    prints the goal's checks."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "distzo2_table.py"
+    r = subprocess.run([sys.executable, str(script), "run", "--out", str(tmp_path), "--sizes", "tiny", "--device",
+                        "cpu", "--dtype", "float32", "--batch-size", "1", "--profile", "--", "bench.steps=1",
+                        "bench.peak_tflops=1"], capture_output=True, text=True, timeout=600, cwd=script.parent)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "table.jsonl").read_text().splitlines()]
+    assert [(row["mode"], "bench" in row) for row in rows] == [("resident", True), ("offload", True)], rows
+    resident, offload = (json.loads((tmp_path / f"bench-opt-tiny-{m}-float32.json").read_text())
+                         for m in ("resident", "offload"))
+    step = resident["rounds"][0]["pace_s"]
+    assert resident["tokens_per_s"] == pytest.approx(2048 / step, rel=1e-3)  # one sequence of exactly 2,048 tokens
+    mfu = resident["mfu"]
+    params = 3_344_000  # tiny-opt with 2,048 learned positions (2,050 rows: OPT's offset of 2)
+    assert mfu["parameters"] == params and mfu["precision"] == "fp32" and mfu["card"] is None
+    assert mfu["flops_per_step"] == 2 * params * 2048 * 2  # MeZO: two forward passes a step
+    assert mfu["value"] == pytest.approx(mfu["flops_per_step"] / step / 1e12, abs=1e-4)  # bench.peak_tflops=1
+    host = resident["host_memory_bytes"]
+    assert host["load_peak"] > 0 and host["training_peak"] > 0 and host["training_now"] <= host["training_peak"]
+    ref = resident["mezo_reference"]  # Algorithm 1 on transformers' token loss, timed in the same round
+    assert ref["distzo_over_reference"] == pytest.approx(resident["rounds"][0]["step_s"] /
+                                                         resident["rounds"][0]["reference_s"], abs=1e-3)
+    prof = resident["profile"]
+    assert prof["seconds_per_step"] == pytest.approx(sum(prof["by_kind_s"].values()), abs=5e-4)
+    assert prof["by_kind_s"]["matmul"] > 0 and prof["by_kind_s"]["attention"] > 0
+    assert (tmp_path / "runs" / "opt-tiny-resident-float32" / "profile.txt").read_text().count("aten::") > 5
+    assert offload["offload"] == "cpu" and "mezo_reference" not in offload and offload["profile"]["steps"] == 2
+    assert offload["mfu"]["parameters"] == params  # the streamed blocks still count
+    ratio = offload["tokens_per_s"] / resident["tokens_per_s"]
+    assert f"offloaded {ratio:.3f}x resident tokens/s" in r.stdout and "| OPT-TINY | float32 | resident |" in r.stdout
+
+
+def test_the_reference_scores_the_same_token_loss_as_distzo(tmp_path):
+    """MeZO's Algorithm 1 in bench must time the objective distzo trains on: transformers' token loss
+    on the right-padded batch equals distzo's clean loss of the step's batch. Both are the mean of
+    8,188 float32 token log-likelihoods of the same model; the forwards differ in kernel order only
+    (the adapter's blocks, the head in chunks), a few ulps per logit, so a relative 1e-5 is ample."""
+    import distzo
+    from distzo.config.compose import typed
+    from distzo.parallel.mesh import Mesh
+    from distzo.run.bench import reference_loss, reference_supported
+    from distzo.run.components import build_components
+    from distzo.zo.estimators import CLEAN, Probe
+
+    cfg = typed(distzo.compose(*OPT_2048))
+    c = build_components(cfg, Mesh.single(), 0)
+    try:
+        assert reference_supported(c)
+        batch = c.task.train_batch(c.sampler.indices(3))
+        assert [len(s.tokens) for s in batch.sequences] == [2048] * 4
+        scores = c.engine.run_probes(batch, [Probe(CLEAN, 0)], 3)[0]
+        total, count = c.task.objective_sums(scores, batch, "loss").tolist()
+        assert count == 4 * 2047
+        assert reference_loss(c, 3)() == pytest.approx(total / count, rel=1e-5)
+    finally:
+        c.close()

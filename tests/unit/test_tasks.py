@@ -321,3 +321,39 @@ def test_errors_name_the_file_the_record_and_the_fix(tokenizer, tmp_path):
     (empty / "val.jsonl").write_text("")
     with pytest.raises(DataError, match=r"the test split of .*empty is empty; give it examples"):
         task(tokenizer, "task=custom", f"task.path={empty}", "task.val_size=1")
+
+
+def test_max_tokens_cuts_long_texts_to_one_length(tokenizer, tmp_path):
+    """task=lm-2048's mechanism on a small scale: texts modelled whole are cut to task.max_tokens
+    (the start token and the text's first max_tokens - 1 tokens); shorter ones are kept whole; prompt
+    and completion layouts lose the completion's end, and a prompt with no room keeps its end."""
+    words = "the film was long and the plot was thin but the actors were good " * 20
+    rows = [{"text": words}, {"text": "a short one"}] * 6
+    data = write_jsonl(tmp_path / "texts.jsonl", rows)
+    t = task(tokenizer, "task=custom", f"task.path={data}", "task.kind=generation", "task.max_tokens=40", *SMALL)
+    whole = [len(tokenizer(r["text"], add_special_tokens=False).input_ids) + 1 for r in rows[:2]]
+    assert whole[0] > 40 > whole[1]
+    lengths = {len(s.tokens) for s in t.train_batch(range(t.size("train"))).sequences}
+    assert lengths == {40, whole[1]}
+    long = next(s for s in t.train_batch(range(t.size("train"))).sequences if len(s.tokens) == 40)
+    full = [t.encode("")[0]] + tokenizer(words, add_special_tokens=False).input_ids
+    assert list(long.tokens) == full[:40] and len(long.targets) == 39  # the text's start, every token scored
+    assert t.longest_sequence() == 40
+
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": "one two three four five six", "completion": words}] * 12)
+    t = task(tokenizer, "task=custom", f"task.path={pairs}", "task.kind=generation", "task.max_tokens=4", *SMALL)
+    prompt = t.encode("one two three four five six")
+    completion = tokenizer(words + "\n", add_special_tokens=False).input_ids
+    assert len(prompt) > 3
+    s = t.train_batch([0]).sequences[0]
+    assert list(s.tokens) == prompt[-3:] + completion[:1]
+    assert len(s.targets) == 1  # one completion token left
+
+
+def test_max_tokens_and_text_sets_refuse_other_kinds(tokenizer):
+    with pytest.raises(ConfigError, match="task.max_tokens caps a generation task"):
+        make_config("model=tiny", "task=synthetic-cue", "task.max_tokens=64")
+    with pytest.raises(ConfigError, match="review-documents set holds texts to model whole"):
+        make_config("model=tiny", "task=lm-2048", "task.kind=classification")
+    with pytest.raises(ConfigError, match=r"task.max_tokens.*>= 2"):
+        make_config("model=tiny", "task=lm-2048", "task.max_tokens=1")

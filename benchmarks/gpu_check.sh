@@ -11,6 +11,8 @@
 #   quantized  LoRA on a float32, an int8 and an int4 base of model=llama-1b at batch 16, fp32 and
 #              bf16 compute, each profiled (bench-lora-*.json)
 #   bf16       the table's workload in bfloat16 for OPT-1.3B and 6.7B (table-bf16/)
+#   load       a sharded float16 OPT-6.7B checkpoint (13.3 GB, written to /tmp) trained with offload=cpu,
+#              float and int8/int4 LoRA: the host's and the GPU's peaks (benchmarks/load_peak.py; load.log)
 #   30b        OPT-30B, resident and offloaded (the stretch row; table-30b/)
 #
 #   bash benchmarks/gpu_check.sh OUT_DIR                      # every stage, in that order
@@ -29,7 +31,7 @@ out=${1:?usage: benchmarks/gpu_check.sh OUT_DIR}
 mkdir -p "$out"
 export out PY=${PYTHON:-python3} HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 DEADLINE_S=${DEADLINE_S:-530}
-STAGES=${STAGES:-"table tests quantized bf16 30b"}
+STAGES=${STAGES:-"table tests quantized load bf16 30b"}
 if [ -d .gpu/whl ]; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/* \
     || { echo "installing .gpu/whl failed"; exit 1; }
@@ -80,9 +82,14 @@ stage_quantized() {
     done
   done
 }
-export -f table stage_table stage_bf16 stage_30b stage_tests stage_quantized
+stage_load() {
+  "$PY" benchmarks/load_peak.py write --out /tmp/opt-6.7b --size 6.7b --device cuda --shard 2GB &&
+    "$PY" benchmarks/load_peak.py table /tmp/opt-6.7b --variants offload int8-offload int4-offload -- \
+      device=cuda task=lm-2048 batch_size=4
+}
+export -f table stage_table stage_load stage_bf16 stage_30b stage_tests stage_quantized
 
-declare -A LIMIT=([table]=300 [tests]=150 [quantized]=200 [bf16]=120 [30b]=300)
+declare -A LIMIT=([table]=300 [tests]=150 [quantized]=200 [load]=200 [bf16]=120 [30b]=300)
 for name in $STAGES; do
   [ -n "${LIMIT[$name]:-}" ] || { echo "unknown stage $name (stages: ${!LIMIT[*]})"; continue; }
   stage "$name" "${LIMIT[$name]}"

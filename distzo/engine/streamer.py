@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..models.adapters import DecoderAdapter
+from ..models.mapped import MappedFiles
 from ..parallel.node import Node
 
 SLICE_ALIGN = 256  # elements: every slice starts on a 1 KiB (fp32) boundary, friendly to DMA engines
@@ -129,6 +130,7 @@ def build_host_blocks(adapter: DecoderAdapter, pin_memory: bool, node: Node | No
         if pin_memory:
             _pin(shared)
     blocks, start = [], 0
+    mapped = MappedFiles()  # the checkpoint's pages, given back as each weight reaches its host master
     for prefix, named, dtype, numel, slice_len in layout:
         if shared is not None:
             padded = shared[start:start + parts * slice_len]
@@ -141,6 +143,7 @@ def build_host_blocks(adapter: DecoderAdapter, pin_memory: bool, node: Node | No
             view = flat[offset:offset + p.numel()].view(p.shape)
             if node is None or node.local_rank == 0:
                 view.copy_(p.data)
+                mapped.release(p.data)
             # Re-pointed at once, so the private copy is freed parameter by parameter and no rank
             # holds the whole model twice. Nothing reads the weights before the barrier below.
             p.data = view

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
+from .mapped import MappedFiles, trim_heap
 
 log = logging.getLogger("distzo")
 
@@ -124,17 +125,18 @@ def quantize_base(model: nn.Module, method: str) -> QuantizedBase:
             continue
         chosen.append((name, module))
         report.float32_bytes += module.weight.numel() * 4
+    if method not in ("int8", "int4"):
+        raise ConfigError(f"model.quantize={method} is not supported; use none, int8 or int4")
+    mapped = MappedFiles()  # the float checkpoint's pages, given back layer by layer as each is quantized
     with torch.no_grad():
-        if method == "int8":
-            names = {n for n, _ in chosen}
-            quantize_(model, Int8WeightOnlyConfig(), filter_fn=lambda m, fqn: fqn in names)
-        elif method == "int4":
-            for _, module in chosen:
-                w = module.weight.detach()
-                q = to_nf4(w, NF4_BLOCK, _nf4_scaler_block(w.numel()))
-                module.weight = nn.Parameter(q, requires_grad=False)
-        else:
-            raise ConfigError(f"model.quantize={method} is not supported; use none, int8 or int4")
+        for _, module in chosen:
+            w = module.weight.detach()
+            if method == "int8":  # one layer at a time: the same per-row result as the whole model at once
+                quantize_(module, Int8WeightOnlyConfig(), filter_fn=lambda m, fqn: fqn == "")
+            else:
+                module.weight = nn.Parameter(to_nf4(w, NF4_BLOCK, _nf4_scaler_block(w.numel())), requires_grad=False)
+            mapped.release(w)
+            trim_heap()  # the layer's float32 temporaries: else glibc keeps them, +600 MiB for a 390 MiB base
     for _, module in layers:
         module.weight.requires_grad_(False)  # the base is frozen, quantized or kept float
     for name, module in chosen:
@@ -166,10 +168,5 @@ def _release_float_copies(model: nn.Module) -> None:
                     if id(t) not in copies:
                         copies[id(t)] = t.clone()
                     module._buffers[name] = copies[id(t)]
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass  # not glibc: the allocator keeps what it keeps
+    trim_heap()
 

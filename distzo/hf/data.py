@@ -10,7 +10,7 @@ summed token NLL over its count, transformers' token mean: the shift and the -10
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -68,6 +68,11 @@ class TrainerDataTask:
     def train_batch(self, indices: Sequence[int]) -> Batch:
         return self.batch("train", indices)
 
+    def longest_sequence(self) -> int:
+        """The most tokens one forward pass reads: the longest tokenized `input_ids` of the datasets
+        (0 when the rows are not tokenized yet: the collator's own truncation then decides)."""
+        return max((_longest_input_ids(data) for data in self.datasets.values()), default=0)
+
     def batches(self, split: str, batch_size: int) -> Iterator[Batch]:
         n = self.size(split)
         for lo in range(0, n, batch_size):
@@ -79,6 +84,21 @@ class TrainerDataTask:
     def describe(self) -> str:
         return (f"Task: {self.size('train')} tokenized training examples from {self.origin}, trained on the token "
                 "loss of their labels (transformers' causal-LM loss)")
+
+
+def _longest_input_ids(data: Any) -> int:
+    """The longest `input_ids` row of a dataset: read from Arrow without materialising the rows
+    for a `datasets.Dataset` (its selection and shuffling respected), else row by row."""
+    if hasattr(data, "with_format") and "input_ids" in (getattr(data, "column_names", None) or ()):
+        import pyarrow.compute as pc
+        column = data.with_format("arrow")["input_ids"]
+        return int(pc.max(pc.list_value_length(column)).as_py() or 0) if len(column) else 0
+    longest = 0
+    for row in data:
+        ids = row.get("input_ids") if isinstance(row, Mapping) else None
+        if ids is not None:
+            longest = max(longest, len(ids))
+    return longest
 
 
 def _tensor(collated: dict, key: str) -> torch.Tensor:

@@ -357,3 +357,20 @@ def test_max_tokens_and_text_sets_refuse_other_kinds(tokenizer):
         make_config("model=tiny", "task=lm-2048", "task.kind=classification")
     with pytest.raises(ConfigError, match=r"task.max_tokens.*>= 2"):
         make_config("model=tiny", "task=lm-2048", "task.max_tokens=1")
+
+
+def test_a_trainers_datasets_say_their_longest_sequence():
+    """ZOTrainer's task (TrainerDataTask) measures what the position check needs: the longest
+    tokenized row over its splits, read from Arrow for a datasets.Dataset with its selection
+    respected (a selected subset of short rows is not measured by the table's longest row), row by
+    row for a plain list, and 0 for rows the collator has yet to tokenize."""
+    from datasets import Dataset
+
+    from distzo.hf.data import TrainerDataTask
+
+    data = Dataset.from_dict({"input_ids": [[1] * 9, [1] * 3, [1] * 5]})
+    collate = lambda rows: rows  # noqa: E731 (unused here)
+    assert TrainerDataTask(data, None, collate, 0).longest_sequence() == 9
+    assert TrainerDataTask(data.select([1, 2]), data.select([1]), collate, 0).longest_sequence() == 5
+    assert TrainerDataTask([{"input_ids": [1, 2]}, {"input_ids": [1] * 7}], None, collate, 0).longest_sequence() == 7
+    assert TrainerDataTask(Dataset.from_dict({"text": ["a b c"]}), None, collate, 0).longest_sequence() == 0

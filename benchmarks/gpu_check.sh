@@ -9,7 +9,8 @@
 #              (benchmarks/distzo2_table.py; table-fp16/table.jsonl and a markdown table)
 #   tests      tests/gpu
 #   quantized  LoRA on a float32, an int8 and an int4 base of model=llama-1b at batch 16, fp32 and
-#              bf16 compute, each profiled (bench-lora-*.json)
+#              bf16 compute, the quantized ones with torchao's linears and engine.quantized_matmul=decoded,
+#              each profiled (bench-lora-*.json)
 #   bf16       the table's workload in bfloat16 for OPT-1.3B and 6.7B (table-bf16/)
 #   load       a sharded float16 OPT-6.7B checkpoint (13.3 GB, written to /tmp) trained with offload=cpu,
 #              float and int8/int4 LoRA: the host's and the GPU's peaks (benchmarks/load_peak.py; load.log)
@@ -69,15 +70,16 @@ stage_table() { table table-fp16 float16 1.3b 6.7b 13b 2.7b; }
 stage_bf16() { table table-bf16 bfloat16 1.3b 6.7b; }
 stage_30b() { table table-30b float16 30b; }
 stage_tests() { "$PY" -m pytest tests/gpu -q -p no:cacheprovider; }
-stage_quantized() {
+stage_quantized() {  # LoRA on llama-1b: the float base, then each quantized base as torchao runs it and decoded
   local runs; runs=$(mktemp -d)
   for compute in fp32 bf16; do
-    for base in none int8 int4; do
-      local name="lora-$base-$compute"
+    for base in none int8 int8-decoded int4 int4-decoded; do
+      local name="lora-$base-$compute" quantize=${base%-decoded} matmul=torchao
+      [[ $base == *-decoded ]] && matmul=decoded
       echo "== bench $name"
-      timeout 60 "$PY" -m distzo bench model=llama-1b model.init_device=device device=cuda peft=lora model.quantize=$base \
-        engine.compute=$compute bench.reference=false bench.profile=true "hydra.run.dir=$runs/$name" 2>&1 \
-        | grep -v '^\['
+      timeout 60 "$PY" -m distzo bench model=llama-1b model.init_device=device device=cuda peft=lora \
+        model.quantize=$quantize engine.quantized_matmul=$matmul engine.compute=$compute bench.reference=false \
+        bench.profile=true "hydra.run.dir=$runs/$name" 2>&1 | grep -v '^\['
       cp "$runs/$name/bench.json" "$out/bench-$name.json" 2>/dev/null || echo "bench $name wrote no bench.json"
     done
   done
@@ -89,7 +91,7 @@ stage_load() {
 }
 export -f table stage_table stage_load stage_bf16 stage_30b stage_tests stage_quantized
 
-declare -A LIMIT=([table]=300 [tests]=150 [quantized]=200 [load]=200 [bf16]=120 [30b]=300)
+declare -A LIMIT=([table]=300 [tests]=150 [quantized]=280 [load]=200 [bf16]=120 [30b]=300)
 for name in $STAGES; do
   [ -n "${LIMIT[$name]:-}" ] || { echo "unknown stage $name (stages: ${!LIMIT[*]})"; continue; }
   stage "$name" "${LIMIT[$name]}"

@@ -91,6 +91,11 @@ class DType(Choice):
     float16 = "float16"
 
 
+class QuantizedMatmul(Choice):
+    torchao = "torchao"
+    decoded = "decoded"
+
+
 class ComputeMode(Choice):
     fp32 = "fp32"
     tf32 = "tf32"
@@ -394,13 +399,18 @@ class EngineConfig:
       model's dtype (docs/performance.md#compute-modes). "fp32": as the weights. "tf32" (CUDA):
       float32 matrix products on TF32 tensor cores. "bf16": the forward under bfloat16 autocast
       (products in bfloat16, norms and softmax in float32) while a float32 master receives updates
-      far below bfloat16's resolution."""
+      far below bfloat16's resolution.
+    quantized_matmul: how a quantized base's linear layers compute (model.quantize). "torchao": its
+      weight-only linears, which decode on every call with several kernels. "decoded": one kernel
+      decodes each weight into a buffer shared by every layer, in the product's dtype, then the float
+      matmul (distzo/models/decode.py; the same weight, bitwise, the product rounded differently)."""
 
     fuse_update: str = "auto"
     row_tokens: int = setting(1024, "> 0")
     divide_work: str = "auto"
     native: str = "auto"
     compute: ComputeMode = ComputeMode.fp32
+    quantized_matmul: QuantizedMatmul = QuantizedMatmul.torchao
 
 
 @dataclass

@@ -55,6 +55,10 @@ class QuantizedBase:
     def ratio(self) -> float:
         return self.bytes / self.float32_bytes if self.float32_bytes else math.nan
 
+    def modules(self, model: nn.Module) -> list[nn.Module]:
+        """The quantized layers of `model`."""
+        return [model.get_submodule(name) for name in self.layers]
+
     def summary(self) -> dict[str, object]:
         """The run summary's and bench's fields."""
         if self.method == "none":

@@ -401,6 +401,8 @@ def _bench(cfg: Config, c: Components, run_dir: Path) -> dict[str, Any]:
     result: dict[str, Any] = {
         "model": cfg.model.name, "estimator": cfg.estimator.name, "q": cfg.estimator.q,
         "distribution": cfg.estimator.distribution, "mesh": str(mesh.shape), "offload": cfg.offload.mode,
+        "dtype": str(cfg.model.dtype), "compute": str(cfg.engine.compute),
+        "quantized_matmul": str(cfg.engine.quantized_matmul) if cfg.model.quantize != "none" else None,
         "device": str(device.type), "threads_per_rank": torch.get_num_threads(), "batch_size": cfg.batch_size,
         "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "warmup_steps": b.warmup, "timed_steps": b.steps,

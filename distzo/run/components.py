@@ -16,6 +16,7 @@ from ..data.tasks import PromptTask, TrainSampler
 from ..engine import Engine, EngineSetup, build_engine
 from ..errors import DistzoError
 from ..models import adapter_for, load_model
+from ..models.decode import DecodedLinears
 from ..models.loading import check_positions
 from ..models.quantize import QuantizedBase, quantize_base
 from ..parallel.mesh import Mesh
@@ -75,6 +76,8 @@ def build_model_stack(cfg: Config, mesh: Mesh, seed: int, weights: Mapping[str, 
     estimator = build_estimator(cfg.estimator)
     optimizer = build_optimizer(cfg.optim)
     quantized = quantize_base(model, cfg.model.quantize)  # the frozen base's linear weights, before the adapters
+    if str(cfg.engine.quantized_matmul) == "decoded":
+        DecodedLinears(quantized.modules(model))  # each call decodes into one shared buffer (models/decode.py)
     apply_peft(model, cfg.peft)  # freezes the model and adds the adapter's parameters (peft != none)
     estimator.prepare_model(model)
     params = TrainableParams.from_model(model)

@@ -75,6 +75,8 @@ def config_fingerprint(cfg: Config) -> str:
             keys[section].pop(key, None)
     if str(cfg.engine.compute) != "fp32":
         keys["compute"] = str(cfg.engine.compute)  # the forward's arithmetic shapes the losses
+    if str(cfg.engine.quantized_matmul) != "torchao":
+        keys["quantized_matmul"] = str(cfg.engine.quantized_matmul)  # so does how a quantized base multiplies
     keys["batch_size"] = cfg.batch_size
     keys["objective"] = str(cfg.objective)
     if cfg.optim.schedule != "constant":

@@ -103,7 +103,7 @@ def test_offloaded_fzoo_equals_resident_on_a_sliced_mesh(tmp_path):
 
 
 @pytest.mark.parametrize("mesh,nproc,settings", [
-    ("1x1", 1, ["peft=lora", "model.quantize=int8"]),
+    ("1x1", 1, ["peft=lora", "model.quantize=int8", "engine.quantized_matmul=decoded"]),
     ("2x2", 4, ["peft=lora", "model.quantize=int4", "estimator.q=2"]),
     ("2x2", 4, ["estimator=prge", "peft=lora_fa", "model.quantize=int8", "estimator.q=2", "optim.lr=0.5"]),
 ])
@@ -112,7 +112,8 @@ def test_a_streamed_quantized_base_equals_its_resident_run(tmp_path, mesh, nproc
     memory in its quantized form (engine/streamed_base.py): on 2x2 the node's four ranks share one
     host copy, each uploading a slice of every block's bytes and all-gathering the rest. The same
     operations on the same shapes as the resident run: the adapters and the evaluations are equal,
-    bitwise; each step moves about the quantized base's bytes, not its float32 bytes."""
+    bitwise, also with each weight decoded into the shared buffer (engine.quantized_matmul=decoded);
+    each step moves about the quantized base's bytes, not its float32 bytes."""
     args = ["model=tiny", f"mesh={mesh}", *settings]
     out = {}
     for name, extra in (("resident", []), ("streamed", ["offload=cpu", "offload.slots=1"])):

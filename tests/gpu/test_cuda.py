@@ -78,11 +78,34 @@ def test_the_table_workload_in_miniature_on_cuda(tmp_path):
 
 
 @pytest.mark.parametrize("quantize", ["int8", "int4"])
-def test_a_streamed_quantized_base_equals_resident_on_cuda(tmp_path, quantize):
+@pytest.mark.parametrize("matmul", ["torchao", "decoded"])
+def test_a_streamed_quantized_base_equals_resident_on_cuda(tmp_path, quantize, matmul):
     """LoRA on a quantized base streamed from pinned host memory as bytes (engine/streamed_base.py),
-    rebuilt as torchao tensors in the device slots: the resident run's adapters, bitwise."""
-    _offloaded_equals_resident(tmp_path, ["model=tiny", "peft=lora", f"model.quantize={quantize}", "optim.lr=1e-2"],
-                               2, "adapter.safetensors")
+    rebuilt as torchao tensors in the device slots: the resident run's adapters, bitwise, with
+    torchao's linears and with each weight decoded by distzo's kernel into the shared buffer."""
+    _offloaded_equals_resident(tmp_path, ["model=tiny", "peft=lora", f"model.quantize={quantize}", "optim.lr=1e-2",
+                                          f"engine.quantized_matmul={matmul}"], 2, "adapter.safetensors")
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_decode_kernels_equal_torchaos_dequantization_on_cuda(weight_dtype, out_dtype):
+    """The Triton kernels of engine.quantized_matmul=decoded on the GPU: torchao's int8 and NF4
+    dequantization rounded to the output dtype, bitwise (one IEEE multiply, integer rounding to
+    bfloat16), as the CPU suite checks under Triton's interpreter."""
+    from torch import nn
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_, to_nf4
+
+    from distzo.models.decode import decode_reference, decode_with_kernel
+
+    torch.manual_seed(0)
+    lin = nn.Linear(2056, 1031, dtype=weight_dtype, device="cuda")
+    quantize_(lin, Int8WeightOnlyConfig(), filter_fn=lambda m, fqn: fqn == "")
+    nf4 = to_nf4(torch.randn(1024, 2048, dtype=weight_dtype, device="cuda") * 0.02, 64, 256)
+    for weight in (lin.weight, nf4):
+        got = decode_with_kernel(weight, torch.empty(weight.shape, dtype=out_dtype, device="cuda"))
+        want = decode_reference(weight, torch.empty(weight.shape, dtype=out_dtype, device="cuda"))
+        assert torch.equal(got, want), type(weight).__name__
 
 
 def _offloaded_equals_resident(tmp_path, args, slots, weights):

@@ -1,0 +1,184 @@
+"""A quantized base's weights decoded for the forward: one kernel into one reused buffer
+(`engine.quantized_matmul=decoded`).
+
+torchao's weight-only linears decode on every call, with several kernels and fresh memory: int8
+converts the whole int8 weight to the activation's dtype and scales the product; NF4 rebuilds the
+weight with about fifteen elementwise kernels. On an H100 a LoRA step on an int8 base of `llama-1b`
+took 1.6x the float32 base's, 2.0x on NF4. Here each quantized linear decodes its weight with one
+kernel (Triton on CUDA; torchao's own dequantization elsewhere, where speed is not the point) into a
+scratch buffer that every quantized layer of the model shares, in the dtype the product runs in
+(bfloat16 under `engine.compute=bf16`), and then runs the float base's `F.linear` on it. The stock
+layer is untouched: a forward pre-hook puts the decoded weight in place for the call and a forward
+hook puts the quantized one back.
+
+Exactness: the decoded weight is torchao's `dequantize()` bitwise (int8: q times its row's scale;
+NF4: the code's table value times its block's scaler, the scalers rebuilt by torchao's own code),
+rounded once to the product's dtype, as autocast would round it. The product is then the float
+path's on that weight. torchao's int8 forward scales the product instead of the weight, so the two
+settings differ by rounding; every engine path decodes the same way, so streamed and resident runs
+and any mesh agree within a setting as before. The Triton kernels round to bfloat16 with integer
+arithmetic (to nearest, ties to even), so they compute the same bits on a GPU and under Triton's
+interpreter (TRITON_INTERPRET=1, a CPU: tests/unit/test_decode.py).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs decode with torch ops
+    triton = tl = None
+
+_BLOCK = 1024
+
+
+def is_int8(weight: torch.Tensor) -> bool:
+    return type(weight).__name__ == "Int8Tensor"
+
+
+def is_nf4(weight: torch.Tensor) -> bool:
+    return type(weight).__name__ == "NF4Tensor"
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    """How the kernels round a float32 value: 0 keep float32, 1 bfloat16, 2 float16."""
+    return {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}[dtype]
+
+
+if triton is not None:
+    @triton.jit
+    def _round(x, CODE: tl.constexpr):
+        """x (float32) rounded to bfloat16 (CODE 1) or float16 (CODE 2), returned as float32. bfloat16
+        by integer arithmetic, to nearest with ties to even: the same bits everywhere (the
+        interpreter's own float-to-bfloat16 conversion truncates)."""
+        if CODE == 1:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            x = bits.to(tl.float32, bitcast=True)
+        elif CODE == 2:
+            x = x.to(tl.float16).to(tl.float32)
+        return x
+
+    @triton.jit
+    def _store(out_ptr, offsets, x, mask, OUT: tl.constexpr):
+        """Store x (float32, already exact in the output's dtype) in the output's dtype."""
+        if OUT == 1:
+            tl.store(out_ptr + offsets, (x.to(tl.uint32, bitcast=True) >> 16).to(tl.uint16), mask=mask)
+        elif OUT == 2:
+            tl.store(out_ptr + offsets, x.to(tl.float16), mask=mask)
+        else:
+            tl.store(out_ptr + offsets, x, mask=mask)
+
+    @triton.jit
+    def _int8_kernel(q_ptr, scale_ptr, out_ptr, n_cols, total, WEIGHT: tl.constexpr, OUT: tl.constexpr,
+                     BLOCK: tl.constexpr):
+        # out[r, c] = q[r, c] * scale[r], rounded to the weight's dtype (torchao's dequantize), then
+        # to the output's.
+        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offsets < total
+        q = tl.load(q_ptr + offsets, mask=mask, other=0).to(tl.float32)
+        scale = tl.load(scale_ptr + offsets // n_cols, mask=mask, other=0).to(tl.float32)
+        x = _round(_round(q * scale, WEIGHT), OUT)
+        _store(out_ptr, offsets, x, mask, OUT)
+
+    @triton.jit
+    def _nf4_kernel(packed_ptr, lut_ptr, scaler_ptr, out_ptr, block_size, total, WEIGHT: tl.constexpr,
+                    OUT: tl.constexpr, BLOCK: tl.constexpr):
+        # Element i: code = high nibble of byte i // 2 for even i, low nibble for odd i; value =
+        # lut[code] * scaler[i // block_size], rounded to the weight's dtype, then to the output's.
+        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offsets < total
+        byte = tl.load(packed_ptr + offsets // 2, mask=mask, other=0).to(tl.int32)
+        code = tl.where(offsets % 2 == 0, byte >> 4, byte & 15)
+        value = tl.load(lut_ptr + code, mask=mask, other=0).to(tl.float32)
+        scaler = tl.load(scaler_ptr + offsets // block_size, mask=mask, other=0).to(tl.float32)
+        x = _round(_round(value * scaler, WEIGHT), OUT)
+        _store(out_ptr, offsets, x, mask, OUT)
+
+
+def decode_with_kernel(weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The Triton kernels' decode of a torchao int8 or NF4 weight into `out` (contiguous, the
+    weight's shape, float32, bfloat16 or float16): on CUDA, or on CPU tensors under Triton's
+    interpreter."""
+    if is_int8(weight):
+        q, scale = weight.qdata.contiguous(), weight.scale.reshape(-1).contiguous()
+        total = out.numel()
+        target = out.view(torch.uint16) if out.dtype == torch.bfloat16 else out
+        _int8_kernel[(triton.cdiv(total, _BLOCK),)](q, scale, target, q.shape[-1], total,
+                                                   WEIGHT=_dtype_code(weight.dtype), OUT=_dtype_code(out.dtype),
+                                                   BLOCK=_BLOCK)
+    elif is_nf4(weight):
+        scalers = weight.dequantize_scalers(weight.quantized_scalers, weight.quantization_factor,
+                                            weight.scaler_block_size).contiguous()  # torchao's own arithmetic
+        total = out.numel()
+        target = out.view(torch.uint16) if out.dtype == torch.bfloat16 else out
+        _nf4_kernel[(triton.cdiv(total, _BLOCK),)](weight.quantized_data.contiguous(), weight.nf4.contiguous(),
+                                                  scalers, target, weight.block_size, total,
+                                                  WEIGHT=_dtype_code(weight.dtype), OUT=_dtype_code(out.dtype),
+                                                  BLOCK=_BLOCK)
+    else:
+        raise TypeError(f"no decoder for a {type(weight).__name__} weight")
+    return out
+
+
+def decode_reference(weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """torchao's own dequantization of `weight`, rounded into `out`: what the kernels must equal."""
+    full = weight.dequantize() if is_int8(weight) else weight.get_original_weight()
+    return out.copy_(full)
+
+
+def decode(weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """`weight` decoded into `out`: the kernel on CUDA, torchao's dequantization elsewhere (the same
+    values)."""
+    if out.device.type == "cuda":
+        if triton is None:
+            raise RuntimeError("engine.quantized_matmul=decoded decodes with a Triton kernel on CUDA, and Triton is "
+                               "not installed; torch's CUDA wheels bring it")
+        return decode_with_kernel(weight, out)
+    return decode_reference(weight, out)
+
+
+class DecodedLinears:
+    """Hooks on a model's quantized linear layers: for each call the layer's weight is decoded into
+    the shared scratch buffer (the largest layer's size, per device and dtype) and put in place of
+    the quantized one; the forward hook puts the quantized weight back."""
+
+    def __init__(self, layers: Iterable[nn.Linear]):
+        self.layers = list(layers)
+        self.largest = max((m.weight.numel() for m in self.layers), default=0)
+        self.scratch: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+        self.held: dict[nn.Module, torch.Tensor] = {}
+        self.handles = [h for m in self.layers for h in (m.register_forward_pre_hook(self._decode),
+                                                          m.register_forward_hook(self._restore))]
+
+    def _buffer(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        key = (device, dtype)
+        if key not in self.scratch:
+            self.scratch[key] = torch.empty(self.largest, device=device, dtype=dtype)
+        return self.scratch[key]
+
+    def _decode(self, module: nn.Module, args) -> None:
+        weight = module._parameters["weight"]  # the quantized tensor (a streamed block's view, under the engine)
+        x = args[0]
+        kind = x.device.type
+        dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+        out = self._buffer(x.device, dtype)[:weight.numel()].view(weight.shape)
+        self.held[module] = weight
+        module._parameters["weight"] = decode(weight, out)
+
+    def _restore(self, module: nn.Module, args, output):
+        module._parameters["weight"] = self.held.pop(module)
+        return output
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+    def memory_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.scratch.values())

@@ -1,0 +1,91 @@
+"""engine.quantized_matmul=decoded (distzo/models/decode.py): the Triton kernels decode torchao's int8
+and NF4 weights to exactly torchao's dequantization (checked on a CPU under Triton's interpreter), and
+the hooks run the stock layers on the decoded weight in one shared buffer."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from distzo.models.decode import DecodedLinears
+from distzo.models.loading import random_model
+from distzo.models.quantize import quantize_base
+
+KERNEL_CHECK = textwrap.dedent("""
+    import torch
+    from torch import nn
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_, to_nf4
+    from distzo.models.decode import decode_reference, decode_with_kernel
+    torch.manual_seed(0)
+    bad = []
+    for wdt in (torch.float32, torch.bfloat16):
+        lin = nn.Linear(520, 37, dtype=wdt)  # 19,240 elements: not a multiple of the kernel's 1,024
+        lin.weight.data.mul_(40)  # values past bfloat16's small exponents too
+        quantize_(lin, Int8WeightOnlyConfig(), filter_fn=lambda m, fqn: fqn == "")
+        nf4 = to_nf4(torch.randn(96, 512, dtype=wdt) * 0.02, 64, 256)
+        for weight in (lin.weight, nf4):
+            for out in (torch.float32, torch.bfloat16, torch.float16):
+                got = decode_with_kernel(weight, torch.empty(weight.shape, dtype=out))
+                want = decode_reference(weight, torch.empty(weight.shape, dtype=out))
+                if not torch.equal(got, want):
+                    bad.append((type(weight).__name__, str(wdt), str(out), int((got != want).sum())))
+    print("mismatches", bad)
+""")
+
+
+def test_the_kernels_equal_torchaos_dequantization_under_the_interpreter():
+    """The same Triton source that runs on CUDA, run by Triton's interpreter on CPU tensors: int8 and
+    NF4 weights stored in float32 and bfloat16, decoded to float32, bfloat16 and float16, equal
+    torchao's `dequantize` / `get_original_weight` rounded to that dtype, bitwise (the bfloat16
+    rounding is integer arithmetic, ties to even, so it cannot differ between the two)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, "-c", KERNEL_CHECK], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "mismatches []" in r.stdout, r.stdout[-2000:]
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_the_hooks_run_the_float_layer_on_the_decoded_weight(method, autocast):
+    """A quantized tiny model with the hooks gives the logits of a float model whose linear weights
+    are torchao's dequantization, bitwise (the same F.linear on the same values), under bfloat16
+    autocast too (the buffer is then bfloat16, as autocast would cast). Outside a call each layer
+    holds its quantized weight again, and the buffer is the largest layer's size, shared."""
+    model = random_model("llama", 400, {}, 0, torch.float32)
+    float_model = random_model("llama", 400, {}, 0, torch.float32)
+    report = quantize_base(model, method)
+    layers = report.modules(model)
+    for layer in layers:  # the float twin: torchao's dequantization in place of each quantized weight
+        deq = layer.weight.dequantize() if method == "int8" else layer.weight.get_original_weight()
+        float_model.get_submodule(next(n for n, m in model.named_modules() if m is layer)).weight.data = deq
+    hooks = DecodedLinears(layers)
+    ids = torch.randint(3, 400, (2, 9))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), torch.no_grad():
+        got, want = model(ids).logits, float_model(ids).logits
+    assert torch.equal(got, want)
+    assert all(type(layer.weight).__name__ in ("Int8Tensor", "NF4Tensor") for layer in layers)
+    (key, buffer), = hooks.scratch.items()
+    assert key[1] == (torch.bfloat16 if autocast else torch.float32)
+    assert buffer.numel() == max(layer.weight.numel() for layer in layers)
+    hooks.remove()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), torch.no_grad():
+        torchao = model(ids).logits  # torchao's own forward again
+    if method == "int4":  # NF4's linear is F.linear on get_original_weight, as ours (autocast casts it alike)
+        assert torch.equal(torchao, got)
+    elif not autocast:  # int8 scales the product, not the weight: a few float32 roundings, relative 1e-7 each
+        assert (torchao - got).abs().max() <= 1e-5 * got.abs().max()
+    else:  # under autocast ours rounds q * scale to bfloat16 (2^-9 relative) where torchao keeps q exact
+        assert (torchao.float() - got.float()).abs().max() <= 1e-2 * got.float().abs().max()  # measured 3.3e-3
+
+
+def test_decoded_is_refused_without_a_quantized_base():
+    from distzo.errors import ConfigError
+    from tests.conftest import make_config
+
+    with pytest.raises(ConfigError, match="engine.quantized_matmul=decoded sets how a quantized base multiplies"):
+        make_config("model=tiny", "engine.quantized_matmul=decoded")

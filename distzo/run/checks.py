@@ -16,6 +16,7 @@ from ..errors import ConfigError
 from ..models.checks import check_model_config
 from ..parallel.launch_env import launched_world_size
 from ..parallel.shape import MeshError, MeshShape
+from ..registry import registry
 
 
 def check_estimator(cfg: Config) -> None:
@@ -28,9 +29,10 @@ def check_estimator(cfg: Config) -> None:
     estimator.check(cfg)
     off = cfg.offload
     if off.mode != "none" and peft == "none" and not estimator.streams_blocks:
-        raise ConfigError(f"offload={off.mode} streams full-parameter blocks for estimator=mezo; estimator={e.name} "
-                          "is not supported with offloading yet: use offload=none (or train adapters, peft=lora, "
-                          "whose frozen base streams with any estimator)")
+        streamers = ", ".join(sorted(n for n, c in registry("estimator").items() if c.streams_blocks))
+        raise ConfigError(f"offload={off.mode} streams full-parameter blocks for estimator={streamers}; "
+                          f"estimator={e.name} is not supported with offloading yet: use offload=none (or train "
+                          "adapters, peft=lora, whose frozen base streams with any estimator)")
     if off.mode != "none" and peft != "none" and off.transfer_dtype is not None:
         raise ConfigError(f"offload.transfer_dtype narrows full-parameter blocks for the trip, and with peft={peft} "
                           "the frozen base streams as stored; drop offload.transfer_dtype (model.quantize=int8 or int4 "

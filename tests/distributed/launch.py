@@ -27,9 +27,23 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM
 
 
 def free_port() -> int:
+    """A port free now. Another process may take it before it is bound again: where this process
+    can host the job's store, `hosted_store` binds one atomically instead."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def hosted_store(world: int, timeout_s: float):
+    """A TCP store for `world` ranks, hosted here as torchrun's agent hosts one, on a port the OS
+    assigns as it binds (no window in which another process of the suite can take it). Ranks given
+    TORCHELASTIC_USE_AGENT_STORE=True and MASTER_PORT=store.port join it as clients."""
+    import datetime
+
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def torchrun_script(nproc: int, script: str | Path, *args: str, cwd: Path | None = None, timeout: float = 600,
@@ -45,10 +59,14 @@ def torchrun(nproc: int, *args: str, cwd: Path | None = None, timeout: float = 6
     return run_forked(nproc, ["train", *args], cwd=cwd, timeout=timeout)
 
 
-def spawn_env(rank: int, world: int, port: int) -> None:
+def spawn_env(rank: int, world: int, port: int, job: int = 0) -> None:
+    """A spawned rank's environment, torchrun's worker's: it joins the store the test process hosts
+    on `port` (`hosted_store`) as a client, its keys under the namespace of `job` (parallel/mesh.py
+    gives each attempt of a worker group one), so one store serves several runs in turn."""
     os.environ.update(ENV)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True",
+                      TORCHELASTIC_RESTART_COUNT=str(job))
 
 
 # --- forked runs ------------------------------------------------------------------------------------
@@ -133,18 +151,14 @@ def run_forked(nproc: int, argv: list[str], cwd: Path | None = None, timeout: fl
     """`python -m distzo ARGV` as nproc ranks of one standalone job; returns the ranks' outputs
     concatenated in rank order and the first failing rank's exit code (0 when all succeed).
     env: variables to set for every rank, on top of the suite's environment (None: unset it)."""
-    import datetime
     import tempfile
     import uuid
 
-    import torch.distributed as dist
-
     ctx = _forkserver()
     cwd = str(cwd or os.getcwd())
-    port = free_port()
     # As torchrun's agent does: host the job's store here, and tell the ranks to use it.
-    store = dist.TCPStore("127.0.0.1", port, nproc, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=timeout)) if nproc > 1 else None
+    store = hosted_store(nproc, timeout) if nproc > 1 else None
+    port = store.port if store is not None else 0
     run_id = uuid.uuid4().hex[:12]
     logs = Path(tempfile.mkdtemp(prefix="distzo-ranks-"))
     procs = []

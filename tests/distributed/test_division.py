@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.distributed.launch import free_port, spawn_env
+from tests.distributed.launch import hosted_store, spawn_env
 from tests.unit.test_engine import EPS, sample_batch
 
 PLAN_SIGNS = (+1, -1)  # a 2x1 mesh: rank r runs evaluation r of MeZO's (+, -) plan
@@ -78,7 +78,8 @@ def _worker(rank, world, port, slow_rank, distribution, out_dir):
 def test_ranks_out_of_step_still_compute_the_single_process_step(tmp_path, slow_rank, distribution):
     from distzo.zo.estimators import Probe
 
-    mp.start_processes(_worker, args=(2, free_port(), slow_rank, distribution, tmp_path), nprocs=2, join=True,
+    store = hosted_store(2, 300)
+    mp.start_processes(_worker, args=(2, store.port, slow_rank, distribution, tmp_path), nprocs=2, join=True,
                        start_method="spawn")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the ranks (OMP_NUM_THREADS=1): a matmul's result may depend on threads

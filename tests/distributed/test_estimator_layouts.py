@@ -15,7 +15,6 @@ LOZO, LOZO-M, SubZero and Sparse MeZO.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,7 @@ import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
-from tests.distributed.launch import free_port, spawn_env
+from tests.distributed.launch import hosted_store, spawn_env
 from tests.plugins import signum  # noqa: F401  registers optim.name=signum here and in the spawned workers
 
 STEPS = 5
@@ -113,10 +112,11 @@ def _train(name: str, mesh: str, root: Path) -> None:
     train(_config(name, mesh, root), run_dir)
 
 
-def _worker(rank: int, world: int, ports: list[int], root: Path) -> None:
-    spawn_env(rank, world, ports[0])
-    for (name, mesh), port in zip(JOBS, ports):
-        os.environ["MASTER_PORT"] = str(port)  # a fresh rendezvous per run: the last group was destroyed
+def _worker(rank: int, world: int, port: int, root: Path) -> None:
+    # One store, hosted by the test process, serves every run: each run's keys get a namespace of
+    # their own (spawn_env's job), so each has a fresh rendezvous on a port bound the whole time.
+    for i, (name, mesh) in enumerate(JOBS):
+        spawn_env(rank, world, port, job=i)
         _train(name, mesh, root)
 
 
@@ -158,8 +158,9 @@ def compose_config_for_model():
 def layouts(tmp_path_factory):
     root = tmp_path_factory.mktemp("estimator-layouts")
     write_qa(root)
-    ports = [free_port() for _ in JOBS]
-    mp.start_processes(_worker, args=(4, ports, root), nprocs=4, join=True, start_method="spawn")
+    store = hosted_store(4, 600)
+    mp.start_processes(_worker, args=(4, store.port, root), nprocs=4, join=True, start_method="spawn")
+    del store
     threads = torch.get_num_threads()
     try:
         for name in RUNS:

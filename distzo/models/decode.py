@@ -105,24 +105,19 @@ def decode_with_kernel(weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """The Triton kernels' decode of a torchao int8 or NF4 weight into `out` (contiguous, the
     weight's shape, float32, bfloat16 or float16): on CUDA, or on CPU tensors under Triton's
     interpreter."""
+    if not (is_int8(weight) or is_nf4(weight)):
+        raise TypeError(f"no decoder for a {type(weight).__name__} weight")
+    total = out.numel()
+    target = out.view(torch.uint16) if out.dtype == torch.bfloat16 else out  # bfloat16 stored as its bits
+    grid, codes = (triton.cdiv(total, _BLOCK),), dict(WEIGHT=_dtype_code(weight.dtype), OUT=_dtype_code(out.dtype))
     if is_int8(weight):
         q, scale = weight.qdata.contiguous(), weight.scale.reshape(-1).contiguous()
-        total = out.numel()
-        target = out.view(torch.uint16) if out.dtype == torch.bfloat16 else out
-        _int8_kernel[(triton.cdiv(total, _BLOCK),)](q, scale, target, q.shape[-1], total,
-                                                   WEIGHT=_dtype_code(weight.dtype), OUT=_dtype_code(out.dtype),
-                                                   BLOCK=_BLOCK)
-    elif is_nf4(weight):
+        _int8_kernel[grid](q, scale, target, q.shape[-1], total, **codes, BLOCK=_BLOCK)
+    else:
         scalers = weight.dequantize_scalers(weight.quantized_scalers, weight.quantization_factor,
                                             weight.scaler_block_size).contiguous()  # torchao's own arithmetic
-        total = out.numel()
-        target = out.view(torch.uint16) if out.dtype == torch.bfloat16 else out
-        _nf4_kernel[(triton.cdiv(total, _BLOCK),)](weight.quantized_data.contiguous(), weight.nf4.contiguous(),
-                                                  scalers, target, weight.block_size, total,
-                                                  WEIGHT=_dtype_code(weight.dtype), OUT=_dtype_code(out.dtype),
-                                                  BLOCK=_BLOCK)
-    else:
-        raise TypeError(f"no decoder for a {type(weight).__name__} weight")
+        _nf4_kernel[grid](weight.quantized_data.contiguous(), weight.nf4.contiguous(), scalers, target,
+                          weight.block_size, total, **codes, BLOCK=_BLOCK)
     return out
 
 

@@ -20,6 +20,7 @@ only grows (quantizing a 390 MiB base layer by layer peaked 600 MiB above its en
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 
 import torch
@@ -42,9 +43,7 @@ class MappedFiles:
                         lo, hi = (int(x, 16) for x in parts[0].split("-"))
                         self.ranges.append((lo, hi))
             if self.ranges:
-                libc = ctypes.CDLL("libc.so.6", use_errno=True)
-                libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-                self._madvise = libc.madvise
+                self._madvise = _libc().madvise
         except (OSError, AttributeError):
             self.ranges = []
 
@@ -63,9 +62,17 @@ class MappedFiles:
         return hi - lo if self._madvise(lo, hi - lo, MADV_DONTNEED) == 0 else 0  # refused: the pages stay
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    """glibc, opened once (quantization trims the heap after every layer); OSError where there is none."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc
+
+
 def trim_heap() -> None:
     """Give freed heap back to the system (glibc's malloc_trim; nothing elsewhere)."""
     try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        _libc().malloc_trim(0)
     except (OSError, AttributeError):
         pass  # not glibc: the allocator keeps what it keeps

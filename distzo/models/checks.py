@@ -1,6 +1,6 @@
 """What a model configuration names exists and is usable, before anything loads: a tokenizer folder,
 an installed wheel, a local causal-LM folder with whole weights, a random architecture that builds (a
-hub id is checked once fetched).
+hub id is checked once fetched), and once a model is built, that it can hold the task's sequences.
 Raises ConfigError with the path and the fix."""
 
 from __future__ import annotations
@@ -41,3 +41,16 @@ def check_model_config(m: ModelConfig) -> None:
     if m.source == "random":
         # Built on the meta device (no memory, instant): shape errors surface here, not mid-run.
         random_model(str(m.arch), 1024, dict(m.arch_config), 0, getattr(torch, str(m.dtype)), device="meta")
+
+
+def check_positions(model: torch.nn.Module, longest: int, task: str) -> None:
+    """A model with learned position embeddings (OPT, GPT-2, ...) has none beyond its configured
+    maximum: refuse a task whose sequences are longer (rotary models extrapolate; they pass)."""
+    learned = any(isinstance(m, torch.nn.Embedding) and name.endswith(("embed_positions", "wpe", "position_embeddings"))
+                  for name, m in model.named_modules())
+    config = getattr(model, "config", None)
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if learned and limit and longest > limit:
+        raise ConfigError(f"task {task} has sequences of {longest} tokens, and the model's learned position embeddings "
+                          f"stop at {limit}; lower task.max_length / task.max_tokens, or for a random model raise "
+                          f"model.arch_config.max_position_embeddings")

@@ -257,19 +257,6 @@ def random_model(arch: str, vocab_size: int, overrides: dict[str, Any], init_see
     return model.eval()  # dropout off: ZO forwards must be deterministic
 
 
-def check_positions(model: torch.nn.Module, longest: int, task: str) -> None:
-    """A model with learned position embeddings (OPT, GPT-2, ...) has none beyond its configured
-    maximum: refuse a task whose sequences are longer (rotary models extrapolate; they pass)."""
-    learned = any(isinstance(m, torch.nn.Embedding) and name.endswith(("embed_positions", "wpe", "position_embeddings"))
-                  for name, m in model.named_modules())
-    config = getattr(model, "config", None)
-    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-    if learned and limit and longest > limit:
-        raise ConfigError(f"task {task} has sequences of {longest} tokens, and the model's learned position embeddings "
-                          f"stop at {limit}; lower task.max_length / task.max_tokens, or for a random model raise "
-                          f"model.arch_config.max_position_embeddings")
-
-
 def model_folder(cfg: ModelConfig, pins: Mapping[str, hub.Pin] | None = None) -> Path:
     """The folder a (non-random) model configuration loads from: a wheel model's converted folder, a
     local folder, or a hub repository's cached snapshot (at the pinned commit; fetched here when

@@ -2,10 +2,14 @@
 
 With LoRA, LoRA-FA or prefix tuning the base model is frozen, so its linear weights need not be
 float: they are quantized once at load, weight-only, with torchao (the same code on CPU and CUDA).
-The forward runs torchao's weight-only linear, which on CPU and CUDA alike dequantizes each weight
-back to float on every call (int8: `qdata.to(float)` times the row scales; NF4: a dozen elementwise
-kernels) and then runs the float matmul: the memory is the quantized bytes, the speed is not faster
-than the float base's (measured on an H100: 1.6x the float32 LoRA step for int8, 2.0x for int4).
+How the forward multiplies by a quantized weight is `engine.quantized_matmul`:
+- `torchao` (the default): torchao's weight-only linear, which on CPU and CUDA alike dequantizes each
+  weight back to float on every call (int8: `qdata.to(float)`, the row scales applied to the product;
+  NF4: a dozen elementwise kernels) and then runs the float matmul. Measured on an H100: 1.6x the
+  float32 LoRA step for int8, 2.0x for int4.
+- `decoded`: one kernel per layer decodes the weight into a scratch buffer shared by the model, in
+  the product's dtype, and the float base's `F.linear` runs on it (`distzo.models.decode`).
+Either way the memory held is the quantized bytes; neither reads the quantized bytes inside the matmul.
 The adapters stay in the model's dtype and train as on a float base; activations stay float.
 
 - int8: per-row symmetric int8 with a float32 scale per row (`Int8WeightOnlyConfig`), about 0.25x

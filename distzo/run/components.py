@@ -16,8 +16,8 @@ from ..data.tasks import PromptTask, TrainSampler
 from ..engine import Engine, EngineSetup, build_engine
 from ..errors import DistzoError
 from ..models import adapter_for, load_model
+from ..models.checks import check_positions
 from ..models.decode import DecodedLinears
-from ..models.loading import check_positions
 from ..models.quantize import QuantizedBase, quantize_base
 from ..parallel.mesh import Mesh
 from ..peft import apply_peft

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from distzo.errors import ConfigError
-from distzo.models.loading import check_positions, random_model
+from distzo.models.checks import check_positions
+from distzo.models.loading import random_model
 from distzo.telemetry.flops import card_peak_tflops, forward_precision, model_flops_utilisation
 from tests.conftest import make_config
 

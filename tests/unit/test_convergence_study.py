@@ -53,6 +53,16 @@ def test_one_slow_seed_fails_the_goal(capsys):
     assert "Goal not met" in out and "a 0.75x, b 0.75x" in out
 
 
+def test_the_best_misses_the_fewest_tasks(capsys):
+    conv = convergence()
+    never = [run(t, "never", s, [2.0, 1.5, 1.2, 1.1, 1.05]) for t in ("a", "b") for s in range(3)]
+    half = [run(t, "half", s, [2.0, 1.5, 1.2, 0.99, 0.9] if t == "a" else [2.0, 1.5, 1.2, 1.1, 1.05], lr=3e-4)
+            for t in ("a", "b") for s in range(3)]
+    conv.loss_table(mezo("a") + mezo("b") + never + half)
+    out = capsys.readouterr().out.split("Goal not met")[1]
+    assert "Best: half at lr 0.0003, a 0.75x, b not within the budget" in out and "never" not in out
+
+
 def test_a_cut_run_settles_nothing_unless_it_reached(capsys):
     conv = convergence()
     cut_mezo = run("a", "mezo", 3, [2.0, 0.1], outcome="deadline", lr=2e-5)  # left out of the target

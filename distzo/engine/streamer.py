@@ -192,6 +192,11 @@ def place_resident(model: nn.Module, device: torch.device, streamed: Iterable[st
         for key, buf in list(module._buffers.items()):
             if buf is not None:
                 module._buffers[key] = buf.to(device)
+    if device.type == "cuda":
+        # A model drawn on the device (model.init_device=device) left the streamed blocks' storage in
+        # torch's caching allocator when they moved into host masters: return it to the device, or
+        # the process keeps a resident model's memory reserved (and every peak counts it).
+        torch.cuda.empty_cache()
 
 
 # --- transfers: how a range of a block moves between its host master and a device slot ---------------

@@ -164,7 +164,8 @@ def _release_float_copies(model: nn.Module) -> None:
     file and the tensors that stay float (embeddings, norms) are views of that one mapping, so the
     pages quantization read stay resident while any of them lives: the float tensors get memory of
     their own. Then glibc returns the freed heap (quantization's temporaries) to the system, where
-    it can; without both, a quantized base's process held more than the float one's."""
+    it can; without both, a quantized base's process held more than the float one's. On a GPU the
+    device gets the float weights' memory back the same way."""
     copies: dict[int, torch.Tensor] = {}  # a tied tensor is copied once and stays tied
     with torch.no_grad():
         for module in model.modules():
@@ -177,4 +178,8 @@ def _release_float_copies(model: nn.Module) -> None:
                         copies[id(t)] = t.clone()
                     module._buffers[name] = copies[id(t)]
     trim_heap()
+    if any(p.is_cuda for p in model.parameters()):
+        # A base drawn on the GPU (model.init_device=device): its float weights' memory went back to
+        # torch's caching allocator, which keeps it reserved (and every peak counts it) until told.
+        torch.cuda.empty_cache()
 

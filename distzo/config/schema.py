@@ -391,10 +391,10 @@ class EngineConfig:
       divide the step's noise generation and update among the node's ranks instead of repeating them
       on every rank (engine/divided.py). "auto": wherever it applies (every rank has a perturbed
       evaluation, no offloading, CPU); "true": required (an error where it cannot apply).
-    native: the fused CPU kernels (distzo/native): one pass per chunk for the update and every
-      working copy, compiled on first use with the system C compiler. "auto": on CPU where a
-      compiler is found (torch ops otherwise, with a warning); "true": required; "false": torch ops.
-      Results are bitwise the same either way.
+    native: the fused kernels (distzo/native): one pass per chunk for the update and every working
+      copy; on CPU compiled on first use with the system C compiler, on CUDA a Triton kernel (sgd's
+      update and a query's copies). "auto": where they can run (torch ops otherwise, with a
+      warning); "true": required; "false": torch ops. Results are bitwise the same either way.
     compute: the arithmetic of the forward passes, the master and the perturbations staying in the
       model's dtype (docs/performance.md#compute-modes). "fp32": as the weights. "tf32" (CUDA):
       float32 matrix products on TF32 tensor cores. "bf16": the forward under bfloat16 autocast

@@ -19,11 +19,13 @@ Where the directions give a parameter a magnitude mask (Sparse MeZO, `Directions
 z reaches only the elements with |x| <= h: a term's z where the master held such a value before the
 update, a copy's z where the updated value is one (+0 elsewhere, so those elements keep their value).
 
-Two implementations do exactly this. The fused kernel (`distzo.native`, CPU, float32) runs a rule
-that has a kernel case in one pass over the chunk; torch ops run `Rule.apply` on the chunk and one
-pass per copy. z is scaled as it is drawn (the value of z.mul_(scale), see `Directions.fill_chunk`),
-and subtracting a negative multiple of z is adding its magnitude, exactly. A master narrower than
-float32 is updated in float32 and rounded once; its copies take z rounded to its dtype.
+Three implementations do exactly this. The fused kernel (`distzo.native`, CPU, float32) runs a rule
+that has a kernel case in one pass over the chunk; on CUDA a Triton kernel (`distzo.native.cuda`)
+runs sgd's rule and a query's copies in one pass, z drawn in registers; torch ops run `Rule.apply`
+on the chunk and one pass per copy. z is scaled as it is drawn (the value of z.mul_(scale), see
+`Directions.fill_chunk`), and subtracting a negative multiple of z is adding its magnitude, exactly.
+A master narrower than float32 is updated in float32 and rounded once; its copies take z rounded to
+its dtype.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 import torch
 
 from ..native import Kernels, Source
+from ..native.cuda import CudaKernels
 from ..zo.directions import ChunkRef, Directions
 from ..zo.optimizers import SGD, Rule
 from ..zo.params import TrainableParam
@@ -70,7 +73,12 @@ def chunk_pass(directions: Directions, p: TrainableParam, ref: ChunkRef, master:
         raise RuntimeError(f"internal error: {p.name} has {len(state)} optimizer state tensors, its rule needs "
                            f"{rule.slots}")
     kernels = directions.kernels
-    if (kernels is not None and rule.kernel is not None and master.dtype == torch.float32
+    if isinstance(kernels, CudaKernels):  # CUDA: one Triton launch per query where it applies
+        if kernels.handles(directions, p, master, pending, copies, state):
+            kernels.chunk_pass(directions, p, ref, master, pending, step, eps, copies, part, _torch_ops)
+        else:
+            _torch_ops(directions, p, ref, master, pending, step, eps, copies, part, state)
+    elif (kernels is not None and rule.kernel is not None and master.dtype == torch.float32
             and p.tensor.dtype == torch.float32 and master.device.type == "cpu" and master.is_contiguous()
             and all(out.dtype == torch.float32 and out.is_contiguous() for outs in copies.values() for _, out in outs)
             and all(t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu" for t in state)):

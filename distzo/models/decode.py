@@ -17,8 +17,8 @@ rounded once to the product's dtype, as autocast would round it. The product is 
 path's on that weight. torchao's int8 forward scales the product instead of the weight, so the two
 settings differ by rounding; every engine path decodes the same way, so streamed and resident runs
 and any mesh agree within a setting as before. The Triton kernels round to bfloat16 with integer
-arithmetic (to nearest, ties to even), so they compute the same bits on a GPU and under Triton's
-interpreter (TRITON_INTERPRET=1, a CPU: tests/unit/test_decode.py).
+arithmetic (to nearest, ties to even; distzo/native/rounding.py), so they compute the same bits on a
+GPU and under Triton's interpreter (TRITON_INTERPRET=1, a CPU: tests/unit/test_decode.py).
 """
 
 from __future__ import annotations
@@ -28,11 +28,15 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from ..native.rounding import as_kernel_arg, dtype_code
+
 try:
     import triton
     import triton.language as tl
 except ImportError:  # CPU-only installs decode with torch ops
     triton = tl = None
+else:
+    from ..native.rounding import round_to, store_as
 
 _BLOCK = 1024
 
@@ -45,35 +49,7 @@ def is_nf4(weight: torch.Tensor) -> bool:
     return type(weight).__name__ == "NF4Tensor"
 
 
-def _dtype_code(dtype: torch.dtype) -> int:
-    """How the kernels round a float32 value: 0 keep float32, 1 bfloat16, 2 float16."""
-    return {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}[dtype]
-
-
 if triton is not None:
-    @triton.jit
-    def _round(x, CODE: tl.constexpr):
-        """x (float32) rounded to bfloat16 (CODE 1) or float16 (CODE 2), returned as float32. bfloat16
-        by integer arithmetic, to nearest with ties to even: the same bits everywhere (the
-        interpreter's own float-to-bfloat16 conversion truncates)."""
-        if CODE == 1:
-            bits = x.to(tl.uint32, bitcast=True)
-            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-            x = bits.to(tl.float32, bitcast=True)
-        elif CODE == 2:
-            x = x.to(tl.float16).to(tl.float32)
-        return x
-
-    @triton.jit
-    def _store(out_ptr, offsets, x, mask, OUT: tl.constexpr):
-        """Store x (float32, already exact in the output's dtype) in the output's dtype."""
-        if OUT == 1:
-            tl.store(out_ptr + offsets, (x.to(tl.uint32, bitcast=True) >> 16).to(tl.uint16), mask=mask)
-        elif OUT == 2:
-            tl.store(out_ptr + offsets, x.to(tl.float16), mask=mask)
-        else:
-            tl.store(out_ptr + offsets, x, mask=mask)
-
     @triton.jit
     def _int8_kernel(q_ptr, scale_ptr, out_ptr, n_cols, total, WEIGHT: tl.constexpr, OUT: tl.constexpr,
                      BLOCK: tl.constexpr):
@@ -83,8 +59,8 @@ if triton is not None:
         mask = offsets < total
         q = tl.load(q_ptr + offsets, mask=mask, other=0).to(tl.float32)
         scale = tl.load(scale_ptr + offsets // n_cols, mask=mask, other=0).to(tl.float32)
-        x = _round(_round(q * scale, WEIGHT), OUT)
-        _store(out_ptr, offsets, x, mask, OUT)
+        x = round_to(round_to(q * scale, WEIGHT), OUT)
+        store_as(out_ptr, offsets, x, mask, OUT)
 
     @triton.jit
     def _nf4_kernel(packed_ptr, lut_ptr, scaler_ptr, out_ptr, block_size, total, WEIGHT: tl.constexpr,
@@ -97,8 +73,8 @@ if triton is not None:
         code = tl.where(offsets % 2 == 0, byte >> 4, byte & 15)
         value = tl.load(lut_ptr + code, mask=mask, other=0).to(tl.float32)
         scaler = tl.load(scaler_ptr + offsets // block_size, mask=mask, other=0).to(tl.float32)
-        x = _round(_round(value * scaler, WEIGHT), OUT)
-        _store(out_ptr, offsets, x, mask, OUT)
+        x = round_to(round_to(value * scaler, WEIGHT), OUT)
+        store_as(out_ptr, offsets, x, mask, OUT)
 
 
 def decode_with_kernel(weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -108,8 +84,8 @@ def decode_with_kernel(weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     if not (is_int8(weight) or is_nf4(weight)):
         raise TypeError(f"no decoder for a {type(weight).__name__} weight")
     total = out.numel()
-    target = out.view(torch.uint16) if out.dtype == torch.bfloat16 else out  # bfloat16 stored as its bits
-    grid, codes = (triton.cdiv(total, _BLOCK),), dict(WEIGHT=_dtype_code(weight.dtype), OUT=_dtype_code(out.dtype))
+    target = as_kernel_arg(out)  # bfloat16 stored as its bits
+    grid, codes = (triton.cdiv(total, _BLOCK),), dict(WEIGHT=dtype_code(weight.dtype), OUT=dtype_code(out.dtype))
     if is_int8(weight):
         q, scale = weight.qdata.contiguous(), weight.scale.reshape(-1).contiguous()
         _int8_kernel[grid](q, scale, target, q.shape[-1], total, **codes, BLOCK=_BLOCK)

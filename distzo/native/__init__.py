@@ -18,7 +18,9 @@ same values.
 
 `engine.native`: `auto` uses the kernels where they apply (CPU, float32 masters) and falls back
 to torch ops, with one warning, where they cannot be built. `true` makes that an error. `false`
-always uses torch ops (for comparison).
+always uses torch ops (for comparison). On CUDA the same switch selects the Triton chunk kernel
+(`distzo.native.cuda`: sgd's update and a query's copies in one pass, float32, float16 and bfloat16
+masters).
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ from ..zo.rademacher import (  # the stream's definition, which the kernels repr
     Stream,
     stream_signs,
 )
+from . import cuda
+from .cuda import CudaKernels
 
 log = logging.getLogger("distzo")
 
@@ -301,18 +305,21 @@ def _load() -> Kernels:
     return found
 
 
-def load(mode: str = "auto", device: torch.device | str = "cpu") -> Kernels | None:
-    """The fused kernels for engine.native=`mode` on `device`: None where torch ops run instead
-    (CUDA, `false`, or `auto` without a compiler). `true` raises NativeUnavailable when they cannot load."""
+def load(mode: str = "auto", device: torch.device | str = "cpu") -> Kernels | CudaKernels | None:
+    """The fused kernels for engine.native=`mode` on `device`: the C library on CPU, the Triton chunk
+    kernel on CUDA (`distzo.native.cuda`), or None where torch ops run instead (`false`, another
+    device, or `auto` without a compiler). `true` raises NativeUnavailable when they cannot load."""
     mode = str(mode).lower()
     if mode not in MODES:
         raise ValueError(f"engine.native={mode}: expected one of {', '.join(MODES)}")
     if mode == "false":
         return None
+    if torch.device(device).type == "cuda":
+        return cuda.load(mode)
     if torch.device(device).type != "cpu":
         if mode == "true":
-            raise NativeUnavailable("engine.native=true, but the fused kernels run on CPU only (on CUDA the step "
-                                    "runs torch's kernels); use engine.native=auto")
+            raise NativeUnavailable(f"engine.native=true, but the fused kernels run on CPU and CUDA only, not "
+                                    f"{torch.device(device).type}; use engine.native=auto")
         return None
     try:
         return _load()

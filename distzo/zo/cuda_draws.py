@@ -33,6 +33,11 @@ except ImportError:  # CPU-only installs: nothing here is used there
     triton = tl = None
 
 _BLOCK = 1024
+# Every kernel that draws z is compiled without contracting a product and a sum into one fused
+# multiply-add (Triton's default contracts them). Each operation then rounds once, as torch's
+# elementwise kernels do, so a kernel that draws z and applies it in one pass (distzo.native.cuda)
+# computes bitwise what this draw followed by torch's add computes, and draws the same z as this one.
+UNFUSED = {"enable_fp_fusion": False}
 
 
 def require() -> None:
@@ -50,6 +55,21 @@ if triton is not None:
         x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9
         x = (x ^ (x >> 27)) * 0x94D049BB133111EB
         return x ^ (x >> 31)
+
+    @triton.jit
+    def draw(key_hash, chunk, offset, GAUSSIAN: tl.constexpr):
+        """z (unit scale, float32) of element `offset` of chunk `chunk` of the parameter whose
+        `Directions.key_hash` is key_hash (all uint64): the one definition every kernel draws by."""
+        seed = _mix64(key_hash ^ chunk)  # Directions.chunk_seed's last step
+        if GAUSSIAN:
+            word = _mix64(seed + offset * 0x9E3779B97F4A7C15)  # SplitMix64 output `offset`
+            u1 = ((word >> 40).to(tl.float32) + 1.0) * 5.9604644775390625e-08
+            u2 = ((word >> 16) & 0xFFFFFF).to(tl.float32) * 5.9604644775390625e-08
+            z = tl.sqrt(-2.0 * tl.log(u1)) * tl.cos(6.2831854820251465 * u2)
+        else:
+            word = _mix64(seed + (offset >> 6) * 0x9E3779B97F4A7C15)
+            z = tl.where(((word >> (offset & 63)) & 1) != 0, 1.0, -1.0)
+        return z
 
     @triton.jit(do_not_specialize=["key_hash", "first_chunk"])
     def _draw_kernel(out_ptr, chunk_ptr, base_ptr, first_chunk, n_cols, col_blocks, total, key_hash, scale,
@@ -70,16 +90,7 @@ if triton is not None:
         else:
             chunk = first_chunk.to(tl.uint64) + row.to(tl.uint64)
             offset = col.to(tl.uint64)
-        seed = _mix64(key_hash ^ chunk)  # Directions.chunk_seed's last step
-        if GAUSSIAN:
-            word = _mix64(seed + offset * 0x9E3779B97F4A7C15)  # SplitMix64 output `offset`
-            u1 = ((word >> 40).to(tl.float32) + 1.0) * 5.9604644775390625e-08
-            u2 = ((word >> 16) & 0xFFFFFF).to(tl.float32) * 5.9604644775390625e-08
-            z = tl.sqrt(-2.0 * tl.log(u1)) * tl.cos(6.2831854820251465 * u2)
-        else:
-            word = _mix64(seed + (offset >> 6) * 0x9E3779B97F4A7C15)
-            z = tl.where(((word >> (offset & 63)) & 1) != 0, 1.0, -1.0)
-        tl.store(out_ptr + flat, z * scale, mask=mask)
+        tl.store(out_ptr + flat, draw(key_hash, chunk, offset, GAUSSIAN) * scale, mask=mask)
 
 
 def _launch(out: torch.Tensor, rows: int, n_cols: int, key_hash: int, scale: float, gaussian: bool,
@@ -93,7 +104,7 @@ def _launch(out: torch.Tensor, rows: int, n_cols: int, key_hash: int, scale: flo
     tables = chunks is not None
     _draw_kernel[(rows * col_blocks,)](out, chunks if tables else out, bases if tables else out, first_chunk, n_cols,
                                        col_blocks, total, key_hash, float(scale), TABLES=tables, GAUSSIAN=gaussian,
-                                       BLOCK=_BLOCK)
+                                       BLOCK=_BLOCK, **UNFUSED)
     return out
 
 

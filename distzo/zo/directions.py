@@ -117,18 +117,21 @@ class Directions:
 
     distribution: "gaussian" (N(0, 1)) or "rademacher" (+-1 with equal probability).
     z is always drawn in float32 on `device` and cast by the caller where needed.
-    kernels: the fused CPU kernels (`distzo.native.load`), or None for torch ops; the values are
-    the same either way.
+    kernels: the fused kernels (`distzo.native.load`: C on CPU, Triton on CUDA), or None for torch
+    ops; the values are the same either way.
     """
 
     def __init__(self, seed: int, distribution: str = "gaussian", device: torch.device | str = "cpu",
-                 threads: int | None = None, kernels: RademacherKernels | None = None, clock: WorkClock | None = None):
+                 threads: int | None = None, kernels: Any = None, clock: WorkClock | None = None):
         if distribution not in ("gaussian", "rademacher"):
             raise ValueError(f"unknown direction distribution {distribution!r}")
         self.seed = int(seed)
         self.distribution = distribution
         self.device = torch.device(device)
-        self.kernels = kernels if self.device.type == "cpu" else None
+        # CPU: the C kernels (fused passes, Rademacher draws); CUDA: the Triton chunk kernel, which
+        # chunkpass calls (z is drawn by cuda_draws here either way).
+        self.kernels = kernels if self.device.type in ("cpu", "cuda") else None
+        self._cpu_kernels = kernels if self.device.type == "cpu" else None
         self.counter_draws = self.device.type == "cuda"  # every draw by cuda_draws, a span per launch
         if self.counter_draws:
             cuda_draws.require()
@@ -182,8 +185,8 @@ class Directions:
 
     def fill_stream(self, out: torch.Tensor, stream: Stream, offset: int = 0) -> torch.Tensor:
         """out = elements [offset, offset + out.numel()) of a counter stream."""
-        if self.kernels is not None and out.dtype == torch.float32 and out.is_contiguous():
-            return self.kernels.rademacher_fill(out, stream, offset)
+        if self._cpu_kernels is not None and out.dtype == torch.float32 and out.is_contiguous():
+            return self._cpu_kernels.rademacher_fill(out, stream, offset)
         return out.copy_(stream_signs(stream.seed, offset, out.numel(), stream.scale, out.device))
 
     def fill_chunk(self, out: torch.Tensor, step: int, query: int, ref: ChunkRef, scale: float = 1.0) -> torch.Tensor:
@@ -258,8 +261,8 @@ class Directions:
         rows_cpu = rows.tolist()
         seeds = [self.chunk_seed(step, query, key, refs[r // rows_per_chunk].index) for r in rows_cpu]
         offsets = [(r % rows_per_chunk) * row for r in rows_cpu]
-        if self.kernels is not None:
-            return self.kernels.rademacher_rows(torch.empty(len(rows_cpu), row), seeds, offsets, 1.0)
+        if self._cpu_kernels is not None:
+            return self._cpu_kernels.rademacher_rows(torch.empty(len(rows_cpu), row), seeds, offsets, 1.0)
         return stream_rows(torch.tensor([_int64(s) for s in seeds], dtype=torch.int64, device=self.device),
                            torch.tensor(offsets, dtype=torch.int64, device=self.device), row)
 

@@ -77,6 +77,31 @@ def test_the_table_workload_in_miniature_on_cuda(tmp_path):
     assert prof["time"] == "device kernels" and prof["by_kind_s"]["matmul"] > 0 and 0 < prof["busy_fraction"]
 
 
+@pytest.mark.parametrize("case", ["offloaded float16", "int8 base under LoRA"])
+def test_a_model_drawn_on_the_device_gives_back_what_it_no_longer_holds(tmp_path, case):
+    """model.init_device=device draws the whole float model on the GPU before its blocks move to host
+    masters (offload=cpu) or its linear weights are quantized: the device peak (reserved memory, what
+    bench reports) must then be the run's working set, not the float model's bytes, which torch's
+    caching allocator would otherwise keep. An OPT of 24 blocks (302M parameters) and 50M embedding
+    parameters on short prompts. Offloaded in float16: the working set is about 300 MB (three 25 MB
+    slots, the 100 MB embeddings, two probes' copies of a block, activations) against 704 MB of
+    weights; the bound is 0.6x those. int8 under LoRA, drawn in float32 (1.41 GB): about 0.55 GB
+    (302 MB of int8, 200 MB of float32 embeddings, LoRA, activations); the bound is 0.75x. A drawn
+    model's memory left reserved exceeds either bound by at least 1.3x."""
+    shape = ["+model.arch_config.hidden_size=1024", "+model.arch_config.ffn_dim=4096",
+             "+model.arch_config.num_hidden_layers=24", "+model.arch_config.num_attention_heads=16",
+             "+model.arch_config.word_embed_proj_dim=1024"]
+    mode, element, fraction = {"offloaded float16": (["model.dtype=float16", "offload=cpu"], 2, 0.6),
+                               "int8 base under LoRA": (["peft=lora", "model.quantize=int8"], 4, 0.75)}[case]
+    r = run_fresh(1, ["bench", "model=tiny-opt", *shape, *mode, "model.init_device=device", "device=cuda",
+                      "batch_size=4", "bench.warmup=1", "bench.steps=1", "bench.reference=false",
+                      f"hydra.run.dir={tmp_path / 'b'}"], cwd=tmp_path, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads((tmp_path / "b" / "bench.json").read_text())
+    weights = element * out["mfu"]["parameters"]
+    assert max(out["peak_memory_bytes"].values()) < fraction * weights, (out["peak_memory_bytes"], weights)
+
+
 @pytest.mark.parametrize("quantize", ["int8", "int4"])
 @pytest.mark.parametrize("matmul", ["torchao", "decoded"])
 def test_a_streamed_quantized_base_equals_resident_on_cuda(tmp_path, quantize, matmul):
@@ -106,6 +131,60 @@ def test_the_decode_kernels_equal_torchaos_dequantization_on_cuda(weight_dtype, 
         got = decode_with_kernel(weight, torch.empty(weight.shape, dtype=out_dtype, device="cuda"))
         want = decode_reference(weight, torch.empty(weight.shape, dtype=out_dtype, device="cuda"))
         assert torch.equal(got, want), type(weight).__name__
+
+
+@pytest.mark.parametrize("args", [["model=tiny-opt", "model.dtype=float16", "optim.lr=1e-2", "optim.weight_decay=0.1"],
+                                  ["model=tiny", "estimator.distribution=rademacher", "estimator.q=2"],
+                                  ["model=tiny-opt", "model.dtype=bfloat16", "optim.lr=1e-2", "offload=cpu"]])
+def test_the_triton_chunk_pass_trains_the_weights_of_torch_ops_on_cuda(tmp_path, args):
+    """engine.native=auto (the Triton chunk kernel, distzo/native/cuda.py) against engine.native=false
+    (torch ops): the same weights bitwise after six steps (the same operations, each rounded once),
+    and every kernel variant's first call agreed with torch ops on this GPU (none fell back)."""
+    from distzo import native
+
+    kernels = native.load("auto", "cuda")
+    assert isinstance(kernels, native.CudaKernels)
+    res = train(make_config(*FAST, *args, "steps=6", "engine.native=false"), tmp_path / "t")
+    fused = train(make_config(*FAST, *args, "steps=6"), tmp_path / "k")
+    a = load_file(tmp_path / "t" / "final" / "model.safetensors")
+    b = load_file(tmp_path / "k" / "final" / "model.safetensors")
+    assert all(torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a)
+    assert res["validation_accuracy_after"] == fused["validation_accuracy_after"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("distribution", ["gaussian", "rademacher"])
+def test_the_chunk_kernel_equals_torch_ops_on_cuda(dtype, distribution):
+    """The compiled kernel on a span of three chunks (the last short) and on a slice across them:
+    sgd's update with decay and terms of both signs, then + and - copies, bitwise the torch path's."""
+    from distzo.engine.chunkpass import _torch_ops
+    from distzo.engine.pending import PendingUpdate
+    from distzo.native.cuda import CudaKernels
+    from distzo.zo.directions import ChunkRef
+    from distzo.zo.optimizers import SGD
+    from distzo.zo.params import TrainableParam
+
+    numel, per_chunk = 3 * 70_000 - 999, 70_000
+    for part in (None, (4_097, 150_001)):
+        lr = 3e-3 if dtype == torch.float32 else 0.05
+        pending = PendingUpdate(6, ((0, 0.8), (1, -1.3)), lr, 0.1, SGD().rule(6, lr, 0.1))
+        results = []
+        for fused in (False, True):
+            d = Directions(11, distribution, "cuda")
+            tensor = (torch.randn(numel, generator=torch.Generator().manual_seed(1)) * 0.5).to(dtype).cuda()
+            p = TrainableParam("w", tensor, param_key("w"), True)
+            lo, hi = part or (0, numel)
+            copies = {0: [(1, torch.empty(hi - lo, dtype=dtype, device="cuda")),
+                          (-1, torch.empty(hi - lo, dtype=dtype, device="cuda"))]}
+            ref = ChunkRef(p.key, 4, 0, numel, per_chunk)
+            if fused:
+                CudaKernels(verify=False).chunk_pass(d, p, ref, tensor[lo:hi], pending, 7, 1e-3, copies, part,
+                                                     _torch_ops)
+            else:
+                _torch_ops(d, p, ref, tensor[lo:hi], pending, 7, 1e-3, copies, part, ())
+            results.append([tensor] + [o for outs in copies.values() for _, o in outs])
+        for a, b in zip(*results):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (part, int((a != b).sum()))
 
 
 def _offloaded_equals_resident(tmp_path, args, slots, weights):

@@ -172,7 +172,10 @@ def test_built_once_into_the_cache(fresh):
     assert [f.name for f in k.path.parent.iterdir() if f.suffix == ".so"] == [k.path.name] == ["distzo_kernels.so"]
     native._loaded.clear()  # a second load in a fresh process finds the cached library and builds nothing
     assert native.load("true").path == k.path
-    assert native.load("false") is None and native.load("auto", "cuda") is None
+    assert native.load("false") is None and native.load("false", "cuda") is None
+    # CUDA's fused pass is the Triton chunk kernel (distzo.native.cuda), compiled by Triton, not here
+    assert isinstance(native.load("auto", "cuda"), native.CudaKernels)
+    assert isinstance(native.load("true", "cuda"), native.CudaKernels)
 
 
 def test_no_compiler(fresh, monkeypatch, caplog):

@@ -1,0 +1,243 @@
+"""The chunk pass on CUDA in one Triton kernel: the pending update and a query's working copies, z drawn
+in registers.
+
+On torch ops (`distzo.engine.chunkpass`) a float16 OPT-6.7B step on an H100 spent 0.18 s of its 0.59 s
+outside the forward passes (BENCHMARKS.md): z drawn into a float32 scratch buffer, widened, scaled,
+added and rounded, one pass over memory per operation, about 50 bytes of traffic per element and a
+dozen launches per span of chunks. This kernel reads each master element once, draws z
+(`cuda_draws.draw`, the one definition) for every term of the update and for the query in
+registers, and writes the updated master and the query's + and - copies: 8 bytes per float16
+element, one launch per span and query.
+
+It performs `chunkpass._torch_ops`'s operations, each rounded once, in the same order, on the z
+`cuda_draws` draws (both compiled without FMA contraction, `cuda_draws.UNFUSED`), round() being to
+the master's dtype, nearest even, and every product and sum float32:
+
+    x = float32(master); x = x * decay (if any); x = x - z_k * a_k for each term (a_k signed);
+    master = round(x)
+    float32 copies:  master + z_q * eps,  master - z_q * eps
+    narrower copies: d = round(round(z_q) * eps); round(master + d), round(master - d)
+
+so the weights are bitwise those of the torch path (tests/unit/test_cuda_chunk_kernel.py runs this
+source under Triton's interpreter against it; tests/gpu on a GPU). What the kernel does not cover
+runs on torch ops with the same values: optimizers with state or another rule than sgd's, a magnitude
+mask (Sparse MeZO), directions that are not the plain counter stream (LOZO, SubZero, AGZO).
+
+Each variant (dtype, distribution, which outputs) is verified on its first call in a process: the
+same chunk also goes through the torch path, and a variant whose result differs by one bit (a
+compiler that rounds otherwise) is switched off with a warning, its chunk keeping the torch result.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
+
+import torch
+
+from ..zo import cuda_draws
+from ..zo.optimizers import SGD
+from ..zo.rademacher import mix64
+from .rounding import CODES, as_kernel_arg, dtype_code
+
+if TYPE_CHECKING:
+    from ..engine.pending import PendingUpdate
+    from ..zo.directions import ChunkRef, Directions
+    from ..zo.params import TrainableParam
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: nothing here is used there
+    triton = tl = None
+
+log = logging.getLogger("distzo")
+
+_BLOCK = 1024
+_MASK64 = (1 << 64) - 1
+
+# query -> [(sign, out)], as chunkpass.Copies
+Copies = Mapping[int, Sequence[tuple[int, torch.Tensor]]]
+# chunkpass._torch_ops's signature: the reference a variant is verified against
+TorchPass = Callable[..., None]
+
+
+if triton is not None:
+    from .rounding import load_f32, round_to, store_as
+
+    @triton.jit(do_not_specialize=["n_terms", "update_base", "copy_base", "query", "key", "first_chunk",
+                                   "first_row", "lo", "hi"])
+    def _chunk_kernel(master_ptr, plus_ptr, minus_ptr, term_query_ptr, term_scale_ptr, n_terms, update_base,
+                      copy_base, query, key, first_chunk, first_row, n_cols, col_blocks, lo, hi, decay, eps,
+                      UPDATE: tl.constexpr, DECAY: tl.constexpr, PLUS: tl.constexpr, MINUS: tl.constexpr,
+                      CODE: tl.constexpr, GAUSSIAN: tl.constexpr, BLOCK: tl.constexpr):
+        # The span's element e is element e % n_cols of chunk first_chunk + e // n_cols; master and the
+        # copies hold elements [lo, hi) of the span (passed by rounding.as_kernel_arg; CODE: their
+        # dtype). Program: (row, column block) of the rows that [lo, hi) touches, from first_row.
+        pid = tl.program_id(0).to(tl.int64)
+        r = pid // col_blocks
+        col = (pid - r * col_blocks) * BLOCK + tl.arange(0, BLOCK)
+        row = first_row + r
+        flat = row * n_cols + col
+        mask = (col < n_cols) & (flat >= lo) & (flat < hi)
+        at = flat - lo
+        chunk = first_chunk.to(tl.uint64) + row.to(tl.uint64)
+        offset = col.to(tl.uint64)
+        key = key.to(tl.uint64)
+        m = load_f32(master_ptr, at, mask, CODE)  # the master's value, exactly
+        if UPDATE:
+            x = m
+            if DECAY:
+                x = x * decay
+            base = update_base.to(tl.uint64)
+            for t in range(n_terms):
+                q = tl.load(term_query_ptr + t).to(tl.uint64, bitcast=True)
+                a = tl.load(term_scale_ptr + t)
+                # Directions.key_hash(step, q, key) from its first two rounds (update_base)
+                kh = cuda_draws._mix64(cuda_draws._mix64(base ^ q) ^ key)
+                x = x - cuda_draws.draw(kh, chunk, offset, GAUSSIAN) * a
+            m = round_to(x, CODE)
+            store_as(master_ptr, at, m, mask, CODE)
+        if PLUS or MINUS:
+            kh = cuda_draws._mix64(cuda_draws._mix64(copy_base.to(tl.uint64) ^ query.to(tl.uint64)) ^ key)
+            z = cuda_draws.draw(kh, chunk, offset, GAUSSIAN)
+            if CODE == 0:
+                d = z * eps
+            else:  # z rounded to the master's dtype, then scaled there (torch: z.to(dtype).mul_(eps))
+                d = round_to(round_to(z, CODE) * eps, CODE)
+            if PLUS:
+                store_as(plus_ptr, at, round_to(m + d, CODE), mask, CODE)
+            if MINUS:
+                store_as(minus_ptr, at, round_to(m - d, CODE), mask, CODE)
+
+
+def _step_base(seed: int, step: int) -> int:
+    """The first two rounds of `Directions.key_hash`: mix64(mix64(seed) ^ step)."""
+    return mix64(mix64(seed) ^ (step & _MASK64))
+
+
+class CudaKernels:
+    """The chunk pass's Triton kernel (`engine.native` on CUDA); see the module docstring."""
+
+    path = "Triton chunk kernel (distzo/native/cuda.py)"
+
+    def __init__(self, verify: bool = True):
+        self.verify = verify  # compare each variant's first call with the torch path
+        self._checked: dict[tuple, bool] = {}  # variant -> its first call agreed with the torch path
+        self._terms: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def handles(self, directions: Directions, p: TrainableParam, master: torch.Tensor,
+                pending: PendingUpdate | None, copies: Copies, state: Sequence[torch.Tensor]) -> bool:
+        """Whether this pass is the kernel's: plain counter z on CUDA, sgd's rule (or none), no mask,
+        no state, contiguous tensors of one supported dtype."""
+        from ..zo.directions import Directions
+
+        cls = type(directions)
+        if not (directions.counter_draws and master.is_contiguous() and not state
+                and cls.fill_chunk is Directions.fill_chunk and cls._fill_chunk is Directions._fill_chunk
+                and master.dtype in CODES and p.tensor.dtype == master.dtype
+                and directions.magnitude_threshold(p.key) is None):
+            return False
+        if pending is not None and type(pending.rule.optimizer).update is not SGD.update:
+            return False
+        return all(out.dtype == master.dtype and out.is_contiguous() for outs in copies.values() for _, out in outs)
+
+    def chunk_pass(self, directions: Directions, p: TrainableParam, ref: ChunkRef, master: torch.Tensor,
+                   pending: PendingUpdate | None, step: int, eps: float, copies: Copies,
+                   part: tuple[int, int] | None, torch_pass: TorchPass) -> None:
+        """`chunkpass.chunk_pass` for a pass `handles` accepts: one launch per query (the first also
+        applies the update), copies beyond one + and one - per query in launches of their own."""
+        launches = self._launches(pending, copies)
+        variant = (master.dtype, directions.distribution,
+                   tuple(tuple(sorted(flags.items())) for _, _, _, flags in launches))
+        if self.verify and variant not in self._checked:
+            self._checked[variant] = self._agrees(directions, p, ref, master, pending, step, eps, copies, part,
+                                                  torch_pass, launches)
+            return
+        if not self._checked.get(variant, True):
+            torch_pass(directions, p, ref, master, pending, step, eps, copies, part, ())
+            return
+        self._run(directions, p, ref, master, pending, step, eps, part, launches)
+
+    def _launches(self, pending: PendingUpdate | None, copies: Copies) -> list[tuple]:
+        """[(query, plus out, minus out, flags)]: the update in the first launch, then each query's
+        copies, one + and one - a launch."""
+        update = pending is not None
+        out: list[tuple] = []
+        for q, outs in copies.items():
+            plus = [o for sign, o in outs if sign > 0]
+            minus = [o for sign, o in outs if sign < 0]
+            while plus or minus:
+                a, b = plus.pop(0) if plus else None, minus.pop(0) if minus else None
+                out.append((q, a, b, {"UPDATE": update and not out, "PLUS": a is not None, "MINUS": b is not None}))
+        if update and not out:
+            out.append((0, None, None, {"UPDATE": True, "PLUS": False, "MINUS": False}))
+        return out
+
+    def _run(self, directions: Directions, p: TrainableParam, ref: ChunkRef, master: torch.Tensor,
+             pending: PendingUpdate | None, step: int, eps: float, part: tuple[int, int] | None,
+             launches: list[tuple]) -> None:
+        size = ref.stop - ref.start
+        lo, hi = part if part is not None else (0, size)
+        n_cols = ref.per_chunk
+        first_row, last_row = lo // n_cols, (hi - 1) // n_cols
+        col_blocks = triton.cdiv(n_cols, _BLOCK)
+        grid = ((last_row - first_row + 1) * col_blocks,)
+        decay = 1.0 - pending.lr * pending.weight_decay if pending is not None and p.decay and pending.weight_decay \
+            else None
+        queries, scales = self._term_tensors(pending, master.device)
+        update_base = _step_base(directions.seed, pending.step) if pending is not None else 0
+        copy_base = _step_base(directions.seed, step)
+        arg = as_kernel_arg(master)
+        for q, plus, minus, flags in launches:
+            _chunk_kernel[grid](arg, as_kernel_arg(plus) if plus is not None else arg,
+                                as_kernel_arg(minus) if minus is not None else arg,
+                                queries, scales, queries.numel(), update_base, copy_base, q & _MASK64, p.key,
+                                ref.index, first_row, n_cols, col_blocks, lo, hi,
+                                float(decay) if decay is not None else 1.0, float(eps),
+                                DECAY=flags["UPDATE"] and decay is not None, CODE=dtype_code(master.dtype),
+                                GAUSSIAN=directions.distribution == "gaussian", BLOCK=_BLOCK,
+                                **flags, **cuda_draws.UNFUSED)
+
+    def _term_tensors(self, pending: PendingUpdate | None, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The update's terms on the device: queries (int64, as their 64-bit patterns) and signed
+        float32 scales a_k (f32(-|a|) is -f32(|a|): subtracting it adds |a| z, as the torch path does).
+        Made once per step (every parameter's pass shares them), a few kept."""
+        terms = tuple(pending.terms) if pending is not None else ()
+        key = (terms, str(device))
+        if key not in self._terms:
+            if len(self._terms) > 8:
+                self._terms.clear()
+            q = [k & _MASK64 for k, _ in terms] or [0]
+            q = [v - (1 << 64) if v >= 1 << 63 else v for v in q]  # int64 bit patterns
+            self._terms[key] = (torch.tensor(q, dtype=torch.int64, device=device),
+                                torch.tensor([a for _, a in terms] or [0.0], dtype=torch.float32, device=device))
+        queries, scales = self._terms[key]
+        return (queries[:len(terms)], scales[:len(terms)]) if terms else (queries[:0], scales[:0])
+
+    def _agrees(self, directions: Directions, p: TrainableParam, ref: ChunkRef, master: torch.Tensor,
+                pending: PendingUpdate | None, step: int, eps: float, copies: Copies,
+                part: tuple[int, int] | None, torch_pass: TorchPass, launches: list[tuple]) -> bool:
+        """Run the pass both ways on this chunk; keep the torch result; say whether they agree."""
+        before = master.clone()
+        self._run(directions, p, ref, master, pending, step, eps, part, launches)
+        got = [master.clone()] + [out.clone() for outs in copies.values() for _, out in outs]
+        master.copy_(before)
+        torch_pass(directions, p, ref, master, pending, step, eps, copies, part, ())
+        want = [master] + [out for outs in copies.values() for _, out in outs]
+        same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got, want))
+        if not same:
+            log.warning("engine.native: the CUDA chunk kernel differs from torch ops on %s (%s, %s); this "
+                        "variant runs on torch ops (same results, slower). Please report it with your GPU "
+                        "and Triton version", p.name, master.dtype, directions.distribution)
+        return same
+
+
+def load(mode: str) -> CudaKernels | None:
+    """The CUDA kernel for engine.native=`mode` (auto or true): None without Triton under auto."""
+    if triton is None:
+        if mode == "true":
+            from . import NativeUnavailable  # the package's error (it imports this module first)
+            raise NativeUnavailable("engine.native=true on CUDA needs Triton (torch's CUDA wheels bring it)")
+        return None
+    return CudaKernels()

@@ -4,13 +4,13 @@
 # under DEADLINE_S: a stage that cannot start in time is skipped and named, so a hang or a slow stage
 # still leaves the others' figures, and a second call can run what was left (STAGES=...).
 #
-#   table      DistZO2's Table 1 workload: OPT-1.3B, 6.7B, 13B, 2.7B in float16, batch 4 x 2,048
-#              tokens, resident (with MeZO's Algorithm 1 and the profile) and offload=cpu
+#   table      DistZO2's Table 1 workload: OPT-6.7B, 13B, 1.3B, 2.7B in float16 (the MFU rows first),
+#              batch 4 x 2,048 tokens, resident (with MeZO's Algorithm 1 and the profile) and offload=cpu
 #              (benchmarks/distzo2_table.py; table-fp16/table.jsonl and a markdown table)
-#   tests      tests/gpu
+#   tests      tests/gpu (about 170 s on an H100)
 #   quantized  LoRA on a float32, an int8 and an int4 base of model=llama-1b at batch 16, fp32 and
-#              bf16 compute, the quantized ones with torchao's linears and engine.quantized_matmul=decoded,
-#              each profiled (bench-lora-*.json)
+#              bf16 compute: decoded first (the candidate default), then torchao's linears, each
+#              profiled (bench-lora-*.json; about 30 s each)
 #   bf16       the table's workload in bfloat16 for OPT-1.3B and 6.7B (table-bf16/)
 #   load       a sharded float16 OPT-6.7B checkpoint (13.3 GB, written to /tmp) trained with offload=cpu,
 #              float and int8/int4 LoRA: the host's and the GPU's peaks (benchmarks/load_peak.py; load.log)
@@ -24,6 +24,10 @@
 #
 #   bash benchmarks/gpu_check.sh OUT_DIR                      # every stage, in that order
 #   STAGES="quantized bf16" bash benchmarks/gpu_check.sh OUT  # a second call for what was left
+#
+# One session's 15 device minutes (the first call's start took about 30 s on 2026-11-27) hold two
+# calls back to back: the default (table and tests fill its 530 s), then at once, with what is left
+# (the lease's budget_left_s, about 280 s): STAGES=quantized DEADLINE_S=<left - 40>.
 #
 # Through the device tool (its $OUT returns at most 8 files: pack them; the traces stay behind):
 #   bash benchmarks/gpu_prepare.sh    # here, once
@@ -86,22 +90,22 @@ table() {  # DIR DTYPE SIZES...: the table's rows that fit this stage's limit (1
   "$PY" benchmarks/distzo2_table.py run --out "$out/$dir" --dtype "$dtype" --sizes "$@" --profile \
     --deadline-s $((STAGE_LIMIT - 15)) --row-timeout-s 200
 }
-stage_table() { table table-fp16 float16 1.3b 6.7b 13b 2.7b; }
+stage_table() { table table-fp16 float16 6.7b 13b 1.3b 2.7b; }
 stage_bf16() { table table-bf16 bfloat16 1.3b 6.7b; }
 stage_30b() { table table-30b float16 30b; }
 stage_tests() { "$PY" -m pytest tests/gpu -q -p no:cacheprovider; }
-stage_quantized() {  # LoRA on llama-1b: the float base, then each quantized base as torchao runs it and decoded
-  local runs; runs=$(mktemp -d)
-  for compute in fp32 bf16; do
-    for base in none int8 int8-decoded int4 int4-decoded; do
-      local name="lora-$base-$compute" quantize=${base%-decoded} matmul=torchao
-      [[ $base == *-decoded ]] && matmul=decoded
-      echo "== bench $name"
-      timeout 60 "$PY" -m distzo bench model=llama-1b model.init_device=device device=cuda peft=lora \
-        model.quantize=$quantize engine.quantized_matmul=$matmul engine.compute=$compute bench.reference=false \
-        bench.profile=true "hydra.run.dir=$runs/$name" 2>&1 | grep -v '^\['
-      cp "$runs/$name/bench.json" "$out/bench-$name.json" 2>/dev/null || echo "bench $name wrote no bench.json"
-    done
+stage_quantized() {  # LoRA on llama-1b: the float base and the decoded quantized bases in both computes, then torchao's
+  local runs run compute base; runs=$(mktemp -d)
+  for run in fp32:none fp32:int8-decoded fp32:int4-decoded bf16:none bf16:int8-decoded bf16:int4-decoded \
+             fp32:int8 fp32:int4 bf16:int8 bf16:int4; do
+    compute=${run%%:*} base=${run#*:}
+    local name="lora-$base-$compute" quantize=${base%-decoded} matmul=torchao
+    [[ $base == *-decoded ]] && matmul=decoded
+    echo "== bench $name"
+    timeout 60 "$PY" -m distzo bench model=llama-1b model.init_device=device device=cuda peft=lora \
+      model.quantize=$quantize engine.quantized_matmul=$matmul engine.compute=$compute bench.reference=false \
+      bench.profile=true "hydra.run.dir=$runs/$name" 2>&1 | grep -v '^\['
+    cp "$runs/$name/bench.json" "$out/bench-$name.json" 2>/dev/null || echo "bench $name wrote no bench.json"
   done
 }
 stage_load() {
@@ -142,7 +146,7 @@ PY
 }
 export -f table stage_table stage_load stage_bf16 stage_30b stage_tests stage_quantized stage_study study_run
 
-declare -A LIMIT=([table]=300 [tests]=150 [quantized]=280 [load]=200 [bf16]=120 [30b]=300 [study]=500)
+declare -A LIMIT=([table]=330 [tests]=195 [quantized]=320 [load]=200 [bf16]=120 [30b]=300 [study]=500)
 for name in $STAGES; do
   [ -n "${LIMIT[$name]:-}" ] || { echo "unknown stage $name (stages: ${!LIMIT[*]})"; continue; }
   stage "$name" "${LIMIT[$name]}"

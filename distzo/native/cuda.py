@@ -149,7 +149,7 @@ class CudaKernels:
         applies the update), copies beyond one + and one - per query in launches of their own."""
         launches = self._launches(pending, copies)
         variant = (master.dtype, directions.distribution,
-                   tuple(tuple(sorted(flags.items())) for _, _, _, flags in launches))
+                   tuple((update, plus is not None, minus is not None) for _, plus, minus, update in launches))
         if self.verify and variant not in self._checked:
             self._checked[variant] = self._agrees(directions, p, ref, master, pending, step, eps, copies, part,
                                                   torch_pass, launches)
@@ -160,8 +160,8 @@ class CudaKernels:
         self._run(directions, p, ref, master, pending, step, eps, part, launches)
 
     def _launches(self, pending: PendingUpdate | None, copies: Copies) -> list[tuple]:
-        """[(query, plus out, minus out, flags)]: the update in the first launch, then each query's
-        copies, one + and one - a launch."""
+        """[(query, + copy or None, - copy or None, whether it applies the update)]: the update in the
+        first launch, then each query's copies, one + and one - a launch."""
         update = pending is not None
         out: list[tuple] = []
         for q, outs in copies.items():
@@ -169,9 +169,9 @@ class CudaKernels:
             minus = [o for sign, o in outs if sign < 0]
             while plus or minus:
                 a, b = plus.pop(0) if plus else None, minus.pop(0) if minus else None
-                out.append((q, a, b, {"UPDATE": update and not out, "PLUS": a is not None, "MINUS": b is not None}))
+                out.append((q, a, b, update and not out))
         if update and not out:
-            out.append((0, None, None, {"UPDATE": True, "PLUS": False, "MINUS": False}))
+            out.append((0, None, None, True))
         return out
 
     def _run(self, directions: Directions, p: TrainableParam, ref: ChunkRef, master: torch.Tensor,
@@ -188,16 +188,16 @@ class CudaKernels:
         queries, scales = self._term_tensors(pending, master.device)
         update_base = _step_base(directions.seed, pending.step) if pending is not None else 0
         copy_base = _step_base(directions.seed, step)
-        arg = as_kernel_arg(master)
-        for q, plus, minus, flags in launches:
+        arg, code, gaussian = as_kernel_arg(master), dtype_code(master.dtype), directions.distribution == "gaussian"
+        for q, plus, minus, update in launches:
             _chunk_kernel[grid](arg, as_kernel_arg(plus) if plus is not None else arg,
                                 as_kernel_arg(minus) if minus is not None else arg,
                                 queries, scales, queries.numel(), update_base, copy_base, q & _MASK64, p.key,
                                 ref.index, first_row, n_cols, col_blocks, lo, hi,
                                 float(decay) if decay is not None else 1.0, float(eps),
-                                DECAY=flags["UPDATE"] and decay is not None, CODE=dtype_code(master.dtype),
-                                GAUSSIAN=directions.distribution == "gaussian", BLOCK=_BLOCK,
-                                **flags, **cuda_draws.UNFUSED)
+                                UPDATE=update, DECAY=update and decay is not None, PLUS=plus is not None,
+                                MINUS=minus is not None, CODE=code, GAUSSIAN=gaussian, BLOCK=_BLOCK,
+                                **cuda_draws.UNFUSED)
 
     def _term_tensors(self, pending: PendingUpdate | None, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The update's terms on the device: queries (int64, as their 64-bit patterns) and signed

@@ -315,7 +315,11 @@ def load(mode: str = "auto", device: torch.device | str = "cpu") -> Kernels | Cu
     if mode == "false":
         return None
     if torch.device(device).type == "cuda":
-        return cuda.load(mode)
+        found = cuda.load()
+        if found is None and mode == "true":
+            raise NativeUnavailable("engine.native=true on CUDA needs Triton (torch's CUDA wheels bring it); or use "
+                                    "engine.native=auto to run on torch ops instead")
+        return found
     if torch.device(device).type != "cpu":
         if mode == "true":
             raise NativeUnavailable(f"engine.native=true, but the fused kernels run on CPU and CUDA only, not "

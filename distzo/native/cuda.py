@@ -31,19 +31,29 @@ compiler that rounds otherwise) is switched off with a warning, its chunk keepin
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Protocol, Sequence
 
 import torch
 
 from ..zo import cuda_draws
 from ..zo.optimizers import SGD
-from ..zo.rademacher import mix64
 from .rounding import CODES, as_kernel_arg, dtype_code
 
 if TYPE_CHECKING:
-    from ..engine.pending import PendingUpdate
     from ..zo.directions import ChunkRef, Directions
+    from ..zo.optimizers import Rule
     from ..zo.params import TrainableParam
+
+
+class PendingUpdate(Protocol):
+    """What the kernel reads of the engine's pending update (`distzo.engine.pending.PendingUpdate`,
+    a layer above): the step whose z the update applies, its rule, and its terms (query, a_k)."""
+
+    step: int
+    lr: float
+    weight_decay: float
+    rule: Rule
+    terms: Sequence[tuple[int, float]]
 
 try:
     import triton
@@ -93,7 +103,7 @@ if triton is not None:
             for t in range(n_terms):
                 q = tl.load(term_query_ptr + t).to(tl.uint64, bitcast=True)
                 a = tl.load(term_scale_ptr + t)
-                # Directions.key_hash(step, q, key) from its first two rounds (update_base)
+                # Directions.key_hash(step, q, key) from Directions.step_hash(step) (update_base)
                 kh = cuda_draws._mix64(cuda_draws._mix64(base ^ q) ^ key)
                 x = x - cuda_draws.draw(kh, chunk, offset, GAUSSIAN) * a
             m = round_to(x, CODE)
@@ -109,11 +119,6 @@ if triton is not None:
                 store_as(plus_ptr, at, round_to(m + d, CODE), mask, CODE)
             if MINUS:
                 store_as(minus_ptr, at, round_to(m - d, CODE), mask, CODE)
-
-
-def _step_base(seed: int, step: int) -> int:
-    """The first two rounds of `Directions.key_hash`: mix64(mix64(seed) ^ step)."""
-    return mix64(mix64(seed) ^ (step & _MASK64))
 
 
 class CudaKernels:
@@ -186,8 +191,8 @@ class CudaKernels:
         decay = 1.0 - pending.lr * pending.weight_decay if pending is not None and p.decay and pending.weight_decay \
             else None
         queries, scales = self._term_tensors(pending, master.device)
-        update_base = _step_base(directions.seed, pending.step) if pending is not None else 0
-        copy_base = _step_base(directions.seed, step)
+        update_base = directions.step_hash(pending.step) if pending is not None else 0
+        copy_base = directions.step_hash(step)
         arg, code, gaussian = as_kernel_arg(master), dtype_code(master.dtype), directions.distribution == "gaussian"
         for q, plus, minus, update in launches:
             _chunk_kernel[grid](arg, as_kernel_arg(plus) if plus is not None else arg,
@@ -233,11 +238,6 @@ class CudaKernels:
         return same
 
 
-def load(mode: str) -> CudaKernels | None:
-    """The CUDA kernel for engine.native=`mode` (auto or true): None without Triton under auto."""
-    if triton is None:
-        if mode == "true":
-            from . import NativeUnavailable  # the package's error (it imports this module first)
-            raise NativeUnavailable("engine.native=true on CUDA needs Triton (torch's CUDA wheels bring it)")
-        return None
-    return CudaKernels()
+def load() -> CudaKernels | None:
+    """The CUDA kernel, or None without Triton."""
+    return CudaKernels() if triton is not None else None

@@ -148,10 +148,15 @@ class Directions:
     def map(self, fn: Callable[[Any], None], items: Iterable[Any], cost: Callable[[Any], float] | None = None) -> None:
         self.workers.map(fn, items, cost)
 
+    def step_hash(self, step: int) -> int:
+        """The hash of (seed, step) that every key hash of the step extends (the CUDA chunk kernel
+        derives the rest of `key_hash` from it)."""
+        return mix64(mix64(self.seed) ^ (step & _MASK64))
+
     def key_hash(self, step: int, query: int, key: int) -> int:
         """The hash of (seed, step, query, parameter) that every chunk seed of the parameter extends."""
-        h = mix64(self.seed)
-        for coordinate in (step, query, key):
+        h = self.step_hash(step)
+        for coordinate in (query, key):
             h = mix64(h ^ (coordinate & _MASK64))
         return h
 

@@ -178,6 +178,14 @@ def test_built_once_into_the_cache(fresh):
     assert isinstance(native.load("true", "cuda"), native.CudaKernels)
 
 
+def test_cuda_without_triton(monkeypatch):
+    """No Triton (a CPU-only torch on a CUDA box, say): auto runs torch ops, true says why it cannot."""
+    monkeypatch.setattr(native.cuda, "triton", None)
+    assert native.load("auto", "cuda") is None
+    with pytest.raises(native.NativeUnavailable, match="engine.native=true on CUDA needs Triton"):
+        native.load("true", "cuda")
+
+
 def test_no_compiler(fresh, monkeypatch, caplog):
     monkeypatch.setenv("CXX", "/no/cc")
     assert native.load("auto") is None

@@ -141,19 +141,16 @@ class StageNoise:
                 out.update({(p.name, i): v for p, v in zip(group, views)})
         return out
 
-    def rows(self, p: TrainableParam, query: int, index: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
-        """(unique rows u, inverse map, eps * z[u]) for the rows an index tensor reads; for index None
-        (the whole table: a full-vocabulary head) (None, None, eps * z)."""
-        key = (p.name, query, None if index is None else id(index))
+    def rows(self, p: TrainableParam, query: int, index: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(unique rows u, inverse map, eps * z[u]) for the rows an index tensor reads (a whole table
+        is a working copy: `copies`)."""
+        key = (p.name, query, id(index))
         if key not in self._rows:
             with self.timers("perturb"):
                 self._rows[key] = self._draw_rows(p, query, index)
         return self._rows[key][:3]
 
-    def _draw_rows(self, p: TrainableParam, query: int, index: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
-        if index is None:
-            z = self.directions.generate(p.shape, p.key, self.step, query)
-            return None, None, z.to(p.tensor.dtype).mul_(self.eps)
+    def _draw_rows(self, p: TrainableParam, query: int, index: torch.Tensor) -> tuple[torch.Tensor, ...]:
         unique, inverse = torch.unique(index, return_inverse=True)
         z = self.directions.rows(p.shape, p.key, self.step, query, unique)
         z = z.view((unique.numel(),) + tuple(p.shape[1:])).to(p.tensor.dtype).mul_(self.eps)
@@ -178,13 +175,16 @@ class PerturbedWeights:
         p = self.params.get(name)
         if p is None:
             return CleanWeights(self.model, self.sources).rows(name, index)
+        if index is None:  # the whole table (a full-vocabulary head): a working copy as `call` makes them, one
+            # chunk pass for every probe into the stage's workspace, instead of a float32 z of the whole table
+            return self.noise.copies([p], self.index, self.source)[p.name]
         unique, inverse, z = self.noise.rows(p, self.ev.query, index)
-        master = self.source(p) if index is None else self.source(p)[unique]  # the whole table, or the rows read
+        master = self.source(p)[unique]  # the rows read
         h = self.noise.directions.magnitude_threshold(p.key)
         if h is not None:  # Sparse MeZO's mask, as the chunk pass applies it to the copies
             z = torch.where(master.abs() <= h, z, 0.0)
         copy = master + z if self.ev.sign > 0 else master - z
-        return copy if index is None else copy[inverse]
+        return copy[inverse]
 
     def call(self, prefix: str, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         local: dict[str, TrainableParam] = {}

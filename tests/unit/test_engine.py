@@ -64,6 +64,42 @@ def test_perturbed_evaluation_is_the_model_at_theta_plus_eps_z(arch):
         assert torch.equal(got[i], ref), f"evaluation {ev} differs"
 
 
+def token_batch(n=4, seed=1):
+    """Sequences scored on every next token against the whole vocabulary (no candidates): the head
+    reads the whole table, as language modelling and SFT do."""
+    from distzo.data.batches import Batch, TokenSequence
+
+    gen = torch.Generator().manual_seed(seed)
+    seqs = []
+    for unit in range(n):
+        tokens = torch.randint(3, 400, (int(torch.randint(4, 12, (1,), generator=gen)),), generator=gen).tolist()
+        positions = tuple(range(len(tokens) - 1))
+        seqs.append(TokenSequence(tuple(tokens), scored=positions, targets=tuple(tokens[1:]),
+                                  units=(unit,) * len(positions)))
+    return Batch(seqs, list(range(n)), list(range(n)), torch.zeros(n, dtype=torch.long), readout="tokens")
+
+
+@pytest.mark.parametrize("arch", ["llama", "opt", "phi"])
+def test_a_full_vocabulary_head_is_the_model_at_theta_plus_eps_z(arch):
+    """The whole table as the head (OPT's tied embedding, Phi's head with a bias): each evaluation's
+    token loss equals the materialised model's, bitwise (the table's working copy is written by the
+    chunk pass, the same values the reference adds)."""
+    model, params, engine = build(arch)
+    batch, step = token_batch(), 4
+    scores = engine.run_probes(batch, PLAN, step)
+    for i, ev in enumerate(PLAN):
+        _, ref_params, ref_engine = build(arch)
+        if ev.perturbed:
+            with torch.no_grad():
+                for p in ref_params:
+                    scaled = engine.directions.generate(p.shape, p.key, step, ev.query).mul_(EPS)
+                    p.tensor.copy_(p.tensor + scaled if ev.sign > 0 else p.tensor - scaled)
+        with ref_engine.materialized() as weights:
+            ref = weights.score(batch)
+        assert torch.equal(scores[i].nll, ref.nll) and torch.equal(scores[i].count, ref.count), f"evaluation {ev}"
+    assert not torch.equal(scores[0].nll, scores[1].nll)  # the perturbation reached the loss
+
+
 def expected_update(engine, params, step, coeffs, lr, wd, no_decay):
     """theta * (1 - lr wd) - sum_k (lr c_k) z_k, with z drawn whole per parameter (not per chunk)."""
     out = {}

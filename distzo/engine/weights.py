@@ -65,7 +65,8 @@ class StageNoise:
     master chunk and every probe's copy of that chunk (`W + s * eps * z`) is written in the same
     pass, so the master is read once for all signs and z never travels through main memory (a
     per-thread scratch buffer, or no buffer at all with the fused kernels and Rademacher z).
-    Embedding-like tables are perturbed by rows (only the rows an index reads)."""
+    Embedding-like tables are perturbed by rows where an index reads them (only those rows); a head
+    that reads the whole table gets a working copy of it like a dense parameter."""
 
     def __init__(self, directions: Directions, workspace: Workspace, step: int, eps: float,
                  plan: Sequence[Probe], timers: Timers = DISABLED):

@@ -11,6 +11,8 @@
 #   quantized  LoRA on a float32, an int8 and an int4 base of model=llama-1b at batch 16, fp32 and
 #              bf16 compute: decoded first (the candidate default), then torchao's linears, each
 #              profiled (bench-lora-*.json; about 30 s each)
+#   qtable     LoRA on OPT-1.3B at the table's workload (float16, 4 x 2,048 tokens): the float base, int8 and
+#              int4 decoded, then torchao's (bench-lora-opt-1.3b-*.json)
 #   bf16       the table's workload in bfloat16 for OPT-1.3B and 6.7B (table-bf16/)
 #   load       a sharded float16 OPT-6.7B checkpoint (13.3 GB, written to /tmp) trained with offload=cpu,
 #              float and int8/int4 LoRA: the host's and the GPU's peaks (benchmarks/load_peak.py; load.log)
@@ -27,7 +29,7 @@
 #
 # One session's 15 device minutes (the first call's start took about 30 s on 2026-11-27) hold two
 # calls back to back: the default (table and tests fill its 530 s), then at once, with what is left
-# (the lease's budget_left_s, about 280 s): STAGES=quantized DEADLINE_S=<left - 40>.
+# (the lease's budget_left_s, about 280 s): STAGES="qtable quantized" DEADLINE_S=<left - 40>.
 #
 # Through the device tool (its $OUT returns at most 8 files: pack them; the traces stay behind):
 #   bash benchmarks/gpu_prepare.sh    # here, once
@@ -47,7 +49,7 @@ out=${1:?usage: benchmarks/gpu_check.sh OUT_DIR}
 mkdir -p "$out"
 export out PY=${PYTHON:-python3} HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 DEADLINE_S=${DEADLINE_S:-530}
-STAGES=${STAGES:-"table tests quantized load bf16 30b"}
+STAGES=${STAGES:-"table tests quantized qtable load bf16 30b"}
 if [ -d .gpu/whl ]; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/* \
     || { echo "installing .gpu/whl failed"; exit 1; }
@@ -108,6 +110,18 @@ stage_quantized() {  # LoRA on llama-1b: the float base and the decoded quantize
     cp "$runs/$name/bench.json" "$out/bench-$name.json" 2>/dev/null || echo "bench $name wrote no bench.json"
   done
 }
+stage_qtable() {  # LoRA on OPT-1.3B at the table's workload (float16, 4 x 2,048 tokens): the float base, decoded, torchao
+  local runs base; runs=$(mktemp -d)
+  for base in none int8-decoded int4-decoded int8 int4; do
+    local name="lora-opt-1.3b-$base" quantize=${base%-decoded} matmul=torchao
+    [[ $base == *-decoded ]] && matmul=decoded
+    echo "== bench $name"
+    timeout 75 "$PY" -m distzo bench model=opt-1.3b task=lm-2048 batch_size=4 device=cuda peft=lora \
+      model.quantize=$quantize engine.quantized_matmul=$matmul bench.reference=false bench.warmup=1 bench.steps=3 \
+      bench.profile=true "hydra.run.dir=$runs/$name" 2>&1 | grep -v '^\['
+    cp "$runs/$name/bench.json" "$out/bench-$name.json" 2>/dev/null || echo "bench $name wrote no bench.json"
+  done
+}
 stage_load() {
   "$PY" benchmarks/load_peak.py write --out /tmp/opt-6.7b --size 6.7b --device cuda --shard 2GB &&
     "$PY" benchmarks/load_peak.py table /tmp/opt-6.7b --variants offload int8-offload int4-offload -- \
@@ -144,9 +158,9 @@ PY
     --max-forwards 4000 --deadline-s "$left" --out "$out/study-gpu.jsonl" device="${STUDY_DEVICE:-cuda}" > "$out/study/$1-$2-$3-$4.log" 2>&1
   tail -n 1 "$out/study/$1-$2-$3-$4.log"
 }
-export -f table stage_table stage_load stage_bf16 stage_30b stage_tests stage_quantized stage_study study_run
+export -f table stage_table stage_load stage_bf16 stage_30b stage_tests stage_quantized stage_qtable stage_study study_run
 
-declare -A LIMIT=([table]=330 [tests]=195 [quantized]=320 [load]=200 [bf16]=120 [30b]=300 [study]=500)
+declare -A LIMIT=([table]=330 [tests]=195 [quantized]=320 [qtable]=240 [load]=200 [bf16]=120 [30b]=300 [study]=500)
 for name in $STAGES; do
   [ -n "${LIMIT[$name]:-}" ] || { echo "unknown stage $name (stages: ${!LIMIT[*]})"; continue; }
   stage "$name" "${LIMIT[$name]}"

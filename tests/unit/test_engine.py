@@ -47,6 +47,18 @@ def test_evaluation_leaves_master_weights_bitwise_unchanged(arch):
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
+def materialised(arch, directions, step, ev):
+    """The reference for evaluation `ev`: a fresh copy of the model with theta +- eps*z written into
+    its weights (tied weights once), as an engine to run clean."""
+    _, ref_params, ref_engine = build(arch)
+    if ev.perturbed:
+        with torch.no_grad():
+            for p in ref_params:
+                scaled = directions.generate(p.shape, p.key, step, ev.query).mul_(EPS)
+                p.tensor.copy_(p.tensor + scaled if ev.sign > 0 else p.tensor - scaled)
+    return ref_engine
+
+
 @pytest.mark.parametrize("arch", ["llama", "opt", "qwen2", *GENERAL])
 def test_perturbed_evaluation_is_the_model_at_theta_plus_eps_z(arch):
     """Reference: materialise theta +- eps*z in a copy (tied weights once) and run it clean."""
@@ -54,13 +66,7 @@ def test_perturbed_evaluation_is_the_model_at_theta_plus_eps_z(arch):
     batch, step = sample_batch(), 4
     got = plan_logits(engine, batch, PLAN, step)
     for i, ev in enumerate(PLAN):
-        _, ref_params, ref_engine = build(arch)
-        if ev.perturbed:
-            with torch.no_grad():
-                for p in ref_params:
-                    scaled = engine.directions.generate(p.shape, p.key, step, ev.query).mul_(EPS)
-                    p.tensor.copy_(p.tensor + scaled if ev.sign > 0 else p.tensor - scaled)
-        ref = clean_logits(ref_engine, batch)
+        ref = clean_logits(materialised(arch, engine.directions, step, ev), batch)
         assert torch.equal(got[i], ref), f"evaluation {ev} differs"
 
 
@@ -88,13 +94,7 @@ def test_a_full_vocabulary_head_is_the_model_at_theta_plus_eps_z(arch):
     batch, step = token_batch(), 4
     scores = engine.run_probes(batch, PLAN, step)
     for i, ev in enumerate(PLAN):
-        _, ref_params, ref_engine = build(arch)
-        if ev.perturbed:
-            with torch.no_grad():
-                for p in ref_params:
-                    scaled = engine.directions.generate(p.shape, p.key, step, ev.query).mul_(EPS)
-                    p.tensor.copy_(p.tensor + scaled if ev.sign > 0 else p.tensor - scaled)
-        with ref_engine.materialized() as weights:
+        with materialised(arch, engine.directions, step, ev).materialized() as weights:
             ref = weights.score(batch)
         assert torch.equal(scores[i].nll, ref.nll) and torch.equal(scores[i].count, ref.count), f"evaluation {ev}"
     assert not torch.equal(scores[0].nll, scores[1].nll)  # the perturbation reached the loss

@@ -12,9 +12,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
-from torch.func import functional_call
 
-from ..models.adapters import CleanWeights, full_name, module_sources
+from ..models.adapters import CleanWeights, call_with, full_name, module_sources, parameter_slots
 from ..telemetry.timing import DISABLED, Timers
 from ..zo.directions import Directions
 from ..zo.estimators import Probe
@@ -189,7 +188,7 @@ class PerturbedWeights:
 
     def call(self, prefix: str, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         local: dict[str, TrainableParam] = {}
-        for rel, _ in module.named_parameters(remove_duplicate=False):
+        for rel in parameter_slots(module):
             p = self.params.get(full_name(prefix, rel))
             if p is not None:
                 local[rel] = p
@@ -199,4 +198,4 @@ class PerturbedWeights:
         working = self.noise.copies(unique, self.index, self.source)
         tensors = module_sources(prefix, module, self.sources)  # frozen parameters of an offloaded block
         tensors.update({rel: working[p.name] for rel, p in local.items()})
-        return functional_call(module, tensors, args, kwargs, tie_weights=False, strict=False)
+        return call_with(module, tensors, args, kwargs)

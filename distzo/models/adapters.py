@@ -21,10 +21,10 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Protocol
+from weakref import WeakKeyDictionary
 
 import torch
 from torch import nn
-from torch.func import functional_call
 from torch.nn import functional as F
 
 from ..errors import DistzoError
@@ -48,10 +48,47 @@ def full_name(prefix: str, rel: str) -> str:
     return f"{prefix}.{rel}" if prefix else rel
 
 
+# A module's parameter slots: its own name of each parameter (tied ones under every name) -> (the
+# submodule that holds it, its attribute). Read once per module: the structure of a stage does not
+# change during a run, and walking it per call cost more than the call's small kernels on a GPU.
+_SLOTS: WeakKeyDictionary[nn.Module, dict[str, tuple[nn.Module, str]]] = WeakKeyDictionary()
+
+
+def parameter_slots(module: nn.Module) -> dict[str, tuple[nn.Module, str]]:
+    """{name within `module`: (owning submodule, attribute)} of every parameter, tied ones under each
+    of their names (`named_parameters(remove_duplicate=False)`'s names)."""
+    slots = _SLOTS.get(module)
+    if slots is None:
+        slots = {full_name(sub_name, attr): (sub, attr)
+                 for sub_name, sub in module.named_modules(remove_duplicate=False)
+                 for attr, t in sub._parameters.items() if t is not None}
+        _SLOTS[module] = slots
+    return slots
+
+
+def call_with(module: nn.Module, tensors: Mapping[str, torch.Tensor], args: tuple, kwargs: dict) -> Any:
+    """module(*args, **kwargs) with the parameters named in `tensors` (by the module's own names)
+    replaced for the call, as `torch.func.functional_call(..., tie_weights=False, strict=False)`
+    does, without walking the module on every call: each slot is swapped and put back afterwards."""
+    slots = parameter_slots(module)
+    saved = []
+    try:
+        for rel, t in tensors.items():
+            sub, attr = slots[rel]
+            saved.append((sub, attr, sub._parameters[attr]))
+            sub._parameters[attr] = t
+        return module(*args, **kwargs)
+    finally:
+        for sub, attr, old in reversed(saved):
+            sub._parameters[attr] = old
+
+
 def module_sources(prefix: str, module: nn.Module, sources: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The tensors of `sources` (by full parameter name) that belong to `module`, by its own names."""
-    return {rel: sources[full_name(prefix, rel)] for rel, _ in module.named_parameters(remove_duplicate=False)
-            if full_name(prefix, rel) in sources}
+    if not sources:
+        return {}
+    names = ((rel, full_name(prefix, rel)) for rel in parameter_slots(module))
+    return {rel: sources[name] for rel, name in names if name in sources}
 
 
 class CleanWeights:
@@ -71,7 +108,7 @@ class CleanWeights:
         local = module_sources(prefix, module, self.sources)
         if not local:
             return module(*args, **kwargs)
-        return functional_call(module, local, args, kwargs, tie_weights=False, strict=False)
+        return call_with(module, local, args, kwargs)
 
 
 

@@ -31,7 +31,6 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.func import functional_call
 
 from .adapters import (
     BatchContext,
@@ -40,6 +39,7 @@ from .adapters import (
     UnsupportedModelError,
     WeightView,
     build_mask,
+    call_with,
     packed_probe,
 )
 
@@ -310,7 +310,7 @@ class GenericDecoderAdapter(DecoderAdapter):
     def stem(self, ctx: BatchContext, w: WeightView) -> torch.Tensor:
         # The stock embedding module (it may scale, as Gemma's does) over just the rows the batch reads.
         table = w.rows(self.embed_weight, ctx.extra["unique"])
-        embeds = functional_call(self.embed, {"weight": table}, (ctx.extra["inverse"],), strict=False)
+        embeds = call_with(self.embed, {"weight": table}, (ctx.extra["inverse"],), {})
 
         def sink(index, hidden, a, k):
             raise _Stop(hidden)

@@ -23,7 +23,7 @@ source under Triton's interpreter against it; tests/gpu on a GPU). What the kern
 runs on torch ops with the same values: optimizers with state or another rule than sgd's, a magnitude
 mask (Sparse MeZO), directions that are not the plain counter stream (LOZO, SubZero, AGZO).
 
-Each variant (dtype, distribution, which outputs) is verified on its first call in a process: the
+Each variant (dtype, distribution, weight decay or not, which outputs) is verified on its first call in a process: the
 same chunk also goes through the torch path, and a variant whose result differs by one bit (a
 compiler that rounds otherwise) is switched off with a warning, its chunk keeping the torch result.
 """
@@ -54,6 +54,7 @@ class PendingUpdate(Protocol):
     weight_decay: float
     rule: Rule
     terms: Sequence[tuple[int, float]]
+
 
 try:
     import triton
@@ -153,7 +154,8 @@ class CudaKernels:
         """`chunkpass.chunk_pass` for a pass `handles` accepts: one launch per query (the first also
         applies the update), copies beyond one + and one - per query in launches of their own."""
         launches = self._launches(pending, copies)
-        variant = (master.dtype, directions.distribution,
+        decays = bool(pending is not None and p.decay and pending.weight_decay)
+        variant = (master.dtype, directions.distribution, decays,
                    tuple((update, plus is not None, minus is not None) for _, plus, minus, update in launches))
         if self.verify and variant not in self._checked:
             self._checked[variant] = self._agrees(directions, p, ref, master, pending, step, eps, copies, part,

@@ -225,18 +225,23 @@ class CudaKernels:
     def _agrees(self, directions: Directions, p: TrainableParam, ref: ChunkRef, master: torch.Tensor,
                 pending: PendingUpdate | None, step: int, eps: float, copies: Copies,
                 part: tuple[int, int] | None, torch_pass: TorchPass, launches: list[tuple]) -> bool:
-        """Run the pass both ways on this chunk; keep the torch result; say whether they agree."""
+        """Run the pass both ways on this chunk; keep the torch result; say whether they agree. A
+        kernel that fails to compile or launch here counts as disagreeing: the run goes on, on torch ops."""
         before = master.clone()
-        self._run(directions, p, ref, master, pending, step, eps, part, launches)
-        got = [master.clone()] + [out.clone() for outs in copies.values() for _, out in outs]
+        try:
+            self._run(directions, p, ref, master, pending, step, eps, part, launches)
+        except Exception as exc:  # noqa: BLE001 (Triton's compiler raises many kinds; the fallback is exact)
+            got, why = None, f"it failed ({type(exc).__name__}: {' '.join(str(exc).split())[:300]})"
+        else:
+            got, why = [master.clone()] + [out.clone() for outs in copies.values() for _, out in outs], "it differs"
         master.copy_(before)
         torch_pass(directions, p, ref, master, pending, step, eps, copies, part, ())
         want = [master] + [out for outs in copies.values() for _, out in outs]
-        same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got, want))
+        same = got is not None and all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got, want))
         if not same:
-            log.warning("engine.native: the CUDA chunk kernel differs from torch ops on %s (%s, %s); this "
-                        "variant runs on torch ops (same results, slower). Please report it with your GPU "
-                        "and Triton version", p.name, master.dtype, directions.distribution)
+            log.warning("engine.native: the CUDA chunk kernel was checked against torch ops on %s (%s, %s) and %s; "
+                        "this variant runs on torch ops (same results, slower). Please report it with your GPU "
+                        "and Triton version", p.name, master.dtype, directions.distribution, why)
         return same
 
 

@@ -105,6 +105,17 @@ KERNEL_CHECK = textwrap.dedent("""
                    1, 1e-3, {}, None, ())
         outcome.append(torch.equal(tensor, want))
     print("fallback", outcome, list(kernels._checked.values()))
+
+    # A kernel that cannot compile or launch: the same, with the reason in the warning.
+    def broken(*args):
+        raise RuntimeError("no such kernel")
+    kernels = CudaKernels()
+    kernels._run = broken
+    d.kernels = kernels
+    tensor = torch.linspace(-1, 1, 900)
+    p = TrainableParam("w", tensor, param_key("w"), False)
+    chunk_pass(d, p, ChunkRef(p.key, 0, 0, 900, 900), tensor, pending, 1, 1e-3, {0: [(1, torch.empty(900))]})
+    print("broken", torch.equal(tensor, want), list(kernels._checked.values()))
 """)
 
 
@@ -113,13 +124,15 @@ def test_the_kernel_is_bitwise_the_torch_ops_under_the_interpreter():
     several terms of either sign, copies of several queries (two of one sign: a launch of their own),
     copies alone, the update alone, and a rank's slice that starts and ends inside chunks of a
     three-chunk span: the kernel's master and copies equal the torch path's, bit for bit, and the
-    update and the copies really changed something. A kernel that disagrees on a variant's first call
-    leaves that call's torch result and the variant on torch ops."""
+    update and the copies really changed something. A kernel that disagrees on a variant's first call,
+    or fails to compile or launch, leaves that call's torch result and the variant on torch ops."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     r = subprocess.run([sys.executable, "-c", KERNEL_CHECK], capture_output=True, text=True, env=env, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "ran 42 mismatches []" in r.stdout, r.stdout[-2000:]
     assert "fallback [True, True] [False]" in r.stdout, r.stdout[-2000:]
+    assert "broken True [False]" in r.stdout, r.stdout[-2000:]
+    assert "it failed (RuntimeError: no such kernel)" in r.stderr, r.stderr[-2000:]
 
 
 def _setup(distribution: str = "gaussian"):

@@ -7,7 +7,7 @@
 #   table      DistZO2's Table 1 workload: OPT-6.7B, 13B, 1.3B, 2.7B in float16 (the MFU rows first),
 #              batch 4 x 2,048 tokens, resident (with MeZO's Algorithm 1 and the profile) and offload=cpu
 #              (benchmarks/distzo2_table.py; table-fp16/table.jsonl and a markdown table)
-#   tests      tests/gpu (about 170 s on an H100)
+#   tests      tests/gpu (170 s on an H100 at c6c5c37, before four more tests)
 #   quantized  LoRA on a float32, an int8 and an int4 base of model=llama-1b at batch 16, fp32 and
 #              bf16 compute: decoded first (the candidate default), then torchao's linears, each
 #              profiled (bench-lora-*.json; about 30 s each)
@@ -160,7 +160,7 @@ PY
 }
 export -f table stage_table stage_load stage_bf16 stage_30b stage_tests stage_quantized stage_qtable stage_study study_run
 
-declare -A LIMIT=([table]=330 [tests]=195 [quantized]=320 [qtable]=240 [load]=200 [bf16]=120 [30b]=300 [study]=500)
+declare -A LIMIT=([table]=310 [tests]=220 [quantized]=320 [qtable]=240 [load]=200 [bf16]=120 [30b]=300 [study]=500)
 for name in $STAGES; do
   [ -n "${LIMIT[$name]:-}" ] || { echo "unknown stage $name (stages: ${!LIMIT[*]})"; continue; }
   stage "$name" "${LIMIT[$name]}"

@@ -136,16 +136,26 @@ def test_the_decode_kernels_equal_torchaos_dequantization_on_cuda(weight_dtype, 
 @pytest.mark.parametrize("args", [["model=tiny-opt", "model.dtype=float16", "optim.lr=1e-2", "optim.weight_decay=0.1"],
                                   ["model=tiny", "estimator.distribution=rademacher", "estimator.q=2"],
                                   ["model=tiny-opt", "model.dtype=bfloat16", "optim.lr=1e-2", "offload=cpu"]])
-def test_the_triton_chunk_pass_trains_the_weights_of_torch_ops_on_cuda(tmp_path, args):
+def test_the_triton_chunk_pass_trains_the_weights_of_torch_ops_on_cuda(tmp_path, args, monkeypatch):
     """engine.native=auto (the Triton chunk kernel, distzo/native/cuda.py) against engine.native=false
-    (torch ops): the same weights bitwise after six steps (the same operations, each rounded once),
-    and every kernel variant's first call agreed with torch ops on this GPU (none fell back)."""
+    (torch ops): the same weights bitwise after six steps (the same operations, each rounded once);
+    the kernel really ran, and every variant's first call agreed with torch ops on this GPU (none
+    fell back: a fallback would keep the weights equal and hide a broken kernel)."""
     from distzo import native
 
-    kernels = native.load("auto", "cuda")
-    assert isinstance(kernels, native.CudaKernels)
+    launches, verdicts = [], []
+    run, agrees = native.CudaKernels._run, native.CudaKernels._agrees
+    monkeypatch.setattr(native.CudaKernels, "_run", lambda self, *a: (launches.append(1), run(self, *a))[1])
+
+    def checked(self, *a):
+        verdicts.append(agrees(self, *a))
+        return verdicts[-1]
+
+    monkeypatch.setattr(native.CudaKernels, "_agrees", checked)
     res = train(make_config(*FAST, *args, "steps=6", "engine.native=false"), tmp_path / "t")
+    assert not launches
     fused = train(make_config(*FAST, *args, "steps=6"), tmp_path / "k")
+    assert len(launches) > len(verdicts) > 0 and all(verdicts), verdicts  # verified, then the kernel ran on
     a = load_file(tmp_path / "t" / "final" / "model.safetensors")
     b = load_file(tmp_path / "k" / "final" / "model.safetensors")
     assert all(torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a)

@@ -73,12 +73,10 @@ def chunk_pass(directions: Directions, p: TrainableParam, ref: ChunkRef, master:
         raise RuntimeError(f"internal error: {p.name} has {len(state)} optimizer state tensors, its rule needs "
                            f"{rule.slots}")
     kernels = directions.kernels
-    if isinstance(kernels, CudaKernels):  # CUDA: one Triton launch per query where it applies
-        if kernels.handles(directions, p, master, pending, copies, state):
-            kernels.chunk_pass(directions, p, ref, master, pending, step, eps, copies, part, _torch_ops)
-        else:
-            _torch_ops(directions, p, ref, master, pending, step, eps, copies, part, state)
-    elif (kernels is not None and rule.kernel is not None and master.dtype == torch.float32
+    if isinstance(kernels, CudaKernels) and kernels.handles(directions, p, master, pending, copies, state):
+        kernels.chunk_pass(directions, p, ref, master, pending, step, eps, copies, part, _decay(p, pending),
+                           _torch_ops)  # CUDA: one Triton launch per query
+    elif (isinstance(kernels, Kernels) and rule.kernel is not None and master.dtype == torch.float32
             and p.tensor.dtype == torch.float32 and master.device.type == "cpu" and master.is_contiguous()
             and all(out.dtype == torch.float32 and out.is_contiguous() for outs in copies.values() for _, out in outs)
             and all(t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu" for t in state)):

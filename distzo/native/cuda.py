@@ -23,9 +23,10 @@ source under Triton's interpreter against it; tests/gpu on a GPU). What the kern
 runs on torch ops with the same values: optimizers with state or another rule than sgd's, a magnitude
 mask (Sparse MeZO), directions that are not the plain counter stream (LOZO, SubZero, AGZO).
 
-Each variant (dtype, distribution, weight decay or not, which outputs) is verified on its first call in a process: the
-same chunk also goes through the torch path, and a variant whose result differs by one bit (a
-compiler that rounds otherwise) is switched off with a warning, its chunk keeping the torch result.
+Each variant (dtype, distribution, weight decay or not, which outputs) is verified on its first call
+in a process: the same chunk also goes through the torch path, and a variant whose result differs by
+one bit (a compiler that rounds otherwise) is switched off with a warning, its chunk keeping the
+torch result.
 """
 
 from __future__ import annotations
@@ -150,21 +151,21 @@ class CudaKernels:
 
     def chunk_pass(self, directions: Directions, p: TrainableParam, ref: ChunkRef, master: torch.Tensor,
                    pending: PendingUpdate | None, step: int, eps: float, copies: Copies,
-                   part: tuple[int, int] | None, torch_pass: TorchPass) -> None:
+                   part: tuple[int, int] | None, decay: float | None, torch_pass: TorchPass) -> None:
         """`chunkpass.chunk_pass` for a pass `handles` accepts: one launch per query (the first also
-        applies the update), copies beyond one + and one - per query in launches of their own."""
+        applies the update), copies beyond one + and one - per query in launches of their own.
+        decay: the update's weight-decay factor for p (None: none), as the torch path takes it."""
         launches = self._launches(pending, copies)
-        decays = bool(pending is not None and p.decay and pending.weight_decay)
-        variant = (master.dtype, directions.distribution, decays,
+        variant = (master.dtype, directions.distribution, decay is not None,
                    tuple((update, plus is not None, minus is not None) for _, plus, minus, update in launches))
         if self.verify and variant not in self._checked:
             self._checked[variant] = self._agrees(directions, p, ref, master, pending, step, eps, copies, part,
-                                                  torch_pass, launches)
+                                                  decay, torch_pass, launches)
             return
         if not self._checked.get(variant, True):
             torch_pass(directions, p, ref, master, pending, step, eps, copies, part, ())
             return
-        self._run(directions, p, ref, master, pending, step, eps, part, launches)
+        self._run(directions, p, ref, master, pending, step, eps, part, decay, launches)
 
     def _launches(self, pending: PendingUpdate | None, copies: Copies) -> list[tuple]:
         """[(query, + copy or None, - copy or None, whether it applies the update)]: the update in the
@@ -183,15 +184,13 @@ class CudaKernels:
 
     def _run(self, directions: Directions, p: TrainableParam, ref: ChunkRef, master: torch.Tensor,
              pending: PendingUpdate | None, step: int, eps: float, part: tuple[int, int] | None,
-             launches: list[tuple]) -> None:
+             decay: float | None, launches: list[tuple]) -> None:
         size = ref.stop - ref.start
         lo, hi = part if part is not None else (0, size)
         n_cols = ref.per_chunk
         first_row, last_row = lo // n_cols, (hi - 1) // n_cols
         col_blocks = triton.cdiv(n_cols, _BLOCK)
         grid = ((last_row - first_row + 1) * col_blocks,)
-        decay = 1.0 - pending.lr * pending.weight_decay if pending is not None and p.decay and pending.weight_decay \
-            else None
         queries, scales = self._term_tensors(pending, master.device)
         update_base = directions.step_hash(pending.step) if pending is not None else 0
         copy_base = directions.step_hash(step)
@@ -215,21 +214,21 @@ class CudaKernels:
         if key not in self._terms:
             if len(self._terms) > 8:
                 self._terms.clear()
-            q = [k & _MASK64 for k, _ in terms] or [0]
+            q = [k & _MASK64 for k, _ in terms]
             q = [v - (1 << 64) if v >= 1 << 63 else v for v in q]  # int64 bit patterns
             self._terms[key] = (torch.tensor(q, dtype=torch.int64, device=device),
-                                torch.tensor([a for _, a in terms] or [0.0], dtype=torch.float32, device=device))
-        queries, scales = self._terms[key]
-        return (queries[:len(terms)], scales[:len(terms)]) if terms else (queries[:0], scales[:0])
+                                torch.tensor([a for _, a in terms], dtype=torch.float32, device=device))
+        return self._terms[key]
 
     def _agrees(self, directions: Directions, p: TrainableParam, ref: ChunkRef, master: torch.Tensor,
                 pending: PendingUpdate | None, step: int, eps: float, copies: Copies,
-                part: tuple[int, int] | None, torch_pass: TorchPass, launches: list[tuple]) -> bool:
+                part: tuple[int, int] | None, decay: float | None, torch_pass: TorchPass,
+                launches: list[tuple]) -> bool:
         """Run the pass both ways on this chunk; keep the torch result; say whether they agree. A
         kernel that fails to compile or launch here counts as disagreeing: the run goes on, on torch ops."""
         before = master.clone()
         try:
-            self._run(directions, p, ref, master, pending, step, eps, part, launches)
+            self._run(directions, p, ref, master, pending, step, eps, part, decay, launches)
         except Exception as exc:  # noqa: BLE001 (Triton's compiler raises many kinds; the fallback is exact)
             got, why = None, f"it failed ({type(exc).__name__}: {' '.join(str(exc).split())[:300]})"
         else:

@@ -167,7 +167,7 @@ def test_the_triton_chunk_pass_trains_the_weights_of_torch_ops_on_cuda(tmp_path,
 def test_the_chunk_kernel_equals_torch_ops_on_cuda(dtype, distribution):
     """The compiled kernel on a span of three chunks (the last short) and on a slice across them:
     sgd's update with decay and terms of both signs, then + and - copies, bitwise the torch path's."""
-    from distzo.engine.chunkpass import _torch_ops
+    from distzo.engine.chunkpass import _decay, _torch_ops
     from distzo.engine.pending import PendingUpdate
     from distzo.native.cuda import CudaKernels
     from distzo.zo.directions import ChunkRef
@@ -189,7 +189,7 @@ def test_the_chunk_kernel_equals_torch_ops_on_cuda(dtype, distribution):
             ref = ChunkRef(p.key, 4, 0, numel, per_chunk)
             if fused:
                 CudaKernels(verify=False).chunk_pass(d, p, ref, tensor[lo:hi], pending, 7, 1e-3, copies, part,
-                                                     _torch_ops)
+                                                     _decay(p, pending), _torch_ops)
             else:
                 _torch_ops(d, p, ref, tensor[lo:hi], pending, 7, 1e-3, copies, part, ())
             results.append([tensor] + [o for outs in copies.values() for _, o in outs])

@@ -96,30 +96,28 @@ stage_table() { table table-fp16 float16 6.7b 13b 1.3b 2.7b; }
 stage_bf16() { table table-bf16 bfloat16 1.3b 6.7b; }
 stage_30b() { table table-30b float16 30b; }
 stage_tests() { "$PY" -m pytest tests/gpu -q -p no:cacheprovider; }
+lora_bench() {  # NAME BASE LIMIT OVERRIDES...: one LoRA bench on BASE (none, int8 or int4, "-decoded" for
+  # engine.quantized_matmul=decoded), profiled, into $runs/NAME (the caller's); its bench.json to $out
+  local name=$1 base=$2 limit=$3 quantize=${2%-decoded} matmul=torchao; shift 3
+  [[ $base == *-decoded ]] && matmul=decoded
+  echo "== bench $name"
+  timeout "$limit" "$PY" -m distzo bench device=cuda peft=lora model.quantize=$quantize \
+    engine.quantized_matmul=$matmul bench.reference=false bench.profile=true "$@" "hydra.run.dir=$runs/$name" 2>&1 |
+    grep -v '^\['
+  cp "$runs/$name/bench.json" "$out/bench-$name.json" 2>/dev/null || echo "bench $name wrote no bench.json"
+}
 stage_quantized() {  # LoRA on llama-1b: the float base and the decoded quantized bases in both computes, then torchao's
-  local runs run compute base; runs=$(mktemp -d)
+  local runs run; runs=$(mktemp -d)
   for run in fp32:none fp32:int8-decoded fp32:int4-decoded bf16:none bf16:int8-decoded bf16:int4-decoded \
              fp32:int8 fp32:int4 bf16:int8 bf16:int4; do
-    compute=${run%%:*} base=${run#*:}
-    local name="lora-$base-$compute" quantize=${base%-decoded} matmul=torchao
-    [[ $base == *-decoded ]] && matmul=decoded
-    echo "== bench $name"
-    timeout 60 "$PY" -m distzo bench model=llama-1b model.init_device=device device=cuda peft=lora \
-      model.quantize=$quantize engine.quantized_matmul=$matmul engine.compute=$compute bench.reference=false \
-      bench.profile=true "hydra.run.dir=$runs/$name" 2>&1 | grep -v '^\['
-    cp "$runs/$name/bench.json" "$out/bench-$name.json" 2>/dev/null || echo "bench $name wrote no bench.json"
+    lora_bench "lora-${run#*:}-${run%%:*}" "${run#*:}" 60 model=llama-1b model.init_device=device \
+      engine.compute="${run%%:*}"
   done
 }
 stage_qtable() {  # LoRA on OPT-1.3B at the table's workload (float16, 4 x 2,048 tokens): the float base, decoded, torchao
   local runs base; runs=$(mktemp -d)
   for base in none int8-decoded int4-decoded int8 int4; do
-    local name="lora-opt-1.3b-$base" quantize=${base%-decoded} matmul=torchao
-    [[ $base == *-decoded ]] && matmul=decoded
-    echo "== bench $name"
-    timeout 75 "$PY" -m distzo bench model=opt-1.3b task=lm-2048 batch_size=4 device=cuda peft=lora \
-      model.quantize=$quantize engine.quantized_matmul=$matmul bench.reference=false bench.warmup=1 bench.steps=3 \
-      bench.profile=true "hydra.run.dir=$runs/$name" 2>&1 | grep -v '^\['
-    cp "$runs/$name/bench.json" "$out/bench-$name.json" 2>/dev/null || echo "bench $name wrote no bench.json"
+    lora_bench "lora-opt-1.3b-$base" "$base" 75 model=opt-1.3b task=lm-2048 batch_size=4 bench.warmup=1 bench.steps=3
   done
 }
 stage_load() {
@@ -158,7 +156,7 @@ PY
     --max-forwards 4000 --deadline-s "$left" --out "$out/study-gpu.jsonl" device="${STUDY_DEVICE:-cuda}" > "$out/study/$1-$2-$3-$4.log" 2>&1
   tail -n 1 "$out/study/$1-$2-$3-$4.log"
 }
-export -f table stage_table stage_load stage_bf16 stage_30b stage_tests stage_quantized stage_qtable stage_study study_run
+export -f table stage_table stage_load stage_bf16 stage_30b stage_tests stage_quantized stage_qtable lora_bench stage_study study_run
 
 declare -A LIMIT=([table]=310 [tests]=220 [quantized]=320 [qtable]=240 [load]=200 [bf16]=120 [30b]=300 [study]=500)
 for name in $STAGES; do

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 from bench_runs import bench_each
 
-ARGS = {"fzoo": ["estimator.difference=forward", "estimator.distribution=rademacher", "estimator.q=8"]}
+ARGS = {"fzoo": ["estimator.difference=forward", "estimator.distribution=rademacher", "estimator.q=8"],
+        "hizoo": ["estimator.clean=true"]}  # and sgd beside it on the same three-probe plan
 
 
 def main() -> None:
-    rows = bench_each(__doc__, "optimizers", ["sgd", "momentum", "adam", "sign", "fzoo"],
+    rows = bench_each(__doc__, "optimizers", ["sgd", "momentum", "adam", "sign", "fzoo", "hizoo"],
                       lambda name: [f"optim.name={name}", *ARGS.get(name, []), "bench.reference=false"])
     gib = 2**30
     print("| optimizer | state (GiB) | step | forward passes alone | step / forward | step / sgd's step (same rounds) "

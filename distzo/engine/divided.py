@@ -194,7 +194,8 @@ class NodeSharedStore(ResidentStore):
 
     def __init__(self, adapter, params: TrainableParams, optimizer: Optimizer, device: torch.device, node: Node):
         super().__init__(adapter, params, optimizer, device,
-                         state=StateBuffers(optimizer.slots, list(params), device, node=node))
+                         state=StateBuffers(optimizer.slots, list(params), device, node=node,
+                                            initial=optimizer.initial))
         share_master(params, node)
         self.node = node
 
@@ -226,7 +227,8 @@ class NodeDivision(Division):
         node_evals = sorted({(ev.query, ev.sign)
                              for ev in (dealt[j] for j in self.mesh.node_probes(len(dealt))) if ev.perturbed})
         return DividedStageNoise(loop.directions, loop.workspace, step, loop.eps, plan, loop.timers,
-                                 division=self.division, slot=i % STAGE_SLOTS, node_evals=node_evals)
+                                 division=self.division, slot=i % STAGE_SLOTS, node_evals=node_evals,
+                                 **loop.shaping())
 
     def before_write(self) -> None:
         """Before this rank changes the shared master, every peer has finished the probe that read

@@ -146,7 +146,8 @@ class StageLoop(Engine):
         self.flush()  # a rank without probes never walked the previous update through its blocks
         stages = {OUTER, *range(self.store.blocks)}
         self.pending = PendingUpdate(step, tuple(coefficients), lr, weight_decay,
-                                     self.optimizer.rule(step, lr, weight_decay), stages, self.directions)
+                                     self.optimizer.rule(step, lr, weight_decay, coefficients), stages,
+                                     self.directions)
 
     @contextmanager
     def materialized(self) -> Iterator[Materialized]:
@@ -265,7 +266,15 @@ class StageLoop(Engine):
     # --- the stage loop -----------------------------------------------------------------------------
 
     def noise(self, step: int, plan: Sequence[Probe]) -> StageNoise:
-        return StageNoise(self.directions, self.workspace, step, self.eps, plan, self.timers)
+        return StageNoise(self.directions, self.workspace, step, self.eps, plan, self.timers, **self.shaping())
+
+    def shaping(self) -> dict:
+        """StageNoise's `shaper` and `state_of` (the outer stage's state, for copies built on first
+        use) where the optimizer's state shapes the directions (HiZOO); nothing otherwise."""
+        if not self.optimizer.shapes_directions:
+            return {}
+        states = {t.param.name: t.state for t in self.store.outer_targets()}
+        return {"shaper": self.optimizer, "state_of": lambda p: states[p.name]}
 
     def _prepare_block(self, i: int, targets: Sequence[Target], step: int, plan: Sequence[Probe], perturbed: bool,
                        full_plan: Sequence[Probe] | None) -> StageNoise:

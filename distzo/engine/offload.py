@@ -63,10 +63,10 @@ class OffloadStore(WeightStore):
     def __init__(self, model: nn.Module, adapter: DecoderAdapter, params: TrainableParams, optimizer: Optimizer,
                  device: torch.device, *, slots: int = 3, transfer_dtype: torch.dtype | None = None):
         self.host_blocks = build_host_blocks(adapter, pin_memory=device.type == "cuda", node=self._shared_node(),
-                                             state_slots=len(optimizer.slots))
+                                             state_slots=len(optimizer.slots), state_initial=optimizer.initial)
         place_resident(model, device, (n for b in self.host_blocks for n in b.names))
         super().__init__(adapter, params, optimizer, device)
-        self.state = StateBuffers(optimizer.slots, self.outer_params, device)
+        self.state = StateBuffers(optimizer.slots, self.outer_params, device, initial=optimizer.initial)
         self.streamer = self._build_streamer(slots, transfer_dtype)
 
     def _shared_node(self) -> Node | None:
@@ -74,7 +74,8 @@ class OffloadStore(WeightStore):
         return None
 
     def _build_streamer(self, slots: int, transfer_dtype: torch.dtype | None) -> BlockStreamer:
-        return BlockStreamer(self.host_blocks, self.device, slots, transfer_dtype, awaits=self._awaits)
+        return BlockStreamer(self.host_blocks, self.device, slots, transfer_dtype, awaits=self._awaits,
+                             state_always=self.optimizer.shapes_directions)
 
     def _awaits(self, i: int) -> bool:
         return self.loop is not None and self.loop.awaits(i)
@@ -100,7 +101,8 @@ class OffloadStore(WeightStore):
         """Block i's masters in its slot; at reduced precision each records the update's change in
         the slot's delta buffer, which goes back to the host master."""
         deltas = self.streamer.delta_views(i)
-        states = self.streamer.state_views(i) if self.optimizer.slots and self._awaits(i) else {}
+        needed = self._awaits(i) or self.optimizer.shapes_directions  # the update's, or the copies' (HiZOO)
+        states = self.streamer.state_views(i) if self.optimizer.slots and needed else {}
         return [Target(p, views[p.name], delta=None if deltas is None else deltas[p.name],
                        state=states.get(p.name, ())) for p in self.block_params[i]]
 
@@ -248,13 +250,17 @@ def sliced_offload_engine(model, adapter, params, directions, *, node: Node, slo
 class OffloadMode(EngineMode):
     """offload=cpu with every weight trainable: whole blocks per rank (one rank per node, or
     comm.sliced=false), or, as `offload-sliced`, one node-shared host master of which each rank moves
-    a slice (several ranks per node, comm.sliced)."""
+    a slice (several ranks per node, comm.sliced). An optimizer whose state shapes the directions
+    (HiZOO) runs whole blocks: every rank's copies need the state of the whole block, and a sliced
+    rank holds its slice's."""
 
     precedence, sliced = 30, False
 
     @classmethod
     def applies(cls, s: EngineSetup) -> bool:
-        return s.offload.mode == "cpu" and s.peft_method == "none" and (s.node_shared or not cls.sliced)
+        shaped = s.optimizer is not None and s.optimizer.shapes_directions
+        return s.offload.mode == "cpu" and s.peft_method == "none" and (
+            not cls.sliced or (s.node_shared and not shaped))
 
     @classmethod
     def build(cls, s: EngineSetup) -> StageLoop:

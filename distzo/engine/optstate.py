@@ -29,11 +29,12 @@ def state_key(slot: str, name: str) -> str:
 
 
 class StateBuffers:
-    """The state of `params` for an optimizer with `slots`: a flat float32 buffer per slot (zeros at
-    the start), on `device`, or node-shared when `node` has several ranks (local rank 0 fills it)."""
+    """The state of `params` for an optimizer with `slots`: a flat float32 buffer per slot (every
+    element `initial` at the start), on `device`, or node-shared when `node` has several ranks (local
+    rank 0 fills it)."""
 
     def __init__(self, slots: Sequence[str], params: Sequence[TrainableParam], device: torch.device,
-                 node: Node | None = None):
+                 node: Node | None = None, initial: float = 0.0):
         self.slots, self.params = tuple(slots), list(params)
         self.node = node if node is not None and node.shared else None
         total = sum(p.numel() for p in self.params)
@@ -42,13 +43,13 @@ class StateBuffers:
             if self.node is not None:
                 buf = self.node.shared_tensor(total, torch.float32, f"optim-{slot}")
                 if self.node.local_rank == 0:
-                    buf.zero_()
+                    buf.fill_(initial)
             else:
                 with torch.inference_mode(False):
-                    buf = torch.zeros(total, dtype=torch.float32, device=device)
+                    buf = torch.full((total,), initial, dtype=torch.float32, device=device)
             self.flat.append(buf)
         if self.node is not None and self.slots:
-            self.node.barrier()  # zeroed before anyone reads it
+            self.node.barrier()  # filled before anyone reads it
         self._views: dict[str, tuple[torch.Tensor, ...]] = {}
         offset = 0
         for p in self.params:

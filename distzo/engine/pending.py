@@ -56,7 +56,7 @@ class PendingUpdate:
     directions: Directions | None = None  # whose update_terms decide the terms (None: the rule's own)
 
     def __post_init__(self) -> None:
-        terms = [(k, self.rule.term_scale(c)) for k, c in self.coefficients if c != 0.0]
+        terms = self.rule.terms(self.coefficients)
         if self.directions is not None:
             terms = self.directions.update_terms(self.step, self.coefficients, terms, self.rule.term_scale(1.0))
         self.terms = terms  # (query, a): z_query enters scaled by |a| (lr c_k, or c_k for a rule that says so)

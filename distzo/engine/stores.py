@@ -142,7 +142,9 @@ class ResidentStore(WeightStore):
     def __init__(self, adapter: DecoderAdapter, params: TrainableParams, optimizer: Optimizer, device: torch.device,
                  state: StateBuffers | None = None):
         super().__init__(adapter, params, optimizer, device)
-        self.state = state if state is not None else StateBuffers(optimizer.slots, list(params), device)
+        if state is None:
+            state = StateBuffers(optimizer.slots, list(params), device, initial=optimizer.initial)
+        self.state = state
 
     def _targets(self, params: Sequence[TrainableParam]) -> list[Target]:
         return [Target(p, p.tensor, state=self.state.of(p)) for p in params]

@@ -103,14 +103,14 @@ def host_buffer(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
 
 
 def build_host_blocks(adapter: DecoderAdapter, pin_memory: bool, node: Node | None = None,
-                      state_slots: int = 0) -> list[HostBlock]:
+                      state_slots: int = 0, state_initial: float = 0.0) -> list[HostBlock]:
     """Move every block's parameters into a flat host buffer per block. The Parameter objects stay
     the same (only `.data` is re-pointed), so anything holding them keeps working.
 
     node: lay the blocks out in one buffer shared by the node's ranks, each block padded into
     node.size aligned slices. Local rank 0 fills it; every rank holds the same weights (I1).
     state_slots: float32 buffers of optimizer state per block, in the same layout (node-shared
-    with the master), zeros at the start."""
+    with the master), each element `state_initial` at the start (the optimizer's `initial`)."""
     parts = node.size if node is not None else 1
     layout = []
     for prefix, module in adapter.blocks:
@@ -153,15 +153,16 @@ def build_host_blocks(adapter: DecoderAdapter, pin_memory: bool, node: Node | No
             offset += p.numel()
         blocks.append(HostBlock(prefix, names, shapes, offsets, flat, padded, slice_len, parts))
     if state_slots:
-        _attach_state(blocks, state_slots, pin_memory, node)
+        _attach_state(blocks, state_slots, pin_memory, node, state_initial)
     if node is not None:
         node.barrier()  # local rank 0 has filled the master (and zeroed the state)
     return blocks
 
 
-def _attach_state(blocks: list[HostBlock], slots: int, pin_memory: bool, node: Node | None) -> None:
+def _attach_state(blocks: list[HostBlock], slots: int, pin_memory: bool, node: Node | None,
+                  initial: float = 0.0) -> None:
     """Each block's optimizer state: `slots` float32 buffers laid out like its padded master, in one
-    node-shared buffer per slot when the master is node-shared, zeroed by local rank 0."""
+    node-shared buffer per slot when the master is node-shared, filled with `initial` by local rank 0."""
     total = sum(b.padded.numel() for b in blocks)
     per_slot = []
     for k in range(slots):
@@ -172,7 +173,7 @@ def _attach_state(blocks: list[HostBlock], slots: int, pin_memory: bool, node: N
         else:
             buf = host_buffer(total, torch.float32, pin_memory)
         if node is None or node.local_rank == 0:
-            buf.zero_()
+            buf.fill_(initial)
         per_slot.append(buf)
     start = 0
     for b in blocks:
@@ -444,11 +445,14 @@ class BlockStreamer:
     `written[i]` (block i's last write-back). On CPU every copy is done when it returns.
 
     With optimizer state (`HostBlock.state`), each slot has state buffers too: a block that
-    awaits the pending update (`awaits(i)`) has its state uploaded with it and written back with it."""
+    awaits the pending update (`awaits(i)`) has its state uploaded with it and written back with it;
+    with `state_always` (a state that shapes the directions) every block's state goes up with it."""
 
     def __init__(self, blocks: Sequence[HostBlock], device: torch.device, slots: int,
-                 transfer_dtype: torch.dtype | None = None, awaits: Callable[[int], bool] | None = None):
+                 transfer_dtype: torch.dtype | None = None, awaits: Callable[[int], bool] | None = None,
+                 state_always: bool = False):
         self.blocks, self.device = blocks, device
+        self.state_always = state_always  # the state goes up with every block (it shapes the directions)
         self.cuda = device.type == "cuda"
         dtype = blocks[0].flat.dtype
         size = max(b.padded.numel() for b in blocks)
@@ -519,7 +523,7 @@ class BlockStreamer:
 
     def prefetch(self, i: int) -> None:
         s = self.slot_of(i)
-        state = bool(self.state_slots[s]) and self.state_owner[s] != i and self._awaits(i)
+        state = bool(self.state_slots[s]) and self.state_owner[s] != i and (self.state_always or self._awaits(i))
         if self.owner[s] == i and not state:
             return
         weights = self.owner[s] != i

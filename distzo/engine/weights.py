@@ -17,6 +17,7 @@ from ..models.adapters import CleanWeights, call_with, full_name, module_sources
 from ..telemetry.timing import DISABLED, Timers
 from ..zo.directions import Directions
 from ..zo.estimators import Probe
+from ..zo.optimizers import Optimizer
 from ..zo.params import TrainableParam, TrainableParams
 from .chunkpass import chunk_pass
 from .pending import PendingUpdate
@@ -65,12 +66,17 @@ class StageNoise:
     pass, so the master is read once for all signs and z never travels through main memory (a
     per-thread scratch buffer, or no buffer at all with the fused kernels and Rademacher z).
     Embedding-like tables are perturbed by rows where an index reads them (only those rows); a head
-    that reads the whole table gets a working copy of it like a dense parameter."""
+    that reads the whole table gets a working copy of it like a dense parameter.
+
+    shaper: an optimizer whose state shapes the directions (HiZOO; None: z as drawn); state_of:
+    where the state of a parameter whose copies are built on first use is (the outer stage's)."""
 
     def __init__(self, directions: Directions, workspace: Workspace, step: int, eps: float,
-                 plan: Sequence[Probe], timers: Timers = DISABLED):
+                 plan: Sequence[Probe], timers: Timers = DISABLED, shaper: Optimizer | None = None,
+                 state_of: StateOf | None = None):
         self.directions, self.workspace, self.step, self.eps = directions, workspace, step, eps
         self.plan, self.timers = list(plan), timers
+        self.shaper, self.state_of = shaper, state_of
         self._copies: dict[tuple[str, int], torch.Tensor] = {}  # (parameter, probe index) -> copy
         self._used: dict[tuple[int, torch.dtype], int] = {}
         self._rows: dict[tuple[str, int, int | None], tuple[torch.Tensor, ...]] = {}
@@ -92,7 +98,9 @@ class StageNoise:
         """Build every probe's working copies of `entries` in one pass over their chunks, first
         applying `pending` (the previous step's update) to each master chunk: the pending update
         fused with the next perturbation, while the chunk is in cache. state: where each parameter's
-        optimizer state is (an optimizer with a rule updates it in the same pass)."""
+        optimizer state is (an optimizer with a rule updates it in the same pass; a shaper's state
+        shapes the copies)."""
+        state = state if state is not None else self.state_of
         with self.timers("perturb"):
             todo = list(entries)
             out = self._outputs(todo)
@@ -110,8 +118,8 @@ class StageNoise:
         targets = {name: {q: [(sign, flat) for qq, sign, flat in entries if qq == q]
                           for q in sorted({q for q, _, _ in entries})} for name, entries in copies.items()}
         masters = {p.name: source(p).view(-1) for p in todo}
-        states = {p.name: [t.view(-1) for t in state(p)] if state is not None and pending is not None else []
-                  for p in todo}
+        reads_state = state is not None and (pending is not None or self.shaper is not None)
+        states = {p.name: [t.view(-1) for t in state(p)] if reads_state else [] for p in todo}
         # All queries of a chunk (on CUDA a span of chunks) are one item.
         work = [(p, ref) for p in todo for ref, _ in self.directions.units(p.key, p.shape)]
         size = lambda item: item[1].stop - item[1].start  # noqa: E731
@@ -123,7 +131,7 @@ class StageNoise:
             chunk = slice(ref.start, ref.stop)
             chunk_pass(self.directions, p, ref, masters[p.name][chunk], pending, self.step, self.eps,
                        {q: [(sign, flat[chunk]) for sign, flat in outs] for q, outs in targets[p.name].items()},
-                       state=[t[chunk] for t in states[p.name]])
+                       state=[t[chunk] for t in states[p.name]], shaper=self.shaper)
 
         self.directions.map(one, work, size)
 
@@ -152,8 +160,11 @@ class StageNoise:
 
     def _draw_rows(self, p: TrainableParam, query: int, index: torch.Tensor) -> tuple[torch.Tensor, ...]:
         unique, inverse = torch.unique(index, return_inverse=True)
-        z = self.directions.rows(p.shape, p.key, self.step, query, unique)
-        z = z.view((unique.numel(),) + tuple(p.shape[1:])).to(p.tensor.dtype).mul_(self.eps)
+        z = self.directions.rows(p.shape, p.key, self.step, query, unique).view((unique.numel(),) + tuple(p.shape[1:]))
+        if self.shaper is not None:  # as the chunk pass shapes a copy: float32, rounded once
+            z = self.shaper.perturbation(z.mul(self.eps), [t[unique] for t in self.state_of(p)]).to(p.tensor.dtype)
+        else:
+            z = z.to(p.tensor.dtype).mul_(self.eps)
         # Holding `index` keeps its id from being reused by another tensor while this entry lives.
         return unique, inverse, z, index
 

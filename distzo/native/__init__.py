@@ -171,7 +171,7 @@ def kernel_signature(rule: int) -> tuple[int, int] | None:
     """(constants, state tensors) of the optimizer whose kernel case is `rule` (None: no such case)."""
     for _, cls in registry("optimizer").items():
         if cls.kernel == rule:
-            return len(cls().constants(0, 1.0)), len(cls.slots)
+            return len(cls().rule(0, 1.0, 0.0).constants), len(cls.slots)
     return None
 
 
@@ -264,15 +264,20 @@ def self_check(kernels: Kernels) -> None:
         if c.kernel is not None:
             first_of_case.setdefault(c.kernel, c)
     for cls in first_of_case.values():
-        rule = cls().rule(2, 1e-3, 0.0)
+        opt = cls()
+        rule = opt.rule(2, 1e-3, 0.0, ((0, 0.5), (1, -0.25), (-2, 3.0)))  # -2: HiZOO's curvature entry
         state = [torch.linspace(0.5, 1.5, 513) for _ in range(rule.slots)]
         got, got_state = master.clone(), [t.clone() for t in state]
-        kernels.chunk(got, rule.kernel, rule.constants, got_state, offset=7, decay=0.75,
-                      terms=[(values, False), (Stream(3, 1e-3), True)], queries=[Stream(9, 0.25)], outs=[(plus, 0, 1)])
+        terms = [(values, False), (Stream(3, 1e-3), True)][:opt.max_terms]
+        kernels.chunk(got, rule.kernel, rule.constants, got_state, offset=7, decay=0.75, terms=terms,
+                      queries=[Stream(9, 0.25)], outs=[(plus, 0, 1)])
         want = master.clone()
-        rule.apply(want, state, [(values[7:520], False), (stream_signs(3, 7, 513, 1e-3), True)], 0.75)
+        rule.apply(want, state, [(values[7:520], False), (stream_signs(3, 7, 513, 1e-3), True)][:opt.max_terms], 0.75)
+        z = stream_signs(9, 7, 513, 0.25)
+        if opt.shapes_directions:
+            z = opt.perturbation(z, state)
         if not (torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(got_state, state))
-                and torch.equal(plus, want + stream_signs(9, 7, 513, 0.25))):
+                and torch.equal(plus, want + z)):
             raise NativeUnavailable(f"{kernels.path} disagrees with the torch reference; delete it to rebuild")
 
 

@@ -102,15 +102,23 @@ static const float *masked(const float *__restrict__ z, const float *__restrict_
 }
 
 /* Copies of one tile: for each output o, outs[o][i] = x + z_q or x - z_q (shared by both entry points),
- * z_q masked by the updated x where there is a mask. */
+ * z_q masked by the updated x where there is a mask, and divided by root[i] where `root` is given
+ * (sqrt of HiZOO's Hessian after the update: its perturbation (eps z) / sqrt(H)). */
 static void write_copies(const float *x, int64_t i0, int64_t m, int64_t offset, int n_queries,
                          const distzo_source *queries, int n_outs, float *const *outs, const int *out_query,
-                         const int *out_sign, float *buf, int has_mask, float mask_h, float *mbuf) {
+                         const int *out_sign, float *buf, int has_mask, float mask_h, float *mbuf,
+                         const float *root, float *sbuf) {
     for (int q = 0; q < n_queries; q++) {
         const float *z = 0;
         for (int o = 0; o < n_outs; o++) {
             if (out_query[o] != q) continue;
-            if (!z) z = masked(source_tile(&queries[q], offset + i0, m, buf), x, m, has_mask, mask_h, mbuf);
+            if (!z) {
+                z = masked(source_tile(&queries[q], offset + i0, m, buf), x, m, has_mask, mask_h, mbuf);
+                if (root) {
+                    for (int64_t i = 0; i < m; i++) sbuf[i] = z[i] / root[i];
+                    z = sbuf;
+                }
+            }
             float *dst = outs[o] + i0;
             if (out_sign[o] > 0)
                 for (int64_t i = 0; i < m; i++) dst[i] = x[i] + z[i];
@@ -133,6 +141,10 @@ static void write_copies(const float *x, int64_t i0, int64_t m, int64_t offset, 
  *     g = sum_t a_t z; m = m * b1 + g * (1-b1); v = v * b2 + (g * g) * (1-b2); x = x * decay;
  *     x = x - (m * alpha) / (sqrt(v) * inv_bc2s + eps)
  *   rule 3 (sign; consts lr): g as above; x = x * decay; x = g > 0 ? x - lr : g < 0 ? x + lr : x
+ *   rule 4 (hizoo; consts 1-alpha, alpha*d, lr*c; state0 h; at most one term, z itself):
+ *     with the term: h = h * (1-alpha) + ((z * z) * h) * (alpha*d); x = x * decay; with the term:
+ *     x = x - (z * (lr*c)) / sqrt(h). Its copies divide z_q by sqrt(h) (h after the update), also in a
+ *     call with no term and no decay, which leaves x and h as they are (a pass that only writes copies).
  * Copies: for each output o, outs[o][i] = x + z_q (out_sign[o] > 0) or x - z_q, with q = out_query[o]
  * indexing `queries`.
  * With has_mask, every z is masked by magnitude (Sparse MeZO): a term's z where |x| <= mask_h for x as
@@ -143,7 +155,7 @@ void distzo_chunk_rule(float *master, int64_t n, int64_t offset, int rule, const
                        int n_queries, const distzo_source *queries,
                        int n_outs, float *const *outs, const int *out_query, const int *out_sign,
                        int has_mask, float mask_h) {
-    float x[TILE], x0[TILE], buf[TILE], g[TILE], mbuf[TILE];
+    float x[TILE], x0[TILE], buf[TILE], g[TILE], mbuf[TILE], sbuf[TILE], root[TILE];
     for (int64_t i0 = 0; i0 < n; i0 += TILE) {
         const int64_t m = n - i0 < TILE ? n - i0 : TILE;
         memcpy(x, master + i0, (size_t)m * sizeof(float));
@@ -173,6 +185,21 @@ void distzo_chunk_rule(float *master, int64_t n, int64_t offset, int rule, const
                 else
                     for (int64_t i = 0; i < m; i++) { x[i] = x[i] - z[i]; d[i] = d[i] + z[i]; }
             }
+        } else if (rule == 4) {
+            float *h = state0 + i0;
+            const float keep = consts[0], alpha_d = consts[1], lr_c = consts[2];
+            const float *z = n_terms ? masked(source_tile(&terms[0], offset + i0, m, buf), x0, m, has_mask, mask_h,
+                                              mbuf) : 0;
+            if (z)
+                for (int64_t i = 0; i < m; i++) {
+                    const float curved = ((z[i] * z[i]) * h[i]) * alpha_d;
+                    h[i] = h[i] * keep + curved;
+                }
+            for (int64_t i = 0; i < m; i++) root[i] = sqrtf(h[i]);  /* the update's and the copies' */
+            if (has_decay)
+                for (int64_t i = 0; i < m; i++) x[i] = x[i] * decay;
+            if (z)
+                for (int64_t i = 0; i < m; i++) x[i] = x[i] - (z[i] * lr_c) / root[i];
         } else {
             for (int64_t i = 0; i < m; i++) g[i] = 0.0f;
             for (int t = 0; t < n_terms; t++) {
@@ -202,7 +229,7 @@ void distzo_chunk_rule(float *master, int64_t n, int64_t offset, int rule, const
         }
         if (rule != 0 || has_decay || n_terms > 0) memcpy(master + i0, x, (size_t)m * sizeof(float));
         write_copies(x, i0, m, offset, n_queries, queries, n_outs, outs, out_query, out_sign, buf, has_mask, mask_h,
-                     mbuf);
+                     mbuf, rule == 4 ? root : 0, sbuf);
     }
 }
 

@@ -69,7 +69,8 @@ def config_fingerprint(cfg: Config) -> str:
     # Keys added later count only when set, so runs written before them still resume.
     added = (("model", "revision", None), ("model", "quantize", "none"), ("model", "init_device", "cpu"),
              ("task", "revision", None), ("task", "max_tokens", None),
-             ("task", "subset", None), ("task", "split_names", {"train": None, "validation": None, "test": None}))
+             ("task", "subset", None), ("task", "split_names", {"train": None, "validation": None, "test": None}),
+             ("estimator", "clean", False))
     for section, key, default in added:
         if keys[section].get(key, default) == default:
             keys[section].pop(key, None)

@@ -13,6 +13,7 @@ state is one or two float32 tensors shaped like the parameter (docs/optimizers.m
 | adam | m <- b1 m + (1 - b1) g; v <- b2 v + (1 - b2) g^2; x <- x decay - alpha m / (sqrt(v) / sqrt(1 - b2^t) + eps), alpha = lr / (1 - b1^t), t = step + 1 | m, v |
 | sign | x <- x decay - lr sign(g) | none |
 | fzoo | sgd's rule on coefficients c_k / std_k(g_k) (FZOO's step normalised by the spread of the losses) | none |
+| hizoo | H <- (1 - alpha) H + alpha d H z^2; x <- x decay - lr c z / sqrt(H), d = abs(L+ + L- - 2 L0) / (2 eps^2); the probes are x +- eps z / sqrt(H) | H (starts at 1) |
 
 `momentum` is heavy-ball momentum in update units (d_t = mu d_{t-1} + lr_t g_t, theta_{t+1} = theta_t
 decay - d_t: torch's SGD(momentum=mu, dampening=0) when lr is constant and there is no weight decay,
@@ -22,6 +23,11 @@ x receives the new terms exactly as sgd's does, so with mu = 0 the weights are s
 ZO-SignSGD (Liu et al. 2019, element-wise sign of the estimate). `fzoo` is FZOO's optimizer (Dang et
 al., ICLR 2026): with estimator.difference=forward the q one-sided losses l_k = l_0 + eps g_k have
 std eps std(g), so c_k / std(g) = (l_k - l_0) / (q std(l)), FZOO's coefficient (its code's form).
+`hizoo` is HiZOO (Zhao et al., ICLR 2025) as its authors' code runs it: a diagonal Hessian estimate H
+(one float32 slot, ones at the start) both shapes the step's directions (the probes read
+x +- eps z / sqrt(H), `shapes_directions`) and preconditions the update; it reads the curvature d
+of three losses a step (estimator.clean=true: L0 = L(x) beside L+-), carried in the step's
+coefficients as the entry `(CURVATURE, d)` so that resume and replay re-apply it like any other.
 
 Each optimizer is one class, registered by name (`@register("optimizer", name)`, distzo.registry):
 its rule in torch ops (`update`, the definition), its state slots, its settings (a dataclass
@@ -38,7 +44,7 @@ from __future__ import annotations
 
 import math
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import ClassVar, Sequence
 
 import torch
@@ -101,6 +107,10 @@ class Rule:
         """a_k: z_k enters the update scaled by lr c_k (or by c_k for a rule that says so)."""
         return self.lr * c if self.optimizer.lr_terms else c
 
+    def terms(self, coefficients: Sequence[tuple[int, float]]) -> list[tuple[int, float]]:
+        """The update's (query, a_k) terms for the step's coefficients (`Optimizer.terms`)."""
+        return self.optimizer.terms(coefficients, self.lr)
+
     def apply(self, x: torch.Tensor, state: Sequence[torch.Tensor], terms: Sequence[Term],
               decay: float | None) -> None:
         """The rule on float32 tensors, in place: x the master's elements, state the optimizer's
@@ -117,7 +127,12 @@ class Optimizer:
     lr_terms: a term's z is scaled by lr c_k (False: by c_k). separable: the terms change x one
     after another and change nothing else, so a pass may apply them in several kernel calls (sgd).
     state_from_trajectory: its state at step t is a function of the trajectory's steps before t
-    (zero state at step 0), so `replay` can rebuild it from the trajectory alone."""
+    (the initial state at step 0), so `replay` can rebuild it from the trajectory alone.
+    initial: the value every state element starts at (0; HiZOO's Hessian starts at 1).
+    shapes_directions: its state shapes the step's directions: a probe reads x + s `perturbation`(eps
+    z, state) instead of x + s eps z, so every pass that writes working copies reads the state (and
+    its kernel case, if any, shapes the copies it writes).
+    max_terms: the most directions one update takes (None: any number)."""
 
     name: ClassVar[str]
     Settings: ClassVar[type] = OptimSettings
@@ -126,6 +141,9 @@ class Optimizer:
     lr_terms: ClassVar[bool] = True
     separable: ClassVar[bool] = False
     state_from_trajectory: ClassVar[bool] = True
+    initial: ClassVar[float] = 0.0
+    shapes_directions: ClassVar[bool] = False
+    max_terms: ClassVar[int | None] = None
 
     def __init__(self, settings: OptimSettings | None = None):
         """settings: the `optim` section (None: this optimizer's defaults)."""
@@ -144,12 +162,23 @@ class Optimizer:
         """The rule's definition in torch ops (see `Rule.apply`)."""
         raise NotImplementedError
 
-    def rule(self, step: int, lr: float, weight_decay: float) -> Rule:
+    def rule(self, step: int, lr: float, weight_decay: float, coefficients: Sequence[tuple[int, float]] = ()) -> Rule:
+        """Step `step`'s rule (coefficients: the step's, for a rule whose constants read them)."""
         return Rule(self, tuple(f32(c) for c in self.constants(step, lr)), lr)
 
     def coefficients(self, result: StepResult) -> tuple[tuple[int, float], ...]:
         """The coefficients the update applies (and the trajectory logs) for a step's estimate."""
         return result.coefficients
+
+    def terms(self, coefficients: Sequence[tuple[int, float]], lr: float) -> list[tuple[int, float]]:
+        """The update's terms (query k, a_k): z_k enters scaled by |a_k| (lr c_k, or c_k where
+        `lr_terms` is False); a zero coefficient adds nothing."""
+        return [(k, lr * c if self.lr_terms else c) for k, c in coefficients if c != 0.0]
+
+    def perturbation(self, scaled_z: torch.Tensor, state: Sequence[torch.Tensor]) -> torch.Tensor:
+        """What a probe adds to (or subtracts from) x, given eps z (float32) and the state over the
+        same elements; a `shapes_directions` optimizer's own (the others never call it)."""
+        return scaled_z
 
     def state_bytes(self, numel: int) -> int:
         """Bytes of one copy of the state for `numel` trainable elements."""
@@ -292,6 +321,91 @@ class FZOO(SGD):
         if not spread > 0.0:
             return tuple((k, 0.0) for k, _ in result.coefficients)
         return tuple((k, c / spread) for k, c in result.coefficients)
+
+
+CURVATURE = -2  # the coefficient entry (CURVATURE, d) of a HiZOO step: its curvature, not a direction
+
+
+@register("optimizer", "hizoo")
+class HiZOO(Optimizer):
+    """HiZOO: a diagonal Hessian estimate H, updated from the step's curvature, scales the
+    directions and preconditions the update (the module docstring's table; docs/optimizers.md).
+    Per element, with z the step's direction, c its projected gradient and d = |L+ + L- - 2 L0| /
+    (2 eps^2), in float32, each product rounded in this order:
+
+        H <- H (1 - alpha) + ((z z) H) (alpha d)
+        x <- x decay - (z (lr c)) / sqrt(H)                 (the updated H)
+        probe: x +- (eps z) / sqrt(H)                      (the updated x and H)
+
+    Its authors' code takes d's absolute value of the scalar and z^2 (not the paper's z^2 - 1), and
+    probes with the H of the previous step's update; so does this. It skips their fourth forward
+    pass (the loss after the update, logged only): the clean probe's loss is the logged loss."""
+
+    slots = ("hessian",)
+    kernel = 4
+    lr_terms = False
+    initial = 1.0
+    shapes_directions = True
+    max_terms = 1
+
+    @dataclass
+    class Settings(OptimSettings):
+        alpha: float = setting(1e-6, ">= 0 and < 1", "the Hessian's smoothing: H <- (1 - alpha) H + alpha d H z^2 "
+                                                     "(0 keeps H at 1: MeZO's steps with one more forward pass)")
+
+    def __init__(self, settings: Settings | None = None):
+        super().__init__(settings)
+        self.alpha = float(self.settings.alpha)
+        if not 0.0 <= self.alpha < 1.0:
+            raise ValueError(f"hizoo alpha {self.alpha} outside [0, 1)")
+
+    @classmethod
+    def check(cls, cfg: Config) -> None:
+        est = cfg.estimator
+        if "clean" not in {f.name for f in fields(estimator_type(est.name).Settings)}:  # no curvature to read
+            raise ConfigError(f"optim.name=hizoo scales MeZO's directions by its Hessian estimate; "
+                              f"estimator={est.name} draws its own: use estimator=mezo estimator.clean=true")
+        if not getattr(est, "clean", False):
+            raise ConfigError("optim.name=hizoo reads the curvature of three losses a step, L(x), L(x + eps z) and "
+                              "L(x - eps z): add estimator.clean=true")
+        if est.q != 1:
+            raise ConfigError(f"optim.name=hizoo updates its Hessian from one direction a step; estimator.q={est.q}: "
+                              "use estimator.q=1")
+
+    def coefficients(self, result: StepResult) -> tuple[tuple[int, float], ...]:
+        if len(result.curvatures) != 1 or len(result.coefficients) != 1:
+            raise ValueError("optim.name=hizoo needs one direction and its curvature a step (estimator=mezo "
+                             "estimator.clean=true estimator.q=1)")
+        return (*result.coefficients, (CURVATURE, abs(result.curvatures[0])))
+
+    def rule(self, step: int, lr: float, weight_decay: float, coefficients: Sequence[tuple[int, float]] = ()) -> Rule:
+        c = sum(v for k, v in coefficients if k != CURVATURE)
+        d = sum(v for k, v in coefficients if k == CURVATURE)
+        return Rule(self, (f32(1.0 - self.alpha), f32(self.alpha * d), f32(lr * c)), lr)
+
+    def terms(self, coefficients: Sequence[tuple[int, float]], lr: float) -> list[tuple[int, float]]:
+        # z itself (scaled by 1, exactly): its square updates H even where c is zero
+        return [(k, 1.0) for k, _ in coefficients if k != CURVATURE]
+
+    def update(self, x, state, terms, decay, constants) -> None:
+        keep, alpha_d, lr_c = constants
+        (h,) = state
+        if len(terms) > 1:
+            raise RuntimeError("internal error: a hizoo update with more than one direction")
+        if terms:
+            z = terms[0][0]
+            curved = z.mul(z).mul_(h).mul_(alpha_d)  # from H before this step's update
+            h.mul_(keep).add_(curved)
+        if decay is not None:
+            x.mul_(decay)
+        if terms:
+            x.sub_(z.mul(lr_c).div_(correctly_rounded_sqrt(h)))
+
+    def perturbation(self, scaled_z: torch.Tensor, state: Sequence[torch.Tensor]) -> torch.Tensor:
+        return scaled_z / correctly_rounded_sqrt(state[0])
+
+    def describe(self) -> str:
+        return f"hizoo (alpha {self.alpha:g})"
 
 
 def optimizer_type(name: str) -> type[Optimizer]:

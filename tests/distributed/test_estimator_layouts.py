@@ -10,7 +10,7 @@ mesh, one rank idle; every rank derives the bases from the shared clean forward)
 MeZO on models driven other ways (docs/models.md), 1x1 against 2x2: random GPT-2, Gemma 3,
 GPT-NeoX (also with LoRA), Phi-3, Falcon and StableLM on the general path, and the tiny Llama on
 the whole-model fallback; LoRA and P-RGE's LoRA-FA on an int8 and an int4 (NF4) quantized base;
-LOZO, LOZO-M, SubZero and Sparse MeZO.
+LOZO, LOZO-M, SubZero and Sparse MeZO; the optimizers, HiZOO's Hessian-shaped directions included.
 """
 
 from __future__ import annotations
@@ -61,6 +61,10 @@ RUNS = {
     "sign": [*CUE, "estimator=mezo", "estimator.q=2", "optim.name=sign", "optim.lr=1e-3"],
     "fzoo": [*CUE, "estimator=mezo", "estimator.q=3", "estimator.difference=forward",
              "estimator.distribution=rademacher", "optim.name=fzoo", "optim.lr=1e-3"],
+    # HiZOO: a state that shapes the directions (every copy reads the Hessian), three probes a step (4x1: one
+    # rank idle); alpha large enough that H moves by several percent a step here
+    "hizoo": [*CUE, "estimator=mezo", "estimator.clean=true", "optim.name=hizoo", "optim.alpha=1e-4",
+              "optim.lr=1e-3", "optim.weight_decay=0.1"],
     # an optimizer added in one file (tests/plugins/signum.py, imported above): stateful, torch ops only
     "signum": [*CUE, "estimator=mezo", "estimator.q=2", "optim.name=signum", "optim.lr=1e-3"],
     # an optimizer with state on a trainable set of its own: LoRA-FA's B under P-RGE's batched forward

@@ -102,6 +102,31 @@ def test_offloaded_fzoo_equals_resident_on_a_sliced_mesh(tmp_path):
     assert summary["optimizer"] == "fzoo" and summary["optimizer_state_bytes"] == 0
 
 
+def test_offloaded_hizoo_equals_resident_on_a_mesh_streaming_whole_blocks(tmp_path):
+    """HiZOO's probes read the Hessian of the whole block, so on 2x2 with offload=cpu each rank streams
+    whole blocks with their state (the `offload` mode, not the sliced one), the state going up with
+    every block, pending update or not: weights, Hessian and evaluations are the resident run's
+    (the node's ranks share the master and the Hessian under work division), bitwise."""
+    args = ["model=tiny", "mesh=2x2", "estimator.clean=true", "optim.name=hizoo", "optim.alpha=1e-3",
+            "optim.weight_decay=0.1", "checkpoint.every=4"]
+    weights_r, evals_r = run(tmp_path, "resident", 4, *args)
+    weights_o, evals_o = run(tmp_path, "offloaded", 4, *args, "offload=cpu", "offload.slots=1")
+    assert all(torch.equal(weights_r[k], weights_o[k]) for k in weights_r)
+    assert evals_r == evals_o
+    summaries = [json.loads((tmp_path / name / "summary.json").read_text()) for name in ("resident", "offloaded")]
+    assert [s["engine"] for s in summaries] == ["divided", "offload"]
+    states = [read_state(sorted((tmp_path / name / "checkpoints").iterdir())[-1]) for name in ("resident", "offloaded")]
+    assert states[0].keys() == states[1].keys() and all(k.startswith("hessian/") for k in states[0])
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
+    assert any(bool((v != 1).any()) for v in states[0].values())  # the Hessian moved
+
+
+def read_state(snapshot):
+    from distzo.state.snapshots import read_optimizer_state
+
+    return read_optimizer_state(snapshot)
+
+
 @pytest.mark.parametrize("mesh,nproc,settings", [
     ("1x1", 1, ["peft=lora", "model.quantize=int8", "engine.quantized_matmul=decoded"]),
     ("2x2", 4, ["peft=lora", "model.quantize=int4", "estimator.q=2"]),

@@ -227,19 +227,29 @@ def test_repeated_nonfinite_losses_stop_with_a_valid_snapshot(tmp_path):
     assert state["step"] == skipped[-1]["step"] and state["nonfinite_in_a_row"] == 2
 
 
-def test_sigkill_of_an_adam_run_resumes_bitwise(tmp_path):
-    """optim.name=adam on 2x2 (the node's ranks share the master and Adam's m and v): killed 5 or more
-    steps after its snapshot at step 8, which holds the state (optimizer.safetensors), the resumed run
-    loads it, re-applies the logged steps through the same rule (no forward passes) and ends bitwise
-    equal to the uninterrupted run; so does a run killed before its first snapshot, whose state is
-    rebuilt from zeros and the whole trajectory."""
-    adam = [*BASE, "optim.name=adam", "optim.weight_decay=0.1", "steps=20", "mesh=2x2", "checkpoint.every=8"]
+AFTER, BEFORE = ("after", 13, ["step-00000008"]), ("before", 5, [])
+
+
+@pytest.mark.parametrize("settings,cases", [
+    (["optim.name=adam"], (AFTER, BEFORE)),
+    # HiZOO's Hessian (ones at the start) and its curvature, logged among the coefficients; q=1
+    (["optim.name=hizoo", "estimator.clean=true", "optim.alpha=1e-3"], (AFTER,)),
+], ids=["adam", "hizoo"])
+def test_sigkill_of_a_stateful_run_resumes_bitwise(tmp_path, settings, cases):
+    """An optimizer with state on 2x2 (the node's ranks share the master and the state: Adam's m and
+    v, HiZOO's Hessian): killed 5 or more steps after its snapshot at step 8, which holds the state
+    (optimizer.safetensors), the resumed run loads it, re-applies the logged steps through the same
+    rule (no forward passes) and ends bitwise equal to the uninterrupted run; so does an Adam run
+    killed before its first snapshot, whose state is rebuilt from zeros and the whole trajectory
+    (HiZOO's rebuild from its initial state: test_optimizers.py's replay --from-step 0)."""
+    base = [a for a in BASE if not (a == "estimator.q=2" and "optim.name=hizoo" in settings)]
+    stateful = [*base, *settings, "optim.weight_decay=0.1", "steps=20", "mesh=2x2", "checkpoint.every=8"]
     ref = tmp_path / "ref"
-    r = torchrun(4, *adam, f"hydra.run.dir={ref}", cwd=tmp_path)
+    r = torchrun(4, *stateful, f"hydra.run.dir={ref}", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
-    for name, kill_at, snapshots in (("after", 13, ["step-00000008"]), ("before", 5, [])):
+    for name, kill_at, snapshots in cases:
         run_dir = tmp_path / name
-        args = [*adam, "resume=auto", f"hydra.run.dir={run_dir}", *([] if snapshots else ["checkpoint.every=0"])]
+        args = [*stateful, "resume=auto", f"hydra.run.dir={run_dir}", *([] if snapshots else ["checkpoint.every=0"])]
         proc = subprocess.Popen(launch_cmd(4, *args), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                 env=ENV, cwd=tmp_path)
         kill_rank_when(proc, run_dir, min_step=kill_at, rank="1")

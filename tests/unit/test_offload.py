@@ -36,14 +36,16 @@ def engine(arch, offload, slots=3, transfer_dtype=None, dtype=torch.float32):
     return model, resident_engine(model, adapter_for(model), params, directions, eps=1e-3)
 
 
-def train_steps(eng, steps=6, lr=1e-2):
-    est = SPSA(eps=1e-3, q=2)
+def train_steps(eng, steps=6, lr=1e-2, est=None):
+    """Steps of `est` (SPSA q=2 by default) with weight decay 0.1, the update the engine's optimizer
+    makes of each estimate; the steps' projected gradients."""
+    est = est or SPSA(eps=1e-3, q=2)
     losses = []
     for step, b in zip(range(steps), batches(steps)):
         scores = eng.run_probes(b, est.plan(), step)
         sums = torch.stack([objective_sums(scores[i], b) for i in range(len(est.plan()))])
         result = est.combine(sums[:, 0] / sums[:, 1])
-        eng.apply(step, result.coefficients, lr, 0.1)
+        eng.apply(step, eng.optimizer.coefficients(result), lr, 0.1)
         losses.append(result.grads)
     return losses
 

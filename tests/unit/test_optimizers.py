@@ -7,6 +7,7 @@ tolerance); the state in snapshots, resume and replay; configuration errors; sgd
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,7 @@ from distzo.models.selection import adapter_for
 from distzo.registry import load_plugin, registry
 from distzo.zo.directions import Directions, chunks_of, param_key
 from distzo.zo.estimators import SPSA, StepResult
-from distzo.zo.optimizers import FZOO, SGD, Adam, build_optimizer
+from distzo.zo.optimizers import CURVATURE, FZOO, SGD, Adam, HiZOO, build_optimizer
 from distzo.zo.params import TrainableParam
 from tests.unit.test_offload import batches, train_steps
 
@@ -35,9 +36,14 @@ NAMES = list(OPTIMIZERS)  # every registered optimizer, the example plugin's inc
 KERNEL_CASES = [n for n in NAMES if OPTIMIZERS[n].kernel is not None]
 STATEFUL = [n for n in NAMES if OPTIMIZERS[n].slots]
 SIGNUM_BETA = signum.Signum.Settings.beta
+OWN_SETTINGS = {"hizoo": ["estimator.clean=true", "optim.alpha=1e-3"]}  # what an optimizer needs to run
 # (step, coefficients, lr, weight decay) of three updates: two queries, signs of both kinds
 STEPS = [(0, ((0, 0.83), (1, -1.7)), 3e-3, 0.1), (1, ((0, -0.4), (1, 2.2)), 3e-3, 0.1),
          (2, ((0, 1.1), (1, 0.05)), 2e-3, 0.1)]
+# HiZOO's: one direction a step and its curvature d (one step with c = 0: H still moves)
+HIZOO_STEPS = [(0, ((0, 0.83), (CURVATURE, 40.0)), 3e-3, 0.1), (1, ((0, -2.2), (CURVATURE, 15.0)), 3e-3, 0.1),
+               (2, ((0, 0.0), (CURVATURE, 90.0)), 2e-3, 0.1), (3, ((0, 1.1), (CURVATURE, 0.0)), 2e-3, 0.1)]
+HIZOO_ALPHA = 0.01  # H moves by ~alpha d z^2 a step: 0.1-1 here, so the state test sees it
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +64,10 @@ def reference(name: str, params, directions: Directions) -> tuple[list[list[floa
     draw (float32 values, read exactly): ZO-Bench's / torch's definitions with decoupled weight decay."""
     xs = [[float(v) for v in p.tensor.view(-1)] for p in params]
     slots = len(OPTIMIZERS[name].slots)
-    state = [[[0.0] * len(x) for _ in range(slots)] for x in xs]
-    for step, coefficients, lr, wd in STEPS:
+    state = [[[OPTIMIZERS[name].initial] * len(x) for _ in range(slots)] for x in xs]
+    for step, coefficients, lr, wd in steps_of(name):
+        curvature = dict(coefficients).pop(CURVATURE, None)
+        coefficients = tuple((k, c) for k, c in coefficients if k != CURVATURE)
         if name == "fzoo":
             g = [c * 2 for _, c in coefficients]  # grads of a q = 2 estimate (c_k = g_k / q)
             spread = math.sqrt(sum((v - sum(g) / 2) ** 2 for v in g) / 2)
@@ -86,6 +94,10 @@ def reference(name: str, params, directions: Directions) -> tuple[list[list[floa
                 elif name == "signum":
                     st[0][i] = SIGNUM_BETA * st[0][i] + (1 - SIGNUM_BETA) * g
                     x[i] = x[i] * decay - lr * ((st[0][i] > 0) - (st[0][i] < 0))
+                elif name == "hizoo":  # HiZOO's code: H <- (1 - a) H + a d H z^2, then x with the new H
+                    z0 = z[0][i]
+                    st[0][i] = (1 - HIZOO_ALPHA) * st[0][i] + HIZOO_ALPHA * curvature * st[0][i] * z0 * z0
+                    x[i] = x[i] * decay - lr * g / math.sqrt(st[0][i])
                 else:
                     raise AssertionError(f"no float64 reference for optimizer {name}: add one here")
     return xs, state
@@ -94,17 +106,23 @@ def reference(name: str, params, directions: Directions) -> tuple[list[list[floa
 def run_engine_updates(name: str, params, directions: Directions) -> tuple[list, list]:
     """The same three updates through the engine's update pass (`apply_update`), float32."""
     opt = build_optimizer_by_name(name)
-    state = {p.name: tuple(torch.zeros_like(p.tensor) for _ in opt.slots) for p in params}
-    for step, coefficients, lr, wd in STEPS:
+    state = {p.name: tuple(torch.full_like(p.tensor, opt.initial) for _ in opt.slots) for p in params}
+    for step, coefficients, lr, wd in steps_of(name):
         if name == "fzoo":
             coefficients = opt.coefficients(StepResult(0.0, tuple(c * 2 for _, c in coefficients), coefficients))
-        u = PendingUpdate(step, coefficients, lr, wd, rule=opt.rule(step, lr, wd))
+        u = PendingUpdate(step, coefficients, lr, wd, rule=opt.rule(step, lr, wd, coefficients))
         apply_pending(directions, [Target(p, p.tensor, state=state[p.name]) for p in params], u)
     return [p.tensor.view(-1).tolist() for p in params], [[t.view(-1).tolist() for t in state[p.name]] for p in params]
 
 
 def build_optimizer_by_name(name: str):
+    if name == "hizoo":
+        return HiZOO(HiZOO.Settings(name="hizoo", alpha=HIZOO_ALPHA))
     return OPTIMIZERS[name]()
+
+
+def steps_of(name: str):
+    return HIZOO_STEPS if name == "hizoo" else STEPS
 
 
 @pytest.mark.parametrize("native_kernels", [False, True])
@@ -143,12 +161,16 @@ RULE_CASES = {  # terms, decay, queries written, part of the chunk
 def test_every_kernel_case_is_bitwise_its_rules_torch_form(kernels, name, distribution, case, monkeypatch):
     """Each registered optimizer with a case in the fused CPU kernel: the pass (update with state,
     then the copies) in the kernel equals the torch form (`Optimizer.update`) bitwise, over whole
-    chunks and slices, with and without copies and terms."""
+    chunks and slices, with and without copies and terms (HiZOO: its one term, its copies shaped by
+    the Hessian)."""
     terms, wd, queries, part = RULE_CASES[case]
     calls = []
     original = kernels.chunk
     monkeypatch.setattr(kernels, "chunk", lambda *a, **kw: (calls.append(a[1]), original(*a, **kw))[1])
     opt = build_optimizer_by_name(name)
+    shaper = opt if opt.shapes_directions else None  # HiZOO: its copies read the Hessian
+    if name == "hizoo":  # one direction a step, and its curvature
+        terms = (*terms[:opt.max_terms], (CURVATURE, 25.0))
     numel = 5003
     results = []
     for k in (None, kernels):
@@ -160,8 +182,9 @@ def test_every_kernel_case_is_bitwise_its_rules_torch_form(kernels, name, distri
         state = [torch.randn(hi - lo, generator=g).abs() for _ in opt.slots]
         copies = {q: [(+1, torch.empty(hi - lo)), (-1, torch.empty(hi - lo))] for q in queries}
         for step in (4, 5):  # twice: the state of one pass feeds the next
-            u = PendingUpdate(step, terms, 3e-3, wd, rule=opt.rule(step, 3e-3, wd))
-            chunk_pass(d, p, ref, p.tensor[lo:hi], u, step=step + 1, eps=1e-3, copies=copies, part=part, state=state)
+            u = PendingUpdate(step, terms, 3e-3, wd, rule=opt.rule(step, 3e-3, wd, terms))
+            chunk_pass(d, p, ref, p.tensor[lo:hi], u, step=step + 1, eps=1e-3, copies=copies, part=part, state=state,
+                       shaper=shaper)
         results.append([p.tensor, *state, *(out for outs in copies.values() for _, out in outs)])
     assert OPTIMIZERS[name].kernel in calls  # the second run really ran in the rule's kernel case
     for torch_ops, fused in zip(*results):
@@ -231,7 +254,7 @@ def test_every_optimizer_is_documented_and_the_registry_is_the_one_list():
     text = (Path(__file__).resolve().parents[2] / "docs" / "optimizers.md").read_text()
     for name in (n for n in NAMES if n != "signum"):
         assert f"`{name}`" in text, name
-    with pytest.raises(distzo.ConfigError, match=r"use one of: sgd, momentum, adam, sign, fzoo, signum"):
+    with pytest.raises(distzo.ConfigError, match=r"use one of: sgd, momentum, adam, sign, fzoo, hizoo, signum"):
         distzo.compose("optim.name=adamw")
 
 
@@ -254,36 +277,46 @@ def test_sgd_keeps_its_resume_fingerprint():
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["optim.name=adamw"], "optim.name=adamw is not an optimizer; use one of: sgd, momentum, adam, sign, fzoo"),
+    (["optim.name=adamw"], "optim.name=adamw is not an optimizer; use one of: sgd, momentum, adam, sign, fzoo, hizoo"),
     (["optim.name=momentum", "optim.momentum.mu=1"], "optim.mu=1.0 is out of range; it must be >= 0 and < 1"),
     (["optim.name=adam", "optim.adam.beta1=1"], "optim.beta1=1.0 is out of range; it must be >= 0 and < 1"),
     (["optim=adam", "optim.beta1=1"], "optim.beta1=1.0 is out of range; it must be >= 0 and < 1"),
     (["optim.name=fzoo"], "add estimator.difference=forward estimator.q=8"),
     (["optim.name=fzoo", "estimator.difference=forward"], "use estimator.q >= 2 (FZOO uses 8)"),
     (["optim.name=fzoo", "estimator=prge", "peft=lora_fa"], "use estimator=mezo estimator.difference=forward"),
+    (["optim.name=hizoo"], "optim.name=hizoo reads the curvature of three losses a step, L(x), L(x + eps z) and "
+                           "L(x - eps z): add estimator.clean=true"),
+    (["optim.name=hizoo", "estimator.clean=true", "estimator.q=2"], "use estimator.q=1"),
+    (["optim.name=hizoo", "estimator=lozo"], "use estimator=mezo estimator.clean=true"),
+    (["optim.name=hizoo", "optim.alpha=1"], "optim.alpha=1.0 is out of range; it must be >= 0 and < 1"),
+    (["estimator.clean=true", "estimator.difference=forward"], "forward differences have one already: drop "
+                                                               "estimator.clean"),
 ])
 def test_configuration_errors(overrides, message):
     import distzo
 
-    with pytest.raises(distzo.ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(distzo.ConfigError, match=re.escape(message)):
         distzo.compose("model=tiny", *overrides)
 
 
-def engine_pair(name: str, offload: bool, slots: int = 3, transfer_dtype=None):
+def engine_pair(name: str, offload: bool, slots: int = 3, transfer_dtype=None, kernels=None):
     model = random_model("llama", 400, {"num_hidden_layers": 4}, 0, torch.float32)
     from distzo.zo.params import TrainableParams
 
     params = TrainableParams.from_model(model)
     kwargs = dict(eps=1e-3, optimizer=build_optimizer_by_name(name))
+    directions = Directions(11, kernels=kernels)
     if offload:
-        return model, offload_engine(model, adapter_for(model), params, Directions(11), slots=slots,
+        return model, offload_engine(model, adapter_for(model), params, directions, slots=slots,
                                     transfer_dtype=transfer_dtype, **kwargs)
-    return model, resident_engine(model, adapter_for(model), params, Directions(11), **kwargs)
+    return model, resident_engine(model, adapter_for(model), params, directions, **kwargs)
 
 
 def train(eng, steps=5, lr=1e-3):
-    """Steps of SPSA q=2 with weight decay 0.1 (test_offload's loop); the steps' projected gradients."""
-    return train_steps(eng, steps=steps, lr=lr)
+    """Steps of SPSA q=2 with weight decay 0.1 (test_offload's loop); HiZOO's: q=1 with the clean
+    probe its curvature needs. The steps' projected gradients."""
+    est = SPSA(eps=1e-3, q=1, clean=True) if eng.optimizer.shapes_directions else None
+    return train_steps(eng, steps=steps, lr=lr, est=est)
 
 
 @pytest.mark.parametrize("name", STATEFUL)
@@ -299,7 +332,8 @@ def test_offloaded_state_is_streamed_and_bitwise_resident(name, slots):
     with res.materialized(), off.materialized():
         r, o = res.optimizer_state(), off.optimizer_state()
         assert r.keys() == o.keys() and len(r) == len(list(res.params)) * len(res.optimizer.slots)
-        assert all(torch.equal(r[k], o[k]) for k in r) and any(float(v.abs().max()) > 0 for v in r.values())
+        assert all(torch.equal(r[k], o[k]) for k in r)
+        assert any(bool((v != res.optimizer.initial).any()) for v in r.values())  # the state moved
     rs, os_ = res_model.state_dict(), off_model.state_dict()
     assert all(torch.equal(rs[k], os_[k]) for k in rs)
     state_bytes = sum(t.numel() * 4 for b in off.store.host_blocks for t in b.state)
@@ -369,7 +403,7 @@ def test_replay_rebuilds_weights_from_a_snapshot_and_from_the_trajectory_alone(t
     from distzo.run.replay import replay
     from distzo.state.snapshots import read_optimizer_state
 
-    tiny_run(tmp_path, "run", f"optim.name={name}", "optim.lr=1e-4")
+    tiny_run(tmp_path, "run", f"optim.name={name}", "optim.lr=1e-4", *OWN_SETTINGS.get(name, []))
     run_dir = tmp_path / "run"
     final = load_file(run_dir / "final" / "model.safetensors")
     saved = read_optimizer_state(run_dir / "checkpoints" / "step-00000002")
@@ -413,3 +447,84 @@ def read_state(snapshot):
     from distzo.state.snapshots import read_optimizer_state
 
     return read_optimizer_state(snapshot)
+
+
+def test_hizoo_at_alpha_zero_is_sgd_with_a_clean_probe_bitwise(tmp_path):
+    """alpha = 0 keeps HiZOO's Hessian at 1: its probes add eps z / sqrt(1) and its update subtracts
+    z (lr c) / sqrt(1), the same roundings as sgd's eps z and (lr c) z (sgd through the fused CPU
+    kernel, HiZOO on torch ops), so the weights are sgd's on the same three-probe plan, bitwise (weight
+    decay, the outer stage's rows and its copies included); the Hessian in the snapshot is all ones."""
+    from safetensors.torch import load_file
+
+    common = ["estimator.clean=true", "optim.weight_decay=0.1"]
+    tiny_run(tmp_path, "sgd", *common)
+    tiny_run(tmp_path, "hizoo", *common, "optim.name=hizoo", "optim.alpha=0")
+    a = load_file(tmp_path / "sgd" / "final" / "model.safetensors")
+    b = load_file(tmp_path / "hizoo" / "final" / "model.safetensors")
+    earlier = load_file(tmp_path / "sgd" / "checkpoints" / "step-00000002" / "weights.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert any(not torch.equal(a[k], earlier[k]) for k in a if k in earlier)  # the last two steps moved them
+    state = load_file(tmp_path / "hizoo" / "checkpoints" / "step-00000004" / "optimizer.safetensors")
+    assert state and all(k.startswith("hessian/") and bool((v == 1).all()) for k, v in state.items())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_hizoo_probes_read_eps_z_over_the_square_root_of_the_updated_hessian(dtype):
+    """A HiZOO chunk pass applies the update to x and H, then writes x' +- (eps z) / sqrt(H') with the
+    updated x' and H' (in float32, rounded once to a narrower master): against that formula written
+    out, bitwise. Rows read by an index (an embedding's) get the same values as the whole copy."""
+    from distzo.engine.weights import StageNoise, Workspace
+    from distzo.zo.estimators import Probe
+
+    opt = build_optimizer_by_name("hizoo")
+    d = Directions(7, "gaussian", threads=1)
+    g = torch.Generator().manual_seed(3)
+    p = TrainableParam("embed.weight", (torch.randn(40, 64, generator=g) * 0.1).to(dtype), param_key("embed.weight"),
+                       True)
+    h = torch.rand(40, 64, generator=g) + 0.5
+    step, coefficients = 4, ((0, 0.7), (CURVATURE, 30.0))
+    x_ref, h_ref = p.tensor.float().clone(), h.clone()
+    z_update = d.generate(p.shape, p.key, step - 1, 0)
+    HiZOO.update(opt, x_ref, [h_ref], [(z_update, False)], 1 - 1e-3 * 0.1, opt.rule(step - 1, 1e-3, 0.1,
+                                                                                      coefficients).constants)
+    x_ref = x_ref.to(dtype)
+    shaped = (d.generate(p.shape, p.key, step, 0) * 1e-3 / h_ref.double().sqrt().float()).to(dtype)
+    u = PendingUpdate(step - 1, coefficients, 1e-3, 0.1, rule=opt.rule(step - 1, 1e-3, 0.1, coefficients))
+    plan = [Probe(0, +1), Probe(0, -1)]
+    noise = StageNoise(d, Workspace(torch.device("cpu")), step, 1e-3, plan, shaper=opt, state_of=lambda q: (h,))
+    noise.prepare([p], lambda q: q.tensor, u)
+    plus, minus = noise.copies([p], 0, lambda q: q.tensor)[p.name], noise.copies([p], 1, lambda q: q.tensor)[p.name]
+    assert torch.equal(p.tensor, x_ref) and torch.equal(h, h_ref)
+    assert torch.equal(plus, x_ref + shaped) and torch.equal(minus, x_ref - shaped)
+    index = torch.tensor([[5, 17, 5], [39, 0, 17]])
+    unique, inverse, z_rows = noise.rows(p, 0, index)
+    assert torch.equal((p.tensor[unique] + z_rows)[inverse], plus[index])
+
+
+@pytest.mark.parametrize("offload,native_kernels", [(False, False), (False, True), (True, False), (True, True)])
+def test_a_hizoo_probe_is_the_model_at_the_hessian_shaped_perturbation(offload, native_kernels, kernels):
+    """Through the engine (its stage loop, the outer stage's rows and copies, an offloaded block's
+    state uploaded with no update pending; torch ops, and the fused kernel's pass that writes copies
+    only): after three HiZOO steps, a + probe's scores are the clean scores of the model set to
+    x + (eps z) / sqrt(H), built here from the materialised weights, the Hessian and the directions,
+    bitwise (the same operations on the same shapes)."""
+    from distzo.zo.estimators import Probe
+
+    _, eng = engine_pair("hizoo", offload=offload, slots=1, kernels=kernels if native_kernels else None)
+    train(eng, steps=3)
+    batch = next(batches(1))
+    with eng.materialized():  # no update pending below: the probe reads x and H as they are
+        x = {p.name: p.tensor.clone() for p in eng.params}
+        hessian = eng.optimizer_state()
+    assert any(bool((h != 1).any()) for h in hessian.values())
+    probe = eng.run_probes(batch, [Probe(0, +1)], 3)[0]
+    eng.flush()
+    with torch.no_grad():
+        for p in eng.params:
+            z = eng.directions.generate(p.shape, p.key, 3, 0)
+            p.tensor.copy_(x[p.name] + (z * 1e-3) / hessian[state_key("hessian", p.name)].double().sqrt().float())
+    # (offloaded, the parameters are views of the host masters, and one slot for four blocks means every
+    # block is uploaded again for the clean forward)
+    with eng.materialized() as weights:
+        clean = weights.score(batch)
+    assert torch.equal(probe.logits, clean.logits)

@@ -43,6 +43,7 @@ class StepResult:
     loss: float  # the step's training loss estimate (logged)
     grads: tuple[float, ...]  # g_k, one per query
     coefficients: tuple[tuple[int, float], ...]  # (query k, c_k): theta -= lr * sum c_k z_k
+    curvatures: tuple[float, ...] = ()  # per query (L+ + L- - 2 L0) / (2 eps^2), where the plan has L0 (HiZOO)
 
 
 class Estimator(ABC):

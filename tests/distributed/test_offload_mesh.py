@@ -25,6 +25,16 @@ def run(tmp_path, name, nproc, *args):
     return load_file(out / "final" / "model.safetensors"), evals
 
 
+def resident_and_offloaded_on_2x2(tmp_path, *args) -> list[dict]:
+    """The same 2x2 run resident and with offload=cpu on one slot: weights and evaluations equal,
+    bitwise; the two runs' summaries."""
+    weights_r, evals_r = run(tmp_path, "resident", 4, *args)
+    weights_o, evals_o = run(tmp_path, "offloaded", 4, *args, "offload=cpu", "offload.slots=1")
+    assert all(torch.equal(weights_r[k], weights_o[k]) for k in weights_r)
+    assert evals_r == evals_o
+    return [json.loads((tmp_path / name / "summary.json").read_text()) for name in ("resident", "offloaded")]
+
+
 @pytest.mark.parametrize("model", ["tiny", "tiny-opt", "tiny-qwen"])
 @pytest.mark.parametrize("mesh,nproc,slots", [("1x1", 1, 3), ("2x2", 4, 1)])
 def test_offloaded_run_equals_resident_run(tmp_path, model, mesh, nproc, slots):
@@ -55,11 +65,7 @@ def test_offloaded_optimizer_state_equals_resident_on_a_sliced_mesh(tmp_path, op
     weights and evaluations are the resident run's (whose ranks share the master and the state
     under work division), bitwise."""
     args = ["model=tiny", "mesh=2x2", "estimator.q=2", f"optim.name={optimizer}", "optim.weight_decay=0.1"]
-    weights_r, evals_r = run(tmp_path, "resident", 4, *args)
-    weights_o, evals_o = run(tmp_path, "offloaded", 4, *args, "offload=cpu", "offload.slots=1")
-    assert all(torch.equal(weights_r[k], weights_o[k]) for k in weights_r)
-    assert evals_r == evals_o
-    summaries = [json.loads((tmp_path / name / "summary.json").read_text()) for name in ("resident", "offloaded")]
+    summaries = resident_and_offloaded_on_2x2(tmp_path, *args)
     assert [s["engine"] for s in summaries] == ["divided", "offload-sliced"]
     slots = {"momentum": 1, "adam": 2, "sign": 0}[optimizer]
     one_copy = summaries[0]["optimizer_state_bytes"]
@@ -94,11 +100,7 @@ def test_offloaded_fzoo_equals_resident_on_a_sliced_mesh(tmp_path):
     weights and evaluations are the resident run's, bitwise."""
     args = ["model=tiny", "mesh=2x2", "optim.name=fzoo", "estimator.difference=forward", "estimator.q=4",
             "estimator.distribution=rademacher"]
-    weights_r, evals_r = run(tmp_path, "resident", 4, *args)
-    weights_o, evals_o = run(tmp_path, "offloaded", 4, *args, "offload=cpu", "offload.slots=1")
-    assert all(torch.equal(weights_r[k], weights_o[k]) for k in weights_r)
-    assert evals_r == evals_o
-    summary = json.loads((tmp_path / "offloaded" / "summary.json").read_text())
+    summary = resident_and_offloaded_on_2x2(tmp_path, *args)[1]
     assert summary["optimizer"] == "fzoo" and summary["optimizer_state_bytes"] == 0
 
 
@@ -109,11 +111,7 @@ def test_offloaded_hizoo_equals_resident_on_a_mesh_streaming_whole_blocks(tmp_pa
     (the node's ranks share the master and the Hessian under work division), bitwise."""
     args = ["model=tiny", "mesh=2x2", "estimator.clean=true", "optim.name=hizoo", "optim.alpha=1e-3",
             "optim.weight_decay=0.1", "checkpoint.every=4"]
-    weights_r, evals_r = run(tmp_path, "resident", 4, *args)
-    weights_o, evals_o = run(tmp_path, "offloaded", 4, *args, "offload=cpu", "offload.slots=1")
-    assert all(torch.equal(weights_r[k], weights_o[k]) for k in weights_r)
-    assert evals_r == evals_o
-    summaries = [json.loads((tmp_path / name / "summary.json").read_text()) for name in ("resident", "offloaded")]
+    summaries = resident_and_offloaded_on_2x2(tmp_path, *args)
     assert [s["engine"] for s in summaries] == ["divided", "offload"]
     states = [read_state(sorted((tmp_path / name / "checkpoints").iterdir())[-1]) for name in ("resident", "offloaded")]
     assert states[0].keys() == states[1].keys() and all(k.startswith("hessian/") for k in states[0])

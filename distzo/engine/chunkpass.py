@@ -183,7 +183,8 @@ def _fused(kernels: Kernels, directions: Directions, p: TrainableParam, ref: Chu
 
 class _KernelCall:
     """The arguments of the next `Kernels.chunk` call, gathered until it runs. The rule's update is
-    in the first call; later calls of the pass write copies only (sgd's rule with nothing to apply)."""
+    in the first call; later calls of the pass write copies only (`copies_only`: sgd's rule with
+    nothing to apply, or a shaper's case with no term)."""
 
     def __init__(self, kernels: Kernels, master: torch.Tensor, rule: Rule, state: Sequence[torch.Tensor],
                  offset: int, decay: float | None, mask: float | None = None,

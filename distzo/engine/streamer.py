@@ -155,7 +155,7 @@ def build_host_blocks(adapter: DecoderAdapter, pin_memory: bool, node: Node | No
     if state_slots:
         _attach_state(blocks, state_slots, pin_memory, node, state_initial)
     if node is not None:
-        node.barrier()  # local rank 0 has filled the master (and zeroed the state)
+        node.barrier()  # local rank 0 has filled the master (and the state)
     return blocks
 
 

@@ -215,6 +215,9 @@ def _offloaded_equals_resident(tmp_path, args, slots, weights):
     ["peft=lora", "model.quantize=int8", "optim.lr=1e-2"], ["peft=lora", "model.quantize=int4", "optim.lr=1e-2"],
     ["estimator=prge", "peft=lora_fa", "model.quantize=int4", "estimator.q=2", "optim.lr=0.5"],
     ["peft=lora", "model.quantize=int8", "offload=cpu", "optim.lr=1e-2"],
+    # HiZOO: its Hessian shapes the copies (torch ops on CUDA), resident and with offloaded blocks' state
+    ["estimator.clean=true", "optim.name=hizoo", "optim.alpha=1e-3"],
+    ["estimator.clean=true", "optim.name=hizoo", "optim.alpha=1e-3", "offload=cpu"],
 ])
 def test_every_estimator_trainable_set_and_compute_mode_trains_on_cuda(tmp_path, run):
     summary = train(make_config(*FAST, "model=tiny", "steps=4", *run), tmp_path / "run")

@@ -12,7 +12,8 @@ layer is untouched: a forward pre-hook puts the decoded weight in place for the 
 hook puts the quantized one back.
 
 Exactness: the decoded weight is torchao's `dequantize()` bitwise (int8: q times its row's scale;
-NF4: the code's table value times its block's scaler, the scalers rebuilt by torchao's own code),
+NF4: the code's table value times its block's scaler, each scaler rebuilt in the kernel with the
+operations of torchao's `dequantize_scalers`, IEEE division included),
 rounded once to the product's dtype, as autocast would round it. The product is then the float
 path's on that weight. torchao's int8 forward scales the product instead of the weight, so the two
 settings differ by rounding; every engine path decodes the same way, so streamed and resident runs
@@ -63,16 +64,22 @@ if triton is not None:
         store_as(out_ptr, offsets, x, mask, OUT)
 
     @triton.jit
-    def _nf4_kernel(packed_ptr, lut_ptr, scaler_ptr, out_ptr, block_size, total, WEIGHT: tl.constexpr,
-                    OUT: tl.constexpr, BLOCK: tl.constexpr):
-        # Element i: code = high nibble of byte i // 2 for even i, low nibble for odd i; value =
-        # lut[code] * scaler[i // block_size], rounded to the weight's dtype, then to the output's.
+    def _nf4_kernel(packed_ptr, lut_ptr, qscaler_ptr, factor_ptr, mean_ptr, out_ptr, block_size, scaler_block,
+                    total, WEIGHT: tl.constexpr, OUT: tl.constexpr, BLOCK: tl.constexpr):
+        # Element i: code = high nibble of byte i // 2 for even i, low nibble for odd i; its block's
+        # scaler decoded as torchao's dequantize_scalers does, each operation rounded to the weight's
+        # dtype: qscaler[b] / factor[b // scaler_block] + mean, b = i // block_size; value =
+        # lut[code] * scaler, rounded to the weight's dtype, then to the output's.
         offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offsets < total
         byte = tl.load(packed_ptr + offsets // 2, mask=mask, other=0).to(tl.int32)
         code = tl.where(offsets % 2 == 0, byte >> 4, byte & 15)
         value = tl.load(lut_ptr + code, mask=mask, other=0).to(tl.float32)
-        scaler = tl.load(scaler_ptr + offsets // block_size, mask=mask, other=0).to(tl.float32)
+        b = offsets // block_size
+        qs = tl.load(qscaler_ptr + b, mask=mask, other=0).to(tl.float32)
+        factor = tl.load(factor_ptr + b // scaler_block, mask=mask, other=1).to(tl.float32)
+        mean = tl.load(mean_ptr).to(tl.float32)
+        scaler = round_to(round_to(tl.math.div_rn(qs, factor), WEIGHT) + mean, WEIGHT)
         x = round_to(round_to(value * scaler, WEIGHT), OUT)
         store_as(out_ptr, offsets, x, mask, OUT)
 
@@ -89,11 +96,11 @@ def decode_with_kernel(weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     if is_int8(weight):
         q, scale = weight.qdata.contiguous(), weight.scale.reshape(-1).contiguous()
         _int8_kernel[grid](q, scale, target, q.shape[-1], total, **codes, BLOCK=_BLOCK)
-    else:
-        scalers = weight.dequantize_scalers(weight.quantized_scalers, weight.quantization_factor,
-                                            weight.scaler_block_size).contiguous()  # torchao's own arithmetic
-        _nf4_kernel[grid](weight.quantized_data.contiguous(), weight.nf4.contiguous(), scalers, target,
-                          weight.block_size, total, **codes, BLOCK=_BLOCK)
+    else:  # the scalers are decoded in the kernel too: no torch op per call
+        _nf4_kernel[grid](weight.quantized_data.contiguous(), weight.nf4.contiguous(),
+                          weight.quantized_scalers.contiguous(), weight.quantization_factor.contiguous(),
+                          weight.scaler_mean.reshape(1), target, weight.block_size, weight.scaler_block_size, total,
+                          **codes, BLOCK=_BLOCK)
     return out
 
 

@@ -72,6 +72,7 @@ METHODS = {
     "lozo-m": ["estimator=lozo", "estimator.factor_momentum=0.9"],
     "subzero": ["estimator=subzero"],
     "sparse": ["estimator=sparse_mezo"],
+    "hizoo": ["estimator.clean=true", "optim.name=hizoo"],  # three forward passes a step
 }
 
 

@@ -75,10 +75,15 @@ class OffloadStore(WeightStore):
 
     def _build_streamer(self, slots: int, transfer_dtype: torch.dtype | None) -> BlockStreamer:
         return BlockStreamer(self.host_blocks, self.device, slots, transfer_dtype, awaits=self._awaits,
-                             state_always=self.optimizer.shapes_directions)
+                             state_needed=self._state_needed)
 
     def _awaits(self, i: int) -> bool:
         return self.loop is not None and self.loop.awaits(i)
+
+    def _state_needed(self, i: int) -> bool:
+        """Block i's optimizer state goes up with it: for its pending update, or, where the state
+        shapes the directions (HiZOO), for its copies."""
+        return self._awaits(i) or self.optimizer.shapes_directions
 
     def outer_targets(self) -> list[Target]:
         return [Target(p, p.tensor, state=self.state.of(p)) for p in self.outer_params]
@@ -101,8 +106,7 @@ class OffloadStore(WeightStore):
         """Block i's masters in its slot; at reduced precision each records the update's change in
         the slot's delta buffer, which goes back to the host master."""
         deltas = self.streamer.delta_views(i)
-        needed = self._awaits(i) or self.optimizer.shapes_directions  # the update's, or the copies' (HiZOO)
-        states = self.streamer.state_views(i) if self.optimizer.slots and needed else {}
+        states = self.streamer.state_views(i) if self.optimizer.slots and self._state_needed(i) else {}
         return [Target(p, views[p.name], delta=None if deltas is None else deltas[p.name],
                        state=states.get(p.name, ())) for p in self.block_params[i]]
 

@@ -446,13 +446,13 @@ class BlockStreamer:
 
     With optimizer state (`HostBlock.state`), each slot has state buffers too: a block that
     awaits the pending update (`awaits(i)`) has its state uploaded with it and written back with it;
-    with `state_always` (a state that shapes the directions) every block's state goes up with it."""
+    `state_needed(i)` (by default `awaits`) says which blocks' state goes up (also those without an
+    update, where the state shapes the directions)."""
 
     def __init__(self, blocks: Sequence[HostBlock], device: torch.device, slots: int,
                  transfer_dtype: torch.dtype | None = None, awaits: Callable[[int], bool] | None = None,
-                 state_always: bool = False):
+                 state_needed: Callable[[int], bool] | None = None):
         self.blocks, self.device = blocks, device
-        self.state_always = state_always  # the state goes up with every block (it shapes the directions)
         self.cuda = device.type == "cuda"
         dtype = blocks[0].flat.dtype
         size = max(b.padded.numel() for b in blocks)
@@ -460,6 +460,7 @@ class BlockStreamer:
         self.slots = [torch.empty(size, dtype=dtype, device=device) for _ in range(n)]
         self.owner: list[int | None] = [None] * n  # block whose current weights fill the slot
         self._awaits = awaits or (lambda i: False)
+        self._state_needed = state_needed or self._awaits
         self.state_slots = [tuple(torch.empty(size, dtype=torch.float32, device=device) for _ in blocks[0].state)
                             for _ in range(n)]
         self.state_owner: list[int | None] = [None] * n  # block whose current state fills the slot's state buffers
@@ -523,7 +524,7 @@ class BlockStreamer:
 
     def prefetch(self, i: int) -> None:
         s = self.slot_of(i)
-        state = bool(self.state_slots[s]) and self.state_owner[s] != i and (self.state_always or self._awaits(i))
+        state = bool(self.state_slots[s]) and self.state_owner[s] != i and self._state_needed(i)
         if self.owner[s] == i and not state:
             return
         weights = self.owner[s] != i

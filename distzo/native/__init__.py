@@ -40,6 +40,7 @@ import torch
 from ..cache import cache_dir
 from ..errors import DistzoError
 from ..registry import registry  # the optimizers' update rules, which the kernels reproduce (their `kernel` cases)
+from ..zo.optimizers import CURVATURE  # the coefficient entry a HiZOO rule's constants read
 from ..zo.rademacher import (  # the stream's definition, which the kernels reproduce
     Stream,
     stream_signs,
@@ -265,7 +266,7 @@ def self_check(kernels: Kernels) -> None:
             first_of_case.setdefault(c.kernel, c)
     for cls in first_of_case.values():
         opt = cls()
-        rule = opt.rule(2, 1e-3, 0.0, ((0, 0.5), (1, -0.25), (-2, 3.0)))  # -2: HiZOO's curvature entry
+        rule = opt.rule(2, 1e-3, 0.0, ((0, 0.5), (1, -0.25), (CURVATURE, 3.0)))  # HiZOO's reads the curvature
         state = [torch.linspace(0.5, 1.5, 513) for _ in range(rule.slots)]
         got, got_state = master.clone(), [t.clone() for t in state]
         terms = [(values, False), (Stream(3, 1e-3), True)][:opt.max_terms]

@@ -105,7 +105,7 @@ class Rule:
 
     def term_scale(self, c: float) -> float:
         """a_k: z_k enters the update scaled by lr c_k (or by c_k for a rule that says so)."""
-        return self.lr * c if self.optimizer.lr_terms else c
+        return self.optimizer.term_scale(c, self.lr)
 
     def terms(self, coefficients: Sequence[tuple[int, float]]) -> list[tuple[int, float]]:
         """The update's (query, a_k) terms for the step's coefficients (`Optimizer.terms`)."""
@@ -170,10 +170,14 @@ class Optimizer:
         """The coefficients the update applies (and the trajectory logs) for a step's estimate."""
         return result.coefficients
 
+    def term_scale(self, c: float, lr: float) -> float:
+        """a_k for a coefficient c_k: lr c_k, or c_k where `lr_terms` is False."""
+        return lr * c if self.lr_terms else c
+
     def terms(self, coefficients: Sequence[tuple[int, float]], lr: float) -> list[tuple[int, float]]:
-        """The update's terms (query k, a_k): z_k enters scaled by |a_k| (lr c_k, or c_k where
-        `lr_terms` is False); a zero coefficient adds nothing."""
-        return [(k, lr * c if self.lr_terms else c) for k, c in coefficients if c != 0.0]
+        """The update's terms (query k, a_k): z_k enters scaled by |a_k| (`term_scale`); a zero
+        coefficient adds nothing."""
+        return [(k, self.term_scale(c, lr)) for k, c in coefficients if c != 0.0]
 
     def perturbation(self, scaled_z: torch.Tensor, state: Sequence[torch.Tensor]) -> torch.Tensor:
         """What a probe adds to (or subtracts from) x, given eps z (float32) and the state over the

@@ -110,7 +110,7 @@ SlurmdPort={slurmd_port}
 AuthType=auth/munge
 CredType=cred/munge
 # cred_expire: a requeued job may start again only once its credentials expire (default 120 s)
-AuthInfo=socket={munge_socket},cred_expire=10
+AuthInfo=socket={munge_socket},cred_expire=5
 StateSaveLocation={root}/state
 SlurmdSpoolDir={root}/spool
 SlurmctldPidFile={root}/slurmctld.pid
@@ -128,6 +128,9 @@ JobCompType=jobcomp/none
 MpiDefault=none
 SwitchType=switch/none
 SchedulerType=sched/backfill
+# a pending job (a requeued one once its credentials expire) starts within a second, not at the next
+# backfill pass (default every 30 s) or main scheduling pass (60 s)
+SchedulerParameters=bf_interval=1,sched_interval=1
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 ReturnToService=2

@@ -146,59 +146,81 @@ def _reread_hub_settings() -> None:
     importlib.reload(huggingface_hub.constants)
 
 
+class ForkedJob:
+    """`python -m distzo ARGV` as nproc ranks of one standalone job, forked from the preloaded server
+    and running in the background: `ranks` are their processes in rank order (a test may kill one, as
+    it would kill a torchrun worker), `wait()` collects the job as `run_forked` returns it.
+    env: variables to set for every rank, on top of the suite's environment (None: unset it)."""
+
+    def __init__(self, nproc: int, argv: list[str], cwd: Path | None = None, timeout: float = 600,
+                 env: dict[str, str] | None = None):
+        import tempfile
+        import uuid
+
+        ctx = _forkserver()
+        self.argv = argv
+        cwd = str(cwd or os.getcwd())
+        # As torchrun's agent does: host the job's store here, and tell the ranks to use it.
+        self._store = hosted_store(nproc, timeout) if nproc > 1 else None
+        port = self._store.port if self._store is not None else 0
+        run_id = uuid.uuid4().hex[:12]
+        self._logs = Path(tempfile.mkdtemp(prefix="distzo-ranks-"))
+        self.ranks = []
+        for rank in range(nproc):
+            rank_env = {k: v for k, v in {**ENV, **(env or {})}.items() if v is not None}
+            if nproc > 1:
+                rank_env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
+                                LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", GROUP_WORLD_SIZE="1",
+                                ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1",
+                                MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True",
+                                TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0",
+                                TORCHELASTIC_RUN_ID=run_id)
+            p = ctx.Process(target=_worker, args=(argv, rank_env, cwd, str(self._logs / f"{rank}.out"),
+                                                  str(self._logs / f"{rank}.err")))
+            p.start()
+            self.ranks.append(p)
+
+    def running(self) -> bool:
+        """Every rank still runs (none has ended, whether it failed or finished)."""
+        return all(p.exitcode is None for p in self.ranks)
+
+    def wait(self, timeout: float = 600, grace_s: float = 30.0) -> subprocess.CompletedProcess:
+        """The ranks' outputs concatenated in rank order and the first failing rank's exit code (0 when
+        all succeed). As torchrun does, once one rank has failed the others get `grace_s` to end on
+        their own (to report their own error line), then are killed."""
+        deadline, failed_at = time.time() + timeout, None
+        try:
+            while any(p.exitcode is None for p in self.ranks):
+                now = time.time()
+                if failed_at is None and any(p.exitcode not in (None, 0) for p in self.ranks):
+                    failed_at = now
+                if now > deadline or (failed_at is not None and now > failed_at + grace_s):
+                    break
+                time.sleep(0.05)
+        finally:
+            for p in self.ranks:
+                if p.exitcode is None:
+                    p.kill()
+                p.join()
+        self._store = None
+        timed_out = time.time() > deadline and failed_at is None
+        codes = [p.exitcode for p in self.ranks]
+        returncode = next((c for c in codes if c != 0), 0)
+        if timed_out:
+            raise subprocess.TimeoutExpired(["distzo", *self.argv], timeout)
+        logs, nproc = self._logs, len(self.ranks)
+        read = lambda name: "".join((logs / f"{r}.{name}").read_text(errors="replace")  # noqa: E731
+                                    for r in range(nproc) if (logs / f"{r}.{name}").exists())
+        stdout, stderr = read("out"), read("err")
+        for f in logs.iterdir():
+            f.unlink()
+        logs.rmdir()
+        # A killed rank has a negative exit code; report it the way a shell would.
+        return subprocess.CompletedProcess(["distzo", *self.argv],
+                                           returncode if returncode >= 0 else 128 - returncode, stdout, stderr)
+
+
 def run_forked(nproc: int, argv: list[str], cwd: Path | None = None, timeout: float = 600,
                grace_s: float = 30.0, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """`python -m distzo ARGV` as nproc ranks of one standalone job; returns the ranks' outputs
-    concatenated in rank order and the first failing rank's exit code (0 when all succeed).
-    env: variables to set for every rank, on top of the suite's environment (None: unset it)."""
-    import tempfile
-    import uuid
-
-    ctx = _forkserver()
-    cwd = str(cwd or os.getcwd())
-    # As torchrun's agent does: host the job's store here, and tell the ranks to use it.
-    store = hosted_store(nproc, timeout) if nproc > 1 else None
-    port = store.port if store is not None else 0
-    run_id = uuid.uuid4().hex[:12]
-    logs = Path(tempfile.mkdtemp(prefix="distzo-ranks-"))
-    procs = []
-    extra = env or {}
-    for rank in range(nproc):
-        env = {k: v for k, v in {**ENV, **extra}.items() if v is not None}
-        if nproc > 1:
-            env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
-                       GROUP_RANK="0", GROUP_WORLD_SIZE="1", ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(nproc),
-                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True",
-                       TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0", TORCHELASTIC_RUN_ID=run_id)
-        p = ctx.Process(target=_worker, args=(argv, env, cwd, str(logs / f"{rank}.out"), str(logs / f"{rank}.err")))
-        p.start()
-        procs.append(p)
-    deadline, failed_at = time.time() + timeout, None
-    try:
-        while any(p.exitcode is None for p in procs):
-            now = time.time()
-            if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
-                failed_at = now  # as torchrun does: the others get a grace period, then are stopped
-            if now > deadline or (failed_at is not None and now > failed_at + grace_s):
-                break
-            time.sleep(0.05)
-    finally:
-        for p in procs:
-            if p.exitcode is None:
-                p.kill()
-            p.join()
-    del store
-    timed_out = time.time() > deadline and failed_at is None
-    codes = [p.exitcode for p in procs]
-    returncode = next((c for c in codes if c != 0), 0)
-    if timed_out:
-        raise subprocess.TimeoutExpired(["distzo", *argv], timeout)
-    read = lambda name: "".join((logs / f"{r}.{name}").read_text(errors="replace")  # noqa: E731
-                                for r in range(nproc) if (logs / f"{r}.{name}").exists())
-    stdout, stderr = read("out"), read("err")
-    for f in logs.iterdir():
-        f.unlink()
-    logs.rmdir()
-    # A killed rank has a negative exit code; report it the way a shell would.
-    return subprocess.CompletedProcess(["distzo", *argv], returncode if returncode >= 0 else 128 - returncode,
-                                       stdout, stderr)
+    """`python -m distzo ARGV` as nproc ranks of one standalone job, to its end (ForkedJob.wait)."""
+    return ForkedJob(nproc, argv, cwd=cwd, timeout=timeout, env=env).wait(timeout, grace_s)

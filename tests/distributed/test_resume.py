@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from distzo.state.snapshots import list_snapshots, read_snapshot
 from distzo.telemetry.jsonl import read_jsonl
-from tests.distributed.launch import ENV, torchrun
+from tests.distributed.launch import ENV, ForkedJob, run_forked, torchrun
 
 BASE = ["model=tiny", "task=synthetic-cue", "eval_every=0", "log_every=1000", "batch_size=8", "optim.lr=1e-3",
         "estimator.q=2", "seed=9", "task.val_size=32", "task.test_size=32", "checkpoint.every=5",
@@ -46,20 +46,26 @@ def trained_steps(run_dir: Path) -> int:
     return max([r["step"] for r in records if r["type"] == "train"], default=0)
 
 
-def kill_rank_when(proc: subprocess.Popen, run_dir: Path, min_step: int, rank: str, timeout: float = 180) -> None:
-    """SIGKILL the worker with RANK=rank once the run has logged min_step."""
+def kill_rank_when(job: ForkedJob | subprocess.Popen, run_dir: Path, min_step: int, rank: str,
+                   timeout: float = 180) -> None:
+    """SIGKILL the worker with RANK=rank once the run has logged min_step: a rank of a forked job, or
+    a worker of a real torchrun (or python -m distzo) process."""
     deadline = time.time() + timeout
     while time.time() < deadline:
-        if proc.poll() is not None:
+        ended = not job.running() if isinstance(job, ForkedJob) else job.poll() is not None
+        if ended:
             raise AssertionError(f"the job ended before step {min_step}")
         if trained_steps(run_dir) >= min_step:
-            for child in psutil.Process(proc.pid).children(recursive=True) + [psutil.Process(proc.pid)]:
+            if isinstance(job, ForkedJob):
+                os.kill(job.ranks[int(rank)].pid, signal.SIGKILL)
+                return
+            for child in psutil.Process(job.pid).children(recursive=True) + [psutil.Process(job.pid)]:
                 try:
                     env = child.environ()
                 except psutil.Error:
                     continue
-                if env.get("RANK", "0" if proc.pid == child.pid and "torch.distributed.run" not in " ".join(
-                        proc.args) else None) == rank and "distzo" in " ".join(child.cmdline()):
+                if env.get("RANK", "0" if job.pid == child.pid and "torch.distributed.run" not in " ".join(
+                        job.args) else None) == rank and "distzo" in " ".join(child.cmdline()):
                     os.kill(child.pid, signal.SIGKILL)
                     return
         time.sleep(0.1)
@@ -81,11 +87,9 @@ def test_sigkill_7_steps_after_a_snapshot_resumes_from_the_last_logged_step(tmp_
     equal to the uninterrupted run."""
     run_dir = tmp_path / "run"
     args = [*BASE, "steps=30", "mesh=2x2", "resume=auto", "checkpoint.every=10", f"hydra.run.dir={run_dir}"]
-    proc = subprocess.Popen(launch_cmd(4, *args), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env=ENV, cwd=tmp_path)
-    kill_rank_when(proc, run_dir, min_step=17, rank="2")
-    proc.communicate(timeout=120)
-    assert proc.returncode != 0 and not (run_dir / "final").exists()
+    job = ForkedJob(4, ["train", *args], cwd=tmp_path)
+    kill_rank_when(job, run_dir, min_step=17, rank="2")
+    assert job.wait(timeout=120).returncode != 0 and not (run_dir / "final").exists()
     killed_at = trained_steps(run_dir)
     assert 17 <= killed_at < 30 and [p.name for p in list_snapshots(run_dir)] == ["step-00000010"]
     r = torchrun(4, *args, cwd=tmp_path)
@@ -99,23 +103,26 @@ def test_sigkill_7_steps_after_a_snapshot_resumes_from_the_last_logged_step(tmp_
 
 
 def test_sigterm_stops_after_the_step_in_flight_with_a_snapshot(tmp_path, uninterrupted):
-    """SIGTERM to torchrun (what kill and SLURM send): every rank finishes its step, a snapshot of
-    exactly the step reached is written, the workers exit with status 75, and resume=auto ends
-    bitwise equal to the uninterrupted run."""
+    """SIGTERM to every rank at once, as torchrun's agent forwards the SIGTERM that kill and SLURM send
+    it (the agent's forwarding is tests/cluster/test_launchers.py's, through the self-launcher, which
+    runs the same agent): every rank finishes its step, a snapshot of exactly the step reached is
+    written, the workers exit with status 75, and resume=auto ends bitwise equal to the uninterrupted
+    run."""
     run_dir = tmp_path / "run"
     args = [*BASE, "steps=30", "mesh=2x2", "resume=auto", "checkpoint.every=1000", f"hydra.run.dir={run_dir}"]
-    proc = subprocess.Popen(launch_cmd(4, *args), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env=ENV, cwd=tmp_path)
+    job = ForkedJob(4, ["train", *args], cwd=tmp_path)
     deadline = time.time() + 180
-    while trained_steps(run_dir) < 8 and time.time() < deadline and proc.poll() is None:
+    while trained_steps(run_dir) < 8 and time.time() < deadline and job.running():
         time.sleep(0.1)
-    os.kill(proc.pid, signal.SIGTERM)  # the torchrun agent, which forwards it to its workers
-    _, err = proc.communicate(timeout=120)
+    for rank in job.ranks:
+        os.kill(rank.pid, signal.SIGTERM)
+    r = job.wait(timeout=120)
     stopped = trained_steps(run_dir)
-    assert 8 <= stopped < 30, err[-3000:]
+    assert r.returncode == 75 and [p.exitcode for p in job.ranks] == [75] * 4, r.stderr[-3000:]
+    assert 8 <= stopped < 30, r.stderr[-3000:]
     assert [p.name for p in list_snapshots(run_dir)] == [f"step-{stopped:08d}"]
     assert read_snapshot(list_snapshots(run_dir)[0])[1]["step"] == stopped
-    assert f"distzo: stopped on SIGTERM after step {stopped}" in err
+    assert f"distzo: stopped on SIGTERM after step {stopped}" in r.stderr
     r = torchrun(4, *args, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     assert_bitwise(weights(uninterrupted), weights(run_dir))
@@ -127,10 +134,9 @@ def test_killed_before_its_first_snapshot_resumes_from_the_initial_weights(tmp_p
     ref, run_dir = tmp_path / "ref", tmp_path / "run"
     args = [*BASE, "steps=20", "mesh=1x1", "checkpoint.every=0"]
     assert torchrun(1, *args, f"hydra.run.dir={ref}", cwd=tmp_path).returncode == 0
-    proc = subprocess.Popen(launch_cmd(1, *args, "resume=auto", f"hydra.run.dir={run_dir}"),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV, cwd=tmp_path)
-    kill_rank_when(proc, run_dir, min_step=6, rank="0")
-    proc.communicate(timeout=120)
+    job = ForkedJob(1, ["train", *args, "resume=auto", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    kill_rank_when(job, run_dir, min_step=6, rank="0")
+    assert job.wait(timeout=120).returncode == 128 + signal.SIGKILL
     killed_at = trained_steps(run_dir)
     with open(run_dir / "trajectory.jsonl", "a") as fh:
         fh.write('{"step": ' + str(killed_at + 1) + ', "upd')  # a line torn by the kill: ignored
@@ -156,10 +162,9 @@ def test_killed_while_writing_a_snapshot_resumes_from_the_previous_one(tmp_path)
     ref, run_dir = tmp_path / "ref", tmp_path / "run"
     args = [*BASE, "steps=20", "mesh=1x1"]
     assert torchrun(1, *args, f"hydra.run.dir={ref}", cwd=tmp_path).returncode == 0
-    env = {**ENV, "DISTZO_TEST_KILL_IN_SNAPSHOT": "15"}  # die between writing and renaming step 15's
-    r = subprocess.run(launch_cmd(1, *args, "resume=auto", f"hydra.run.dir={run_dir}"), env=env, cwd=tmp_path,
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == -signal.SIGKILL
+    env = {"DISTZO_TEST_KILL_IN_SNAPSHOT": "15"}  # die between writing and renaming step 15's
+    r = run_forked(1, ["train", *args, "resume=auto", f"hydra.run.dir={run_dir}"], cwd=tmp_path, timeout=300, env=env)
+    assert r.returncode == 128 + signal.SIGKILL
     leftovers = list((run_dir / "checkpoints").glob(".step-00000015.tmp-*"))
     assert leftovers and [p.name for p in list_snapshots(run_dir)] == ["step-00000005", "step-00000010"]
     r = torchrun(1, *args, "resume=auto", f"hydra.run.dir={run_dir}", cwd=tmp_path)
@@ -187,8 +192,7 @@ def test_replay_rebuilds_the_final_weights_from_the_first_snapshot(tmp_path, off
                     cwd=tmp_path).returncode == 0
     assert [p.name for p in list_snapshots(run_dir)][0] == "step-00000005"
     out = tmp_path / "replayed.safetensors"
-    r = subprocess.run([sys.executable, "-m", "distzo", "replay", str(run_dir), "--from-step", "5", "--out", str(out)],
-                       capture_output=True, text=True, env=ENV, timeout=300)
+    r = run_forked(1, ["replay", str(run_dir), "--from-step", "5", "--out", str(out)], timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     replayed, final = load_file(out), weights(run_dir)
     assert replayed  # an empty or partial file must not pass: the same tensors, bitwise
@@ -250,12 +254,11 @@ def test_sigkill_of_a_stateful_run_resumes_bitwise(tmp_path, settings, cases):
     for name, kill_at, snapshots in cases:
         run_dir = tmp_path / name
         args = [*stateful, "resume=auto", f"hydra.run.dir={run_dir}", *([] if snapshots else ["checkpoint.every=0"])]
-        proc = subprocess.Popen(launch_cmd(4, *args), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                env=ENV, cwd=tmp_path)
-        kill_rank_when(proc, run_dir, min_step=kill_at, rank="1")
-        proc.communicate(timeout=120)
+        job = ForkedJob(4, ["train", *args], cwd=tmp_path)
+        kill_rank_when(job, run_dir, min_step=kill_at, rank="1")
+        killed = job.wait(timeout=120)
         killed_at = trained_steps(run_dir)
-        assert proc.returncode != 0 and kill_at <= killed_at < 20
+        assert killed.returncode != 0 and kill_at <= killed_at < 20
         assert [p.name for p in list_snapshots(run_dir)][:1] == snapshots
         if snapshots:
             assert read_snapshot(list_snapshots(run_dir)[0])[1]["optimizer_sha256"]
@@ -300,12 +303,11 @@ def test_sigkill_of_a_run_whose_directions_keep_state_resumes_bitwise(tmp_path, 
     r = torchrun(4, *common, f"hydra.run.dir={ref}", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(launch_cmd(4, *common, f"hydra.run.dir={run_dir}"), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, env=ENV, cwd=tmp_path)
-    kill_rank_when(proc, run_dir, min_step=11, rank="1")
-    proc.communicate(timeout=300)
+    job = ForkedJob(4, ["train", *common, f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    kill_rank_when(job, run_dir, min_step=11, rank="1")
+    killed = job.wait(timeout=300)
     killed_at = trained_steps(run_dir)
-    assert proc.returncode != 0 and 11 <= killed_at < 16 and [p.name for p in list_snapshots(run_dir)] == [
+    assert killed.returncode != 0 and 11 <= killed_at < 16 and [p.name for p in list_snapshots(run_dir)] == [
         "step-00000008"]
     state = load_file(run_dir / "checkpoints" / "step-00000008" / "optimizer.safetensors")
     assert state and all(k.startswith("directions/") for k in state)

@@ -166,8 +166,9 @@ class ForkedJob:
         run_id = uuid.uuid4().hex[:12]
         self._logs = Path(tempfile.mkdtemp(prefix="distzo-ranks-"))
         self.ranks = []
+        base = {k: v for k, v in {**ENV, **(env or {})}.items() if v is not None}
         for rank in range(nproc):
-            rank_env = {k: v for k, v in {**ENV, **(env or {})}.items() if v is not None}
+            rank_env = dict(base)
             if nproc > 1:
                 rank_env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
                                 LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", GROUP_WORLD_SIZE="1",

@@ -6,8 +6,8 @@ examples/plugins/signum.py: an optimizer with a setting and a state slot) train 
 on 1x1 and on a 2x2 mesh (the estimator's ranks as torchrun starts them, the optimizer's self-launched
 by `python -m distzo train mesh=2x2`, whose launching process composes and checks the plugin's
 configuration before its workers import the plugin again), with their settings changed on the command
-line, and agree within the layout bound of tests/distributed/test_estimator_layouts.py; they train under ZOTrainer
-with their settings as ZOArguments fields. A command and a task kind written here, one file each, run
+line, and agree within the layout bound of tests/distributed/test_estimator_layouts.py; they train
+under ZOTrainer with their settings as ZOArguments fields. A command and a task kind written here, one file each, run
 through `python -m distzo`."""
 
 from __future__ import annotations

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, Protocol, Sequence
 import torch
 
 from ..zo import cuda_draws
+from ..zo.cuda_draws import split64
 from ..zo.optimizers import SGD
 from .rounding import CODES, as_kernel_arg, dtype_code
 
@@ -77,15 +78,17 @@ TorchPass = Callable[..., None]
 if triton is not None:
     from .rounding import load_f32, round_to, store_as
 
-    @triton.jit(do_not_specialize=["n_terms", "update_base", "copy_base", "query", "key", "first_chunk",
-                                   "first_row", "lo", "hi"])
-    def _chunk_kernel(master_ptr, plus_ptr, minus_ptr, term_query_ptr, term_scale_ptr, n_terms, update_base,
-                      copy_base, query, key, first_chunk, first_row, n_cols, col_blocks, lo, hi, decay, eps,
-                      UPDATE: tl.constexpr, DECAY: tl.constexpr, PLUS: tl.constexpr, MINUS: tl.constexpr,
+    @triton.jit(do_not_specialize=["n_terms", "update_hi", "update_lo", "key_hi", "key_lo", "copy_hi", "copy_lo",
+                                   "first_chunk", "first_row", "lo", "hi"])
+    def _chunk_kernel(master_ptr, plus_ptr, minus_ptr, term_query_ptr, term_scale_ptr, n_terms, update_hi, update_lo,
+                      key_hi, key_lo, copy_hi, copy_lo, first_chunk, first_row, n_cols, col_blocks, lo, hi, decay,
+                      eps, UPDATE: tl.constexpr, DECAY: tl.constexpr, PLUS: tl.constexpr, MINUS: tl.constexpr,
                       CODE: tl.constexpr, GAUSSIAN: tl.constexpr, BLOCK: tl.constexpr):
         # The span's element e is element e % n_cols of chunk first_chunk + e // n_cols; master and the
         # copies hold elements [lo, hi) of the span (passed by rounding.as_kernel_arg; CODE: their
         # dtype). Program: (row, column block) of the rows that [lo, hi) touches, from first_row.
+        # 64-bit hashes come as two i32 halves (cuda_draws.split64: one compiled signature): the update
+        # step's hash, the parameter's key and the copies' Directions.key_hash(step, query, key).
         pid = tl.program_id(0).to(tl.int64)
         r = pid // col_blocks
         col = (pid - r * col_blocks) * BLOCK + tl.arange(0, BLOCK)
@@ -95,13 +98,13 @@ if triton is not None:
         at = flat - lo
         chunk = first_chunk.to(tl.uint64) + row.to(tl.uint64)
         offset = col.to(tl.uint64)
-        key = key.to(tl.uint64)
+        key = cuda_draws.join64(key_hi, key_lo)
         m = load_f32(master_ptr, at, mask, CODE)  # the master's value, exactly
         if UPDATE:
             x = m
             if DECAY:
                 x = x * decay
-            base = update_base.to(tl.uint64)
+            base = cuda_draws.join64(update_hi, update_lo)
             for t in range(n_terms):
                 q = tl.load(term_query_ptr + t).to(tl.uint64, bitcast=True)
                 a = tl.load(term_scale_ptr + t)
@@ -111,8 +114,7 @@ if triton is not None:
             m = round_to(x, CODE)
             store_as(master_ptr, at, m, mask, CODE)
         if PLUS or MINUS:
-            kh = cuda_draws._mix64(cuda_draws._mix64(copy_base.to(tl.uint64) ^ query.to(tl.uint64)) ^ key)
-            z = cuda_draws.draw(kh, chunk, offset, GAUSSIAN)
+            z = cuda_draws.draw(cuda_draws.join64(copy_hi, copy_lo), chunk, offset, GAUSSIAN)
             if CODE == 0:
                 d = z * eps
             else:  # z rounded to the master's dtype, then scaled there (torch: z.to(dtype).mul_(eps))
@@ -192,14 +194,14 @@ class CudaKernels:
         col_blocks = triton.cdiv(n_cols, _BLOCK)
         grid = ((last_row - first_row + 1) * col_blocks,)
         queries, scales = self._term_tensors(pending, master.device)
-        update_base = directions.step_hash(pending.step) if pending is not None else 0
-        copy_base = directions.step_hash(step)
+        update_base = split64(directions.step_hash(pending.step) if pending is not None else 0)
         arg, code, gaussian = as_kernel_arg(master), dtype_code(master.dtype), directions.distribution == "gaussian"
         for q, plus, minus, update in launches:
             _chunk_kernel[grid](arg, as_kernel_arg(plus) if plus is not None else arg,
                                 as_kernel_arg(minus) if minus is not None else arg,
-                                queries, scales, queries.numel(), update_base, copy_base, q & _MASK64, p.key,
-                                ref.index, first_row, n_cols, col_blocks, lo, hi,
+                                queries, scales, queries.numel(), *update_base, *split64(p.key),
+                                *split64(directions.key_hash(step, q, p.key)), ref.index, first_row, n_cols,
+                                col_blocks, lo, hi,
                                 float(decay) if decay is not None else 1.0, float(eps),
                                 UPDATE=update, DECAY=update and decay is not None, PLUS=plus is not None,
                                 MINUS=minus is not None, CODE=code, GAUSSIAN=gaussian, BLOCK=_BLOCK,

@@ -33,11 +33,23 @@ except ImportError:  # CPU-only installs: nothing here is used there
     triton = tl = None
 
 _BLOCK = 1024
+_MASK32 = (1 << 32) - 1
 # Every kernel that draws z is compiled without contracting a product and a sum into one fused
 # multiply-add (Triton's default contracts them). Each operation then rounds once, as torch's
 # elementwise kernels do, so a kernel that draws z and applies it in one pass (distzo.native.cuda)
 # computes bitwise what this draw followed by torch's add computes, and draws the same z as this one.
 UNFUSED = {"enable_fp_fusion": False}
+
+
+def split64(value: int) -> tuple[int, int]:
+    """A 64-bit hash as the two halves a kernel takes it in (`join64`), each as a signed 32-bit int.
+
+    Triton types an int argument by its value (i32, i64 or u64) and compiles a kernel per combination
+    of types: a hash passed whole gave a new combination on about every second step, and each cost a
+    compile (or a load from Triton's disk cache) inside the step. Two i32 halves keep one signature."""
+    value &= (1 << 64) - 1
+    hi, lo = value >> 32, value & _MASK32
+    return (hi - (1 << 32) if hi >= 1 << 31 else hi), (lo - (1 << 32) if lo >= 1 << 31 else lo)
 
 
 def require() -> None:
@@ -57,6 +69,11 @@ if triton is not None:
         return x ^ (x >> 31)
 
     @triton.jit
+    def join64(hi, lo):
+        """The uint64 whose halves `split64` passed (each an i32 bit pattern)."""
+        return (hi.to(tl.uint32, bitcast=True).to(tl.uint64) << 32) | lo.to(tl.uint32, bitcast=True).to(tl.uint64)
+
+    @triton.jit
     def draw(key_hash, chunk, offset, GAUSSIAN: tl.constexpr):
         """z (unit scale, float32) of element `offset` of chunk `chunk` of the parameter whose
         `Directions.key_hash` is key_hash (all uint64): the one definition every kernel draws by."""
@@ -71,8 +88,8 @@ if triton is not None:
             z = tl.where(((word >> (offset & 63)) & 1) != 0, 1.0, -1.0)
         return z
 
-    @triton.jit(do_not_specialize=["key_hash", "first_chunk"])
-    def _draw_kernel(out_ptr, chunk_ptr, base_ptr, first_chunk, n_cols, col_blocks, total, key_hash, scale,
+    @triton.jit(do_not_specialize=["key_hi", "key_lo", "first_chunk"])
+    def _draw_kernel(out_ptr, chunk_ptr, base_ptr, first_chunk, n_cols, col_blocks, total, key_hi, key_lo, scale,
                      TABLES: tl.constexpr, GAUSSIAN: tl.constexpr, BLOCK: tl.constexpr):
         # Row r of the output holds elements [base_r, base_r + n_cols) of chunk c_r: from the tables
         # (TABLES: embedding rows), else c_r = first_chunk + r and base_r = 0 (a span of whole chunks).
@@ -83,7 +100,7 @@ if triton is not None:
         col = (pid - row * col_blocks) * BLOCK + tl.arange(0, BLOCK)
         flat = row * n_cols + col
         mask = (col < n_cols) & (flat < total)
-        key_hash = key_hash.to(tl.uint64)  # passed as i32, u32, i64 or u64 by its value: all exact
+        key_hash = join64(key_hi, key_lo)
         if TABLES:
             chunk = tl.load(chunk_ptr + row).to(tl.uint64, bitcast=True)
             offset = (tl.load(base_ptr + row) + col).to(tl.uint64, bitcast=True)
@@ -103,8 +120,8 @@ def _launch(out: torch.Tensor, rows: int, n_cols: int, key_hash: int, scale: flo
     col_blocks = triton.cdiv(n_cols, _BLOCK)
     tables = chunks is not None
     _draw_kernel[(rows * col_blocks,)](out, chunks if tables else out, bases if tables else out, first_chunk, n_cols,
-                                       col_blocks, total, key_hash, float(scale), TABLES=tables, GAUSSIAN=gaussian,
-                                       BLOCK=_BLOCK, **UNFUSED)
+                                       col_blocks, total, *split64(key_hash), float(scale), TABLES=tables,
+                                       GAUSSIAN=gaussian, BLOCK=_BLOCK, **UNFUSED)
     return out
 
 

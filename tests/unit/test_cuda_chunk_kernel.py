@@ -170,3 +170,102 @@ def test_low_rank_and_subspace_directions_stay_on_torch_ops():
     d.counter_draws = True
     _, p, t = _setup()
     assert not k.handles(d, p, t, None, {}, ())
+
+
+class _Recorder:
+    """Stands in for a Triton kernel: `kernel[grid](*args, **constants)` records the call."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append((args, kwargs))
+
+
+def _signature(args) -> list[str]:
+    """The types Triton compiles a launch's non-tensor arguments as (`mangle_type`: an int becomes i32,
+    i64 or u64 by its value); a kernel is compiled once per distinct list."""
+    from triton.runtime.jit import mangle_type
+
+    return [mangle_type(a) for a in args if not isinstance(a, torch.Tensor)]
+
+
+def test_the_kernels_signatures_do_not_depend_on_the_hashes(monkeypatch):
+    """Triton types an int argument by its value and compiles a kernel per combination of types. The
+    64-bit hashes (the step's, the parameter's, the copies') therefore reach the kernels as two 32-bit
+    halves: launches for steps and parameters whose hashes fall on either side of 2^31 and 2^63 have
+    one signature, so no step after the first compiles anything (an OPT-6.7B step on an H100 took
+    2.75 s against 0.49 s while every other step met a new combination of i64 and u64)."""
+    import distzo.native.cuda as native_cuda
+    from distzo.zo import cuda_draws
+    from distzo.zo.directions import ChunkRef
+
+    chunk, draw = _Recorder(), _Recorder()
+    monkeypatch.setattr(native_cuda, "_chunk_kernel", chunk)
+    monkeypatch.setattr(cuda_draws, "_draw_kernel", draw)
+    d = Directions(5, "gaussian", threads=1)
+    d.counter_draws = True
+    high = [s for s in range(64) if d.step_hash(s) >= 1 << 63][:2]
+    low = [s for s in range(64) if d.step_hash(s) < 1 << 63][:2]
+    keys = [param_key(f"w{i}") for i in range(64)]
+    keys = [next(k for k in keys if k >= 1 << 63), next(k for k in keys if k < 1 << 63), 7]
+    kernels = CudaKernels(verify=False)
+    for step, previous in zip(high + low, low + high):
+        for key in keys:
+            p = TrainableParam("w", torch.zeros(900), key, True)
+            pending = PendingUpdate(previous, ((0, 0.5), (1, -0.25)), 1e-3, 0.0, SGD().rule(previous, 1e-3, 0.0))
+            launches = kernels._launches(pending, {0: [(1, torch.empty(900)), (-1, torch.empty(900))]})
+            kernels._run(d, p, ChunkRef(key, 0, 0, 900, 300), p.tensor, pending, step, 1e-3, None, None, launches)
+            cuda_draws.fill_span(torch.empty(900), d.key_hash(step, 0, key), 0, 300, 1.0, True)
+            rows = torch.tensor([0, 2])
+            cuda_draws.fill_rows(torch.empty(2, 300), d.key_hash(step, 1, key), rows, 300, 1, 1.0, True)
+    for calls in (chunk.calls, draw.calls):
+        signatures = {tuple(_signature(args)) for args, _ in calls}
+        assert len(calls) >= 12 and len(signatures) == 1, signatures
+
+
+def test_split64_round_trips():
+    from distzo.zo.cuda_draws import split64
+
+    for value in (0, 1, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**63 - 1, 2**63, 2**64 - 1, 0x9E3779B97F4A7C15):
+        hi, lo = split64(value)
+        assert -2**31 <= hi < 2**31 and -2**31 <= lo < 2**31
+        assert ((hi & 0xFFFFFFFF) << 32 | (lo & 0xFFFFFFFF)) == value
+
+
+DRAW_CHECK = textwrap.dedent("""
+    import numpy as np
+    import torch
+    from distzo.zo import cuda_draws
+    from distzo.zo.rademacher import mix64, stream_signs
+
+    def gaussian(seed, n):  # the module docstring's Box-Muller of SplitMix64 words, in numpy float32
+        words = [mix64((seed + j * 0x9E3779B97F4A7C15) & (2**64 - 1)) for j in range(n)]
+        u1 = (np.array([w >> 40 for w in words], dtype=np.float32) + np.float32(1)) * np.float32(2.0**-24)
+        u2 = np.array([(w >> 16) & 0xFFFFFF for w in words], dtype=np.float32) * np.float32(2.0**-24)
+        return np.sqrt(np.float32(-2) * np.log(u1)) * np.cos(np.float32(6.2831854820251465) * u2)
+
+    bad = []
+    per, n = 300, 700  # chunks 4, 5 and part of 6
+    for key_hash in (5, 2**31 + 9, 2**63 - 3, 2**63 + 11, 2**64 - 1):
+        for g in (False, True):
+            got = cuda_draws.fill_span(torch.empty(n), key_hash, 4, per, 1.0, g).numpy()
+            for c in range(3):
+                seed = mix64(key_hash ^ (4 + c))
+                m = min(per, n - c * per)
+                want = gaussian(seed, m) if g else stream_signs(seed, 0, m).numpy()
+                if not np.array_equal(got[c * per:c * per + m], want):
+                    bad.append((key_hash, g, c))
+    print("mismatches", bad)
+""")
+
+
+def test_the_draw_kernel_is_the_counter_streams_under_the_interpreter():
+    """`cuda_draws`' kernel, run by Triton's interpreter, draws the streams its docstring defines
+    (Rademacher: `distzo.zo.rademacher`'s, Gaussian: Box-Muller of the same SplitMix64 words, in
+    float32 numpy here as in the interpreter) for hashes on either side of 2^31 and 2^63, which the
+    launch splits into halves and the kernel joins."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, "-c", DRAW_CHECK], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "mismatches []" in r.stdout, r.stdout[-2000:]

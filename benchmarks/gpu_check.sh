@@ -7,12 +7,13 @@
 #   table      DistZO2's Table 1 workload: OPT-6.7B, 13B, 1.3B, 2.7B in float16 (the MFU rows first),
 #              batch 4 x 2,048 tokens, resident (with MeZO's Algorithm 1 and the profile) and offload=cpu
 #              (benchmarks/distzo2_table.py; table-fp16/table.jsonl and a markdown table)
-#   tests      tests/gpu (170 s on an H100 at c6c5c37, before four more tests)
-#   quantized  LoRA on a float32, an int8 and an int4 base of model=llama-1b at batch 16, fp32 and
-#              bf16 compute: decoded first (the candidate default), then torchao's linears, each
-#              profiled (bench-lora-*.json; about 30 s each)
-#   qtable     LoRA on OPT-1.3B at the table's workload (float16, 4 x 2,048 tokens): the float base, int8 and
-#              int4 decoded, then torchao's (bench-lora-opt-1.3b-*.json)
+#   tests      tests/gpu on four pytest-xdist workers, each test's result as it ends (the 56 tests took
+#              over 220 s on one worker at 974cb70)
+#   quantized  LoRA on a float32, an int8 and an int4 base of model=llama-1b at batch 16, fp32 and bf16
+#              compute, engine.quantized_matmul=auto (decoded on CUDA), each profiled (bench-lora-*.json;
+#              about 25 s each); QUANT_RUNS="fp32:int8-torchao ..." adds torchao's linears
+#   qtable     LoRA on OPT-1.3B at the table's workload (float16, 4 x 2,048 tokens), the same bases and
+#              computes (bench-lora-opt-1.3b-*.json; about 30 s each; QTABLE_RUNS picks)
 #   bf16       the table's workload in bfloat16 for OPT-1.3B and 6.7B (table-bf16/)
 #   load       a sharded float16 OPT-6.7B checkpoint (13.3 GB, written to /tmp) trained with offload=cpu,
 #              float and int8/int4 LoRA: the host's and the GPU's peaks (benchmarks/load_peak.py; load.log)
@@ -27,9 +28,9 @@
 #   bash benchmarks/gpu_check.sh OUT_DIR                      # every stage, in that order
 #   STAGES="quantized bf16" bash benchmarks/gpu_check.sh OUT  # a second call for what was left
 #
-# One session's 15 device minutes (the first call's start took about 30 s on 2026-11-27) hold two
+# One session's 15 device minutes (the first call's start took about 30 s on 2026-11-28) hold two
 # calls back to back: the default (table and tests fill its 530 s), then at once, with what is left
-# (the lease's budget_left_s, about 280 s): STAGES="qtable quantized" DEADLINE_S=<left - 40>.
+# (the lease's budget_left_s, about 290 s): STAGES="quantized qtable" DEADLINE_S=<left - 40>.
 #
 # Through the device tool (its $OUT returns at most 8 files: pack them; the traces stay behind):
 #   bash benchmarks/gpu_prepare.sh    # here, once
@@ -95,29 +96,38 @@ table() {  # DIR DTYPE SIZES...: the table's rows that fit this stage's limit (1
 stage_table() { table table-fp16 float16 6.7b 13b 1.3b 2.7b; }
 stage_bf16() { table table-bf16 bfloat16 1.3b 6.7b; }
 stage_30b() { table table-30b float16 30b; }
-stage_tests() { "$PY" -m pytest tests/gpu -q -p no:cacheprovider; }
-lora_bench() {  # NAME BASE LIMIT OVERRIDES...: one LoRA bench on BASE (none, int8 or int4, "-decoded" for
-  # engine.quantized_matmul=decoded), profiled, into $runs/NAME (the caller's); its bench.json to $out
-  local name=$1 base=$2 limit=$3 quantize=${2%-decoded} matmul=torchao; shift 3
-  [[ $base == *-decoded ]] && matmul=decoded
+# Four workers on the one GPU (each test starts its own processes; none times anything), every result
+# printed as it comes and no test past 200 s, so a cut stage still names what failed and what ran.
+stage_tests() {
+  local per_test=(); "$PY" -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout 200)
+  "$PY" -m pytest tests/gpu -v -n 4 --dist load "${per_test[@]}" -p no:cacheprovider -rfE --tb=short
+}
+lora_bench() {  # NAME BASE LIMIT OVERRIDES...: one LoRA bench on BASE (none, int8 or int4; "-torchao" or
+  # "-decoded" names engine.quantized_matmul, auto otherwise), profiled, into $runs/NAME (the caller's);
+  # its bench.json to $out
+  local name=$1 base=$2 limit=$3 quantize=${2%-*} matmul=auto; shift 3
+  [[ $base == *-* ]] && matmul=${base#*-}
   echo "== bench $name"
   timeout "$limit" "$PY" -m distzo bench device=cuda peft=lora model.quantize=$quantize \
     engine.quantized_matmul=$matmul bench.reference=false bench.profile=true "$@" "hydra.run.dir=$runs/$name" 2>&1 |
     grep -v '^\['
   cp "$runs/$name/bench.json" "$out/bench-$name.json" 2>/dev/null || echo "bench $name wrote no bench.json"
 }
-stage_quantized() {  # LoRA on llama-1b: the float base and the decoded quantized bases in both computes, then torchao's
+# COMPUTE:BASE pairs; the float base first in each compute, as the others' ratio is to it
+export QUANT_RUNS=${QUANT_RUNS:-"fp32:none fp32:int8 fp32:int4 bf16:none bf16:int8 bf16:int4"}
+export QTABLE_RUNS=${QTABLE_RUNS:-"fp32:none fp32:int8 fp32:int4 bf16:none bf16:int8 bf16:int4"}
+stage_quantized() {  # LoRA on llama-1b at batch 16: the float base and the quantized ones, in each compute
   local runs run; runs=$(mktemp -d)
-  for run in fp32:none fp32:int8-decoded fp32:int4-decoded bf16:none bf16:int8-decoded bf16:int4-decoded \
-             fp32:int8 fp32:int4 bf16:int8 bf16:int4; do
+  for run in $QUANT_RUNS; do
     lora_bench "lora-${run#*:}-${run%%:*}" "${run#*:}" 60 model=llama-1b model.init_device=device \
       engine.compute="${run%%:*}"
   done
 }
-stage_qtable() {  # LoRA on OPT-1.3B at the table's workload (float16, 4 x 2,048 tokens): the float base, decoded, torchao
-  local runs base; runs=$(mktemp -d)
-  for base in none int8-decoded int4-decoded int8 int4; do
-    lora_bench "lora-opt-1.3b-$base" "$base" 75 model=opt-1.3b task=lm-2048 batch_size=4 bench.warmup=1 bench.steps=3
+stage_qtable() {  # LoRA on OPT-1.3B at the table's workload (float16, 4 x 2,048 tokens), the same runs
+  local runs run; runs=$(mktemp -d)
+  for run in $QTABLE_RUNS; do
+    lora_bench "lora-opt-1.3b-${run#*:}-${run%%:*}" "${run#*:}" 75 model=opt-1.3b task=lm-2048 batch_size=4 \
+      engine.compute="${run%%:*}" bench.warmup=2 bench.steps=3
   done
 }
 stage_load() {
@@ -158,7 +168,7 @@ PY
 }
 export -f table stage_table stage_load stage_bf16 stage_30b stage_tests stage_quantized stage_qtable lora_bench stage_study study_run
 
-declare -A LIMIT=([table]=310 [tests]=220 [quantized]=320 [qtable]=240 [load]=200 [bf16]=120 [30b]=300 [study]=500)
+declare -A LIMIT=([table]=330 [tests]=200 [quantized]=200 [qtable]=220 [load]=200 [bf16]=120 [30b]=300 [study]=500)
 for name in $STAGES; do
   [ -n "${LIMIT[$name]:-}" ] || { echo "unknown stage $name (stages: ${!LIMIT[*]})"; continue; }
   stage "$name" "${LIMIT[$name]}"

@@ -92,7 +92,7 @@ def check_values(cfg: Config) -> None:
     if cfg.model.quantize != "none" and pe.method == "none":
         raise ConfigError(f"model.quantize={cfg.model.quantize} quantizes a frozen base, and peft=none trains every "
                           "weight of it; add peft=lora (or lora_fa, prefix), or use model.quantize=none")
-    if str(cfg.engine.quantized_matmul) != "torchao" and cfg.model.quantize == "none":
+    if str(cfg.engine.quantized_matmul) == "decoded" and cfg.model.quantize == "none":
         raise ConfigError(f"engine.quantized_matmul={cfg.engine.quantized_matmul} sets how a quantized base "
                           "multiplies, and model.quantize=none quantizes nothing; add model.quantize=int8 (or int4), "
                           "or drop engine.quantized_matmul")

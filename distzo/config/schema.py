@@ -92,6 +92,7 @@ class DType(Choice):
 
 
 class QuantizedMatmul(Choice):
+    auto = "auto"
     torchao = "torchao"
     decoded = "decoded"
 
@@ -403,14 +404,16 @@ class EngineConfig:
     quantized_matmul: how a quantized base's linear layers compute (model.quantize). "torchao": its
       weight-only linears, which decode on every call with several kernels. "decoded": one kernel
       decodes each weight into a buffer shared by every layer, in the product's dtype, then the float
-      matmul (distzo/models/decode.py; the same weight, bitwise, the product rounded differently)."""
+      matmul (distzo/models/decode.py; the same weight, bitwise, the product rounded differently).
+      "auto": decoded on CUDA (1.01-1.02x the float base's LoRA step at DistZO2's workload on an
+      H100, against torchao's 1.39-1.52x), torchao elsewhere (`models.quantize.matmul_mode`)."""
 
     fuse_update: str = "auto"
     row_tokens: int = setting(1024, "> 0")
     divide_work: str = "auto"
     native: str = "auto"
     compute: ComputeMode = ComputeMode.fp32
-    quantized_matmul: QuantizedMatmul = QuantizedMatmul.torchao
+    quantized_matmul: QuantizedMatmul = QuantizedMatmul.auto
 
 
 @dataclass

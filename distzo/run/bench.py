@@ -62,6 +62,7 @@ from torch.nn import functional as F
 
 from ..config.compose import switch_component, typed
 from ..config.schema import Config
+from ..models.quantize import matmul_mode
 from ..parallel.mesh import Mesh
 from ..parallel.shape import MeshShape
 from ..telemetry.flops import forward_precision, model_flops_utilisation
@@ -172,6 +173,8 @@ KERNEL_KINDS = (
     ("attention", r"flash|fmha|attention|sdpa"),
     ("matmul", r"gemm|gemv|matmul|aten::mm$|aten::addmm|aten::bmm|aten::linear|cutlass|xmma|cublas|nvjet"),
     ("noise", r"_draw_kernel|normal|randn|rademacher|bernoulli|philox"),
+    ("perturb", r"_chunk_kernel"),  # CUDA: the pending update and the working copies, z drawn in the kernel
+    ("decode", r"_int8_kernel|_nf4_kernel|dequantize"),  # a quantized base's weights decoded for a matmul
     ("copy", r"memcpy|memset|copy|aten::to$|_to_copy|aten::cat"),
 )
 
@@ -199,6 +202,10 @@ def profile_steps(c: Components, steps: list[int], run_dir: Path) -> dict[str, A
         kind = next((k for k, pattern in KERNEL_KINDS if re.search(pattern, e.key, re.IGNORECASE)), "other")
         budget[kind] += getattr(e, key)
     total = sum(budget.values())
+    # The device's idle time: the wall time less the union of its kernels' and copies' intervals (where
+    # the host, not the device, sets the pace; the profiler's own overhead counts as idle too).
+    busy_us = _union_length([(e.time_range.start, e.time_range.end) for e in prof.events()
+                             if e.device_type == torch.autograd.DeviceType.CUDA]) if cuda else None
     if c.mesh.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "profile.txt").write_text(prof.key_averages().table(sort_by=key, row_limit=40) + "\n")
@@ -211,9 +218,20 @@ def profile_steps(c: Components, steps: list[int], run_dir: Path) -> dict[str, A
     return {"steps": len(steps), "time": "device kernels" if cuda else "operators' self CPU time",
             "seconds_per_step": round(total / 1e6 / len(steps), 4),
             "busy_fraction": round(total / wall_us, 3) if cuda else None,
+            "device_idle_s": round(max(0.0, wall_us - busy_us) / 1e6 / len(steps), 4) if cuda else None,
             "by_kind_s": {k: round(v / 1e6 / len(steps), 4) for k, v in budget.items()},
             "top": [{"name": e.key, "calls": e.count // len(steps),
                      "seconds_per_step": round(getattr(e, key) / 1e6 / len(steps), 5)} for e in top]}
+
+
+def _union_length(spans: list[tuple[float, float]]) -> float:
+    """The total length covered by intervals [start, end) that may overlap."""
+    covered, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end > reach:
+            covered += end - max(start, reach)
+            reach = end
+    return covered
 
 
 def candidate_scoring_rounds(c: Components, rounds: int) -> dict[str, Any] | None:
@@ -368,6 +386,7 @@ def _bench(cfg: Config, c: Components, run_dir: Path) -> dict[str, Any]:
     # work: it applies a fused update too).
     cuda = device.type == "cuda"
     forward_times, step_times, phases, breakdown_times, solo_times, ref_times = [], [], [], [], [], []
+    untimed_times: list[float] = []  # each round's untimed step (instrumented on CUDA), beside the timed one
     sgd_times: list[float] = []
     step_h2d: list[float] = []  # bytes this rank moved host-to-device in each timed step (offloading)
     for untimed, step in rounds:
@@ -380,6 +399,7 @@ def _bench(cfg: Config, c: Components, run_dir: Path) -> dict[str, Any]:
             t, p = training_steps(c, [step])
         step_h2d.append(c.engine.transfer_stats().get("h2d_bytes", 0) - moved)
         step_times += t
+        untimed_times += t_untimed
         phases += p_untimed if cuda else p
         breakdown_times += t_untimed if cuda else t
         if single:
@@ -409,7 +429,8 @@ def _bench(cfg: Config, c: Components, run_dir: Path) -> dict[str, Any]:
         "model": cfg.model.name, "estimator": cfg.estimator.name, "q": cfg.estimator.q,
         "distribution": cfg.estimator.distribution, "mesh": str(mesh.shape), "offload": cfg.offload.mode,
         "dtype": str(cfg.model.dtype), "compute": str(cfg.engine.compute),
-        "quantized_matmul": str(cfg.engine.quantized_matmul) if cfg.model.quantize != "none" else None,
+        "quantized_matmul": matmul_mode(cfg.engine.quantized_matmul, device.type) if cfg.model.quantize != "none"
+        else None,
         "device": str(device.type), "threads_per_rank": torch.get_num_threads(), "batch_size": cfg.batch_size,
         "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "warmup_steps": b.warmup, "timed_steps": b.steps,
@@ -434,7 +455,7 @@ def _bench(cfg: Config, c: Components, run_dir: Path) -> dict[str, Any]:
     }
     result["rounds"] = [  # this rank's (rank 0's) figures per round, for the spread behind each median
         {k: round(v, 9) for k, v in entry.items() if v is not None}
-        for entry in ({"forward_s": f, "step_s": t, "pace_s": p,
+        for entry in ({"forward_s": f, "step_s": t, "pace_s": p, "untimed_step_s": untimed_times[i],
                        "single_rank_s": solo_times[i] if single else None,
                        "sgd_step_s": sgd_times[i] if sgd_times else None,
                        "reference_s": ref_times[i] if reference else None}
@@ -558,7 +579,8 @@ def report(r: dict[str, Any]) -> str:
         p = r["profile"]
         lines.append(f"  profile            {p['time']} {p['seconds_per_step']:.3f} s a step: " + ", ".join(
             f"{k} {v:.3f}" for k, v in p["by_kind_s"].items()) + (
-            f"; kernel time / wall {p['busy_fraction']:.0%}" if p["busy_fraction"] is not None else ""))
+            f"; kernel time / wall {p['busy_fraction']:.0%}, device idle {p['device_idle_s']:.3f} s a step"
+            if p["busy_fraction"] is not None else ""))
     if "mezo_reference" in r:
         m = r["mezo_reference"]
         lines.append(f"  MeZO reference     {m['step_time_s']:.3f} s   distzo/reference {m['distzo_over_reference']} "

@@ -28,7 +28,8 @@ from ..config.legacy import v1_sections
 from ..config.schema import Config
 from ..engine import Engine
 from ..errors import DistzoError
-from ..parallel.mesh import Mesh
+from ..models.quantize import matmul_mode
+from ..parallel.mesh import Mesh, device_type
 from ..telemetry.jsonl import read_jsonl, truncate_after
 from ..telemetry.metrics import Progress
 from ..zo.directions import DIRECTIONS_VERSION, gaussian_generator_id, same_directions
@@ -76,8 +77,9 @@ def config_fingerprint(cfg: Config) -> str:
             keys[section].pop(key, None)
     if str(cfg.engine.compute) != "fp32":
         keys["compute"] = str(cfg.engine.compute)  # the forward's arithmetic shapes the losses
-    if str(cfg.engine.quantized_matmul) != "torchao":
-        keys["quantized_matmul"] = str(cfg.engine.quantized_matmul)  # so does how a quantized base multiplies
+    matmul = matmul_mode(cfg.engine.quantized_matmul, device_type(cfg.device)) if cfg.model.quantize != "none" else None
+    if matmul not in (None, "torchao"):
+        keys["quantized_matmul"] = matmul  # so does how a quantized base multiplies (auto: as resolved here)
     keys["batch_size"] = cfg.batch_size
     keys["objective"] = str(cfg.objective)
     if cfg.optim.schedule != "constant":

@@ -89,3 +89,30 @@ def test_decoded_is_refused_without_a_quantized_base():
 
     with pytest.raises(ConfigError, match="engine.quantized_matmul=decoded sets how a quantized base multiplies"):
         make_config("model=tiny", "engine.quantized_matmul=decoded")
+
+
+def test_auto_decodes_on_cuda_and_keeps_torchaos_linears_elsewhere(monkeypatch):
+    """engine.quantized_matmul=auto (the default) is `decoded` on CUDA and `torchao` on CPU, and the
+    resume fingerprint records what it resolved to: a run under auto resumes a run of the mode it
+    means on that device, and a CUDA snapshot of torchao's linears is not resumed with decoded ones
+    (their products round differently)."""
+    from distzo.models.quantize import matmul_mode
+    from distzo.state.resume import config_fingerprint
+    from tests.conftest import make_config
+
+    assert (matmul_mode("auto", "cuda"), matmul_mode("auto", "cpu")) == ("decoded", "torchao")
+    assert matmul_mode("torchao", "cuda") == "torchao" and matmul_mode("decoded", "cpu") == "decoded"
+    base = ("model=tiny", "peft=lora", "model.quantize=int8")
+
+    def fingerprint(*extra):
+        return config_fingerprint(make_config(*base, *extra))
+
+    assert make_config(*base).engine.quantized_matmul == "auto"
+    assert fingerprint("device=cpu") == fingerprint("device=cpu", "engine.quantized_matmul=torchao")
+    assert fingerprint("device=cpu") != fingerprint("device=cpu", "engine.quantized_matmul=decoded")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert fingerprint("device=auto") == fingerprint("device=cuda", "engine.quantized_matmul=decoded")
+    assert fingerprint("device=auto") != fingerprint("device=cuda", "engine.quantized_matmul=torchao")
+    # without a quantized base the setting means nothing, and counts for nothing
+    assert config_fingerprint(make_config("model=tiny", "device=cuda")) == config_fingerprint(
+        make_config("model=tiny", "device=cpu"))

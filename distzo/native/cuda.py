@@ -5,7 +5,7 @@ On torch ops (`distzo.engine.chunkpass`) a float16 OPT-6.7B step on an H100 spen
 outside the forward passes (BENCHMARKS.md): z drawn into a float32 scratch buffer, widened, scaled,
 added and rounded, one pass over memory per operation, about 50 bytes of traffic per element and a
 dozen launches per span of chunks. This kernel reads each master element once, draws z
-(`cuda_draws.draw`, the one definition) for every term of the update and for the query in
+(`cuda_draws.draw_block`, the one definition's values) for every term of the update and for the query in
 registers, and writes the updated master and the query's + and - copies: 8 bytes per float16
 element, one launch per span and query.
 
@@ -91,13 +91,14 @@ if triton is not None:
         # step's hash, the parameter's key and the copies' Directions.key_hash(step, query, key).
         pid = tl.program_id(0).to(tl.int64)
         r = pid // col_blocks
-        col = (pid - r * col_blocks) * BLOCK + tl.arange(0, BLOCK)
+        first_col = (pid - r * col_blocks) * BLOCK  # even: a Gaussian word per two elements (draw_block)
+        col = first_col + tl.arange(0, BLOCK)
         row = first_row + r
         flat = row * n_cols + col
         mask = (col < n_cols) & (flat >= lo) & (flat < hi)
         at = flat - lo
         chunk = first_chunk.to(tl.uint64) + row.to(tl.uint64)
-        offset = col.to(tl.uint64)
+        first = first_col.to(tl.uint64)
         key = cuda_draws.join64(key_hi, key_lo)
         m = load_f32(master_ptr, at, mask, CODE)  # the master's value, exactly
         if UPDATE:
@@ -110,11 +111,11 @@ if triton is not None:
                 a = tl.load(term_scale_ptr + t)
                 # Directions.key_hash(step, q, key) from Directions.step_hash(step) (update_base)
                 kh = cuda_draws._mix64(cuda_draws._mix64(base ^ q) ^ key)
-                x = x - cuda_draws.draw(kh, chunk, offset, GAUSSIAN) * a
+                x = x - cuda_draws.draw_block(kh, chunk, first, BLOCK, GAUSSIAN) * a
             m = round_to(x, CODE)
             store_as(master_ptr, at, m, mask, CODE)
         if PLUS or MINUS:
-            z = cuda_draws.draw(cuda_draws.join64(copy_hi, copy_lo), chunk, offset, GAUSSIAN)
+            z = cuda_draws.draw_block(cuda_draws.join64(copy_hi, copy_lo), chunk, first, BLOCK, GAUSSIAN)
             if CODE == 0:
                 d = z * eps
             else:  # z rounded to the master's dtype, then scaled there (torch: z.to(dtype).mul_(eps))

@@ -71,8 +71,10 @@ def replay(run_dir: Path, step: int | None = None, out: Path | None = None, devi
     if state["distribution"] == "gaussian" and drawn_by != gaussian_generator_id(torch.device(device)):
         raise ReplayError(f"the run drew its Gaussian directions by {drawn_by}, and this machine draws by "
                           f"{gaussian_generator_id(torch.device(device))} (CUDA Gaussian z uses the GPU "
-                          "architecture's own log and cos); replay on a GPU of the recorded architecture, "
-                          "or train with estimator.distribution=rademacher, whose directions are the same everywhere")
+                          "architecture's own ln, cos and sin, and its scheme changed in distzo's directions "
+                          "version 5); replay on a GPU of the recorded architecture with the distzo version that "
+                          "trained it, or train with estimator.distribution=rademacher, whose directions are the "
+                          "same everywhere")
     todo = [r for r in records if state["step"] < r["step"] <= target]
     missing = sorted(set(range(state["step"] + 1, target + 1)) - {r["step"] for r in todo})
     if missing:

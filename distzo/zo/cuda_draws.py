@@ -12,17 +12,28 @@ Both distributions are counter streams here:
 
 - Rademacher: the stream of `distzo.zo.rademacher` (bit e % 64 of SplitMix64 word e // 64), bitwise
   the same values as on the CPU.
-- Gaussian: element e of a chunk is the Box-Muller transform of word e of the chunk's SplitMix64
-  stream: u1 = (top 24 bits + 1) / 2^24 in (0, 1], u2 = (next 24 bits) / 2^24 in [0, 1),
-  z = sqrt(-2 ln u1) cos(2 pi u2). It replaces torch's CUDA `normal_`, whose values depend on the
-  GPU's multiprocessor count (its launch grid sets each thread's Philox offsets). The transcendental
-  functions are the GPU's, so the values are the same on every GPU of one architecture running the
-  same kernel; `gaussian_generator_id` records the architecture and resume/replay compare it.
+- Gaussian: elements 2j and 2j + 1 of a chunk are the two outputs of the Box-Muller transform of
+  word j of the chunk's SplitMix64 stream: u1 = (top 24 bits + 1) / 2^24 in (0, 1], u2 = (next 24
+  bits) / 2^24 in [0, 1), r = sqrt(-2 ln u1), t = pi (2 u2 - 1) in [-pi, pi), z_2j = r cos t,
+  z_2j+1 = r sin t. It replaces torch's CUDA `normal_`, whose values depend on the GPU's
+  multiprocessor count (its launch grid sets each thread's Philox offsets).
 
-The kernel is compiled on first use (a second or two). torch's CUDA builds ship with Triton.
+ln, cos and sin are the GPU's approximate instructions (lg2.approx, cos.approx and sin.approx, through
+libdevice's fast_logf, fast_cosf and fast_sinf: relative error about 2^-22 for ln, absolute 2^-21 for
+cos and sin on [-pi, pi], hence t's range), and one word serves two elements: a draw is about 31
+instructions an element where the IEEE functions and a word per element took over 180 (the static
+SASS for sm_90; the draws were 13-18% of a float16 OPT's forward passes on an H100, BENCHMARKS.md).
+z's distribution is N(0, 1) to that precision, which is far below what a zeroth-order estimate
+resolves. The values are the same on every GPU of one architecture running the same kernel;
+`gaussian_generator_id` records the architecture and the scheme, and resume/replay compare it. Under
+Triton's interpreter (CPU tests) the functions are numpy's: the same stream to their precision.
+
+The kernels are compiled on first use (a second or two). torch's CUDA builds ship with Triton.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -39,6 +50,11 @@ _MASK32 = (1 << 32) - 1
 # elementwise kernels do, so a kernel that draws z and applies it in one pass (distzo.native.cuda)
 # computes bitwise what this draw followed by torch's add computes, and draws the same z as this one.
 UNFUSED = {"enable_fp_fusion": False}
+# The Gaussian stream's scheme, part of `Directions.gaussian_generator_id` on CUDA: "counter-gaussian"
+# drew one word and IEEE ln and cos per element (DIRECTIONS_VERSION 4); "gaussian-pairs" is this one.
+GAUSSIAN_SCHEME = "gaussian-pairs"
+# Triton's interpreter runs no libdevice call (its CPU tests): numpy's functions stand in for the GPU's.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def split64(value: int) -> tuple[int, int]:
@@ -73,19 +89,66 @@ if triton is not None:
         """The uint64 whose halves `split64` passed (each an i32 bit pattern)."""
         return (hi.to(tl.uint32, bitcast=True).to(tl.uint64) << 32) | lo.to(tl.uint32, bitcast=True).to(tl.uint64)
 
+    if INTERPRETED:
+        @triton.jit
+        def _ln(x):
+            return tl.log(x)
+
+        @triton.jit
+        def _cos(x):
+            return tl.cos(x)
+
+        @triton.jit
+        def _sin(x):
+            return tl.sin(x)
+    else:
+        from triton.language.extra import libdevice
+
+        @triton.jit
+        def _ln(x):
+            return libdevice.fast_logf(x)
+
+        @triton.jit
+        def _cos(x):
+            return libdevice.fast_cosf(x)
+
+        @triton.jit
+        def _sin(x):
+            return libdevice.fast_sinf(x)
+
+    @triton.jit
+    def _polar(word):
+        """Box-Muller's radius and angle of one SplitMix64 word (uint64): r = sqrt(-2 ln u1),
+        t = pi (2 u2 - 1), u1 from its top 24 bits plus one, u2 from the next 24, each / 2^24."""
+        u1 = ((word >> 40).to(tl.float32) + 1.0) * 5.9604644775390625e-08
+        u2 = ((word >> 16) & 0xFFFFFF).to(tl.float32) * 5.9604644775390625e-08
+        return tl.sqrt(-2.0 * _ln(u1)), (u2 * 2.0 - 1.0) * 3.1415927410125732
+
     @triton.jit
     def draw(key_hash, chunk, offset, GAUSSIAN: tl.constexpr):
         """z (unit scale, float32) of element `offset` of chunk `chunk` of the parameter whose
-        `Directions.key_hash` is key_hash (all uint64): the one definition every kernel draws by."""
+        `Directions.key_hash` is key_hash (all uint64): the one definition every kernel draws by
+        (`draw_block` draws the same values for a block of consecutive elements, a word per two)."""
         seed = _mix64(key_hash ^ chunk)  # Directions.chunk_seed's last step
         if GAUSSIAN:
-            word = _mix64(seed + offset * 0x9E3779B97F4A7C15)  # SplitMix64 output `offset`
-            u1 = ((word >> 40).to(tl.float32) + 1.0) * 5.9604644775390625e-08
-            u2 = ((word >> 16) & 0xFFFFFF).to(tl.float32) * 5.9604644775390625e-08
-            z = tl.sqrt(-2.0 * tl.log(u1)) * tl.cos(6.2831854820251465 * u2)
+            r, t = _polar(_mix64(seed + (offset >> 1) * 0x9E3779B97F4A7C15))  # SplitMix64 output offset // 2
+            z = tl.where((offset & 1) == 0, r * _cos(t), r * _sin(t))
         else:
             word = _mix64(seed + (offset >> 6) * 0x9E3779B97F4A7C15)
             z = tl.where(((word >> (offset & 63)) & 1) != 0, 1.0, -1.0)
+        return z
+
+    @triton.jit
+    def draw_block(key_hash, chunk, first, BLOCK: tl.constexpr, GAUSSIAN: tl.constexpr):
+        """`draw` of elements first .. first + BLOCK - 1 of one chunk (first even, a uint64 scalar):
+        a Gaussian word gives both its elements (cos, then sin: the same products as `draw`'s)."""
+        if GAUSSIAN:
+            seed = _mix64(key_hash ^ chunk)
+            pair = (first >> 1) + tl.arange(0, BLOCK // 2).to(tl.uint64)
+            r, t = _polar(_mix64(seed + pair * 0x9E3779B97F4A7C15))
+            z = tl.interleave(r * _cos(t), r * _sin(t))
+        else:
+            z = draw(key_hash, chunk, first + tl.arange(0, BLOCK).to(tl.uint64), False)
         return z
 
     @triton.jit(do_not_specialize=["key_hi", "key_lo", "first_chunk"])
@@ -101,13 +164,14 @@ if triton is not None:
         flat = row * n_cols + col
         mask = (col < n_cols) & (flat < total)
         key_hash = join64(key_hi, key_lo)
-        if TABLES:
+        if TABLES:  # a row's elements start anywhere in its chunk: each element by itself
             chunk = tl.load(chunk_ptr + row).to(tl.uint64, bitcast=True)
             offset = (tl.load(base_ptr + row) + col).to(tl.uint64, bitcast=True)
-        else:
+            z = draw(key_hash, chunk, offset, GAUSSIAN)
+        else:  # a block of a chunk from an element that is a multiple of BLOCK
             chunk = first_chunk.to(tl.uint64) + row.to(tl.uint64)
-            offset = col.to(tl.uint64)
-        tl.store(out_ptr + flat, draw(key_hash, chunk, offset, GAUSSIAN) * scale, mask=mask)
+            z = draw_block(key_hash, chunk, ((pid - row * col_blocks) * BLOCK).to(tl.uint64), BLOCK, GAUSSIAN)
+        tl.store(out_ptr + flat, z * scale, mask=mask)
 
 
 def _launch(out: torch.Tensor, rows: int, n_cols: int, key_hash: int, scale: float, gaussian: bool,

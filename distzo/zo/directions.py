@@ -54,7 +54,9 @@ class RademacherKernels(Protocol):
 # 3: Rademacher signs are the bits of a SplitMix64 counter stream per chunk (Gaussian z unchanged).
 # 4: CUDA Gaussian z is a counter stream (Box-Muller of SplitMix64 words, `cuda_draws`) instead of
 #    torch's CUDA normal_; CPU z unchanged. Which GPU drew it is `gaussian_generator_id`'s business.
-DIRECTIONS_VERSION = 4
+# 5: CUDA Gaussian z takes both Box-Muller outputs of each word and the GPU's approximate ln, cos and
+#    sin (`cuda_draws.GAUSSIAN_SCHEME`, in `gaussian_generator_id`); CPU z unchanged.
+DIRECTIONS_VERSION = 5
 # The first scheme that drew each distribution's z as this distzo does (snapshots and run logs
 # record DIRECTIONS_VERSION; `same_directions` compares a recorded one with this distzo's).
 SCHEME_SINCE = {"gaussian": 1, "rademacher": 3}
@@ -317,13 +319,14 @@ class Directions:
 
 
 def gaussian_generator_id(device: torch.device) -> str:
-    """What a device's Gaussian draws depend on besides the seed: the device type, and on CUDA the GPU
-    architecture. CUDA Gaussian z is a counter stream (`cuda_draws`), independent of the launch grid
-    and so of the SM count (H100 SXM, H100 PCIe and MIG slices draw the same z), but its log and cos
-    are the architecture's own instructions, so another compute capability may round differently.
-    Rademacher z is a counter stream of signs: the same everywhere."""
+    """What a device's Gaussian draws depend on besides the seed: the device type, and on CUDA the
+    stream's scheme and the GPU architecture. CUDA Gaussian z is a counter stream (`cuda_draws`),
+    independent of the launch grid and so of the SM count (H100 SXM, H100 PCIe and MIG slices draw the
+    same z), but its ln, cos and sin are the architecture's own approximate instructions, so another
+    compute capability may round differently. Runs of the earlier CUDA scheme recorded
+    "cuda:counter-gaussian:sm_XY". Rademacher z is a counter stream of signs: the same everywhere."""
     device = torch.device(device)
     if device.type != "cuda":
         return device.type
     major, minor = torch.cuda.get_device_capability(device)
-    return f"cuda:counter-gaussian:sm_{major}{minor}"
+    return f"cuda:{cuda_draws.GAUSSIAN_SCHEME}:sm_{major}{minor}"

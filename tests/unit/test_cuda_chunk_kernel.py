@@ -239,11 +239,13 @@ DRAW_CHECK = textwrap.dedent("""
     from distzo.zo import cuda_draws
     from distzo.zo.rademacher import mix64, stream_signs
 
-    def gaussian(seed, n):  # the module docstring's Box-Muller of SplitMix64 words, in numpy float32
-        words = [mix64((seed + j * 0x9E3779B97F4A7C15) & (2**64 - 1)) for j in range(n)]
+    def gaussian(seed, n):  # the module docstring's Box-Muller pairs of SplitMix64 words, in numpy float32
+        words = [mix64((seed + j * 0x9E3779B97F4A7C15) & (2**64 - 1)) for j in range((n + 1) // 2)]
         u1 = (np.array([w >> 40 for w in words], dtype=np.float32) + np.float32(1)) * np.float32(2.0**-24)
         u2 = np.array([(w >> 16) & 0xFFFFFF for w in words], dtype=np.float32) * np.float32(2.0**-24)
-        return np.sqrt(np.float32(-2) * np.log(u1)) * np.cos(np.float32(6.2831854820251465) * u2)
+        r = np.sqrt(np.float32(-2) * np.log(u1))
+        t = (u2 * np.float32(2) - np.float32(1)) * np.float32(3.1415927410125732)
+        return np.stack([r * np.cos(t), r * np.sin(t)], axis=1).reshape(-1)[:n]
 
     bad = []
     per, n = 300, 700  # chunks 4, 5 and part of 6
@@ -256,16 +258,44 @@ DRAW_CHECK = textwrap.dedent("""
                 want = gaussian(seed, m) if g else stream_signs(seed, 0, m).numpy()
                 if not np.array_equal(got[c * per:c * per + m], want):
                     bad.append((key_hash, g, c))
+            # rows of a table drawn element by element (`draw`) from odd offsets: the span's values
+            rows = torch.tensor([3, 0, 7, 4])  # 75-element rows, 4 to a chunk of 300
+            table = cuda_draws.fill_span(torch.empty(8 * 75), key_hash, 0, per, 1.0, g).view(8, 75)
+            picked = cuda_draws.fill_rows(torch.empty(4, 75), key_hash, rows, 75, 4, 1.0, g)
+            if not torch.equal(picked, table[rows]):
+                bad.append((key_hash, g, "rows"))
     print("mismatches", bad)
 """)
 
 
 def test_the_draw_kernel_is_the_counter_streams_under_the_interpreter():
     """`cuda_draws`' kernel, run by Triton's interpreter, draws the streams its docstring defines
-    (Rademacher: `distzo.zo.rademacher`'s, Gaussian: Box-Muller of the same SplitMix64 words, in
-    float32 numpy here as in the interpreter) for hashes on either side of 2^31 and 2^63, which the
-    launch splits into halves and the kernel joins."""
+    (Rademacher: `distzo.zo.rademacher`'s; Gaussian: both Box-Muller outputs of each of the same
+    SplitMix64 words, in float32 numpy here as in the interpreter, whose ln, cos and sin stand in for
+    the GPU's approximate instructions) for hashes on either side of 2^31 and 2^63, which the launch
+    splits into halves and the kernel joins; and an embedding's rows, drawn element by element from
+    odd offsets (`draw`), are the values the span draws a word per two elements (`draw_block`)."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     r = subprocess.run([sys.executable, "-c", DRAW_CHECK], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "mismatches []" in r.stdout, r.stdout[-2000:]
+
+
+def test_every_kernel_variant_compiles_for_an_h100_without_one():
+    """benchmarks/kernel_sass.py compiles the chunk and draw kernels for sm_90 with Triton's own ptxas
+    (no GPU needed): each variant a step launches compiles to machine code, and the Gaussian ones use
+    the approximate ln, cos and sin the stream is defined by (the interpreter runs numpy's instead,
+    so only this compile sees that path before a GPU does)."""
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, str(root / "benchmarks" / "kernel_sass.py"), "--json"], capture_output=True,
+                       text=True, env=env, timeout=600, cwd=root)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(line) for line in r.stdout.splitlines()]
+    assert len(rows) == 6 and all(row["sass"] > 0 and row["arch"] == "sm_90" for row in rows)
+    for row in rows:
+        want = ["cos.approx", "lg2.approx", "sin.approx"] if "gaussian" in row["variant"] else []
+        assert row["approx"] == want, row

@@ -20,9 +20,10 @@ Both distributions are counter streams here:
 
 ln, cos and sin are the GPU's approximate instructions (lg2.approx, cos.approx and sin.approx, through
 libdevice's fast_logf, fast_cosf and fast_sinf: relative error about 2^-22 for ln, absolute 2^-21 for
-cos and sin on [-pi, pi], hence t's range), and one word serves two elements: a draw is about 31
-instructions an element where the IEEE functions and a word per element took over 180 (the static
-SASS for sm_90; the draws were 13-18% of a float16 OPT's forward passes on an H100, BENCHMARKS.md).
+cos and sin on [-pi, pi], hence t's range), and one word serves two elements: the draw kernel is 45
+instructions an element where the IEEE functions and a word per element took 205 (static SASS for
+sm_90, `benchmarks/kernel_sass.py`; the draws were 13-18% of a float16 OPT's forward passes on an
+H100, BENCHMARKS.md).
 z's distribution is N(0, 1) to that precision, which is far below what a zeroth-order estimate
 resolves. The values are the same on every GPU of one architecture running the same kernel;
 `gaussian_generator_id` records the architecture and the scheme, and resume/replay compare it. Under
@@ -119,10 +120,12 @@ if triton is not None:
     @triton.jit
     def _polar(word):
         """Box-Muller's radius and angle of one SplitMix64 word (uint64): r = sqrt(-2 ln u1),
-        t = pi (2 u2 - 1), u1 from its top 24 bits plus one, u2 from the next 24, each / 2^24."""
+        t = pi (2 u2 - 1), u1 from its top 24 bits plus one, u2 from the next 24, each / 2^24. The
+        approximate ln's error is absolute near u1 = 1, where it may come out above 0: clamped, so
+        r is 0 there rather than NaN (z then off by at most 3e-4, for about one word in 10^6)."""
         u1 = ((word >> 40).to(tl.float32) + 1.0) * 5.9604644775390625e-08
         u2 = ((word >> 16) & 0xFFFFFF).to(tl.float32) * 5.9604644775390625e-08
-        return tl.sqrt(-2.0 * _ln(u1)), (u2 * 2.0 - 1.0) * 3.1415927410125732
+        return tl.sqrt(tl.maximum(-2.0 * _ln(u1), 0.0)), (u2 * 2.0 - 1.0) * 3.1415927410125732
 
     @triton.jit
     def draw(key_hash, chunk, offset, GAUSSIAN: tl.constexpr):

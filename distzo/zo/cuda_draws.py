@@ -90,32 +90,11 @@ if triton is not None:
         """The uint64 whose halves `split64` passed (each an i32 bit pattern)."""
         return (hi.to(tl.uint32, bitcast=True).to(tl.uint64) << 32) | lo.to(tl.uint32, bitcast=True).to(tl.uint64)
 
-    if INTERPRETED:
-        @triton.jit
-        def _ln(x):
-            return tl.log(x)
+    from triton.language.extra import libdevice
 
-        @triton.jit
-        def _cos(x):
-            return tl.cos(x)
-
-        @triton.jit
-        def _sin(x):
-            return tl.sin(x)
-    else:
-        from triton.language.extra import libdevice
-
-        @triton.jit
-        def _ln(x):
-            return libdevice.fast_logf(x)
-
-        @triton.jit
-        def _cos(x):
-            return libdevice.fast_cosf(x)
-
-        @triton.jit
-        def _sin(x):
-            return libdevice.fast_sinf(x)
+    # Compile-time switch (a constexpr global): the GPU's approximate functions, or numpy's where
+    # Triton's interpreter runs the kernels.
+    FAST_MATH = tl.constexpr(not INTERPRETED)
 
     @triton.jit
     def _polar(word):
@@ -125,7 +104,20 @@ if triton is not None:
         r is 0 there rather than NaN (z then off by at most 3e-4, for about one word in 10^6)."""
         u1 = ((word >> 40).to(tl.float32) + 1.0) * 5.9604644775390625e-08
         u2 = ((word >> 16) & 0xFFFFFF).to(tl.float32) * 5.9604644775390625e-08
-        return tl.sqrt(tl.maximum(-2.0 * _ln(u1), 0.0)), (u2 * 2.0 - 1.0) * 3.1415927410125732
+        if FAST_MATH:
+            ln = libdevice.fast_logf(u1)
+        else:
+            ln = tl.log(u1)
+        return tl.sqrt(tl.maximum(-2.0 * ln, 0.0)), (u2 * 2.0 - 1.0) * 3.1415927410125732
+
+    @triton.jit
+    def _cos_sin(r, t):
+        """Both Box-Muller outputs of (r, t): r cos t (a word's even element), r sin t (its odd one)."""
+        if FAST_MATH:
+            c, s = libdevice.fast_cosf(t), libdevice.fast_sinf(t)
+        else:
+            c, s = tl.cos(t), tl.sin(t)
+        return r * c, r * s
 
     @triton.jit
     def draw(key_hash, chunk, offset, GAUSSIAN: tl.constexpr):
@@ -135,7 +127,8 @@ if triton is not None:
         seed = _mix64(key_hash ^ chunk)  # Directions.chunk_seed's last step
         if GAUSSIAN:
             r, t = _polar(_mix64(seed + (offset >> 1) * 0x9E3779B97F4A7C15))  # SplitMix64 output offset // 2
-            z = tl.where((offset & 1) == 0, r * _cos(t), r * _sin(t))
+            even, odd = _cos_sin(r, t)
+            z = tl.where((offset & 1) == 0, even, odd)
         else:
             word = _mix64(seed + (offset >> 6) * 0x9E3779B97F4A7C15)
             z = tl.where(((word >> (offset & 63)) & 1) != 0, 1.0, -1.0)
@@ -149,7 +142,8 @@ if triton is not None:
             seed = _mix64(key_hash ^ chunk)
             pair = (first >> 1) + tl.arange(0, BLOCK // 2).to(tl.uint64)
             r, t = _polar(_mix64(seed + pair * 0x9E3779B97F4A7C15))
-            z = tl.interleave(r * _cos(t), r * _sin(t))
+            even, odd = _cos_sin(r, t)
+            z = tl.interleave(even, odd)
         else:
             z = draw(key_hash, chunk, first + tl.arange(0, BLOCK).to(tl.uint64), False)
         return z

@@ -23,7 +23,7 @@ def test_bench_writes_every_figure(tmp_path, nproc, mesh):
     assert out["step_time_s"] > 0 and out["forward_time_s"] > 0 and out["tokens_per_s"] > 0
     assert out["overhead_ratio"] > 0
     rounds = out["rounds"]  # every ratio is the median of the rounds' ratios, taken in this one run
-    assert len(rounds) == 2
+    assert len(rounds) == 2 and all(r["untimed_step_s"] > 0 for r in rounds)
     # rounded to 3 decimals
     assert out["overhead_ratio"] == pytest.approx(median(r["step_s"] / r["forward_s"] for r in rounds), abs=1e-3)
     assert out["step_time_s"] == pytest.approx(median(r["pace_s"] for r in rounds), abs=1e-4)  # rounded to 0.1 ms
@@ -132,3 +132,14 @@ def test_the_reference_scores_the_same_token_loss_as_distzo(tmp_path):
         assert reference_loss(c, 3)() == pytest.approx(total / count, rel=1e-5)
     finally:
         c.close()
+
+
+def test_the_device_idle_time_counts_overlapping_kernels_once():
+    """bench's `device_idle_s` is the wall time less the union of the device's intervals: kernels on
+    several streams that overlap (an offloaded step's uploads beside its compute) count once, and the
+    gaps between them are idle."""
+    from distzo.run.bench import _union_length
+
+    assert _union_length([]) == 0
+    assert _union_length([(0, 10), (2, 5), (8, 12), (20, 25)]) == 17  # [0, 12) and [20, 25)
+    assert _union_length([(5, 6), (0, 1), (1, 2)]) == 3  # touching and out of order

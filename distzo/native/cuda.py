@@ -24,13 +24,16 @@ runs on torch ops with the same values: optimizers with state or another rule th
 mask (Sparse MeZO), directions that are not the plain counter stream (LOZO, SubZero, AGZO).
 
 Each variant (dtype, distribution, weight decay or not, which outputs) is verified on its first call
-in a process: the same chunk also goes through the torch path, and a variant whose result differs by
-one bit (a compiler that rounds otherwise) is switched off with a warning, its chunk keeping the
-torch result.
+in a process: a trial of up to one chunk of that call (its first elements, cloned) goes through the
+kernel and through the torch path, and a variant whose result differs by one bit (a compiler that
+rounds otherwise) or that fails to compile is switched off with a warning, the call itself and every
+later one running on torch ops. The trial is one chunk, not the call's span, so the check adds no
+more than a chunk's float32 scratch to the device's memory.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import TYPE_CHECKING, Callable, Mapping, Protocol, Sequence
 
@@ -162,9 +165,8 @@ class CudaKernels:
         variant = (master.dtype, directions.distribution, decay is not None,
                    tuple((update, plus is not None, minus is not None) for _, plus, minus, update in launches))
         if self.verify and variant not in self._checked:
-            self._checked[variant] = self._agrees(directions, p, ref, master, pending, step, eps, copies, part,
-                                                  decay, torch_pass, launches)
-            return
+            self._checked[variant] = self._agrees(directions, p, ref, master, pending, step, eps, copies, decay,
+                                                  torch_pass)
         if not self._checked.get(variant, True):
             torch_pass(directions, p, ref, master, pending, step, eps, copies, part, ())
             return
@@ -224,21 +226,34 @@ class CudaKernels:
         return self._terms[key]
 
     def _agrees(self, directions: Directions, p: TrainableParam, ref: ChunkRef, master: torch.Tensor,
-                pending: PendingUpdate | None, step: int, eps: float, copies: Copies,
-                part: tuple[int, int] | None, decay: float | None, torch_pass: TorchPass,
-                launches: list[tuple]) -> bool:
-        """Run the pass both ways on this chunk; keep the torch result; say whether they agree. A
-        kernel that fails to compile or launch here counts as disagreeing: the run goes on, on torch ops."""
-        before = master.clone()
+                pending: PendingUpdate | None, step: int, eps: float, copies: Copies, decay: float | None,
+                torch_pass: TorchPass) -> bool:
+        """Whether the kernel and the torch path agree bitwise on a trial of this pass: up to one chunk
+        (this call's first master elements, cloned, as the first elements of chunk ref.index) and its
+        copies. A trial and not the call itself: the torch path draws z into float32 scratch of its
+        span's size (up to 2^25 elements), which the process would keep, and widens the master to
+        float32 beside it. A kernel that fails to compile or launch counts as disagreeing."""
+        n = min(master.numel(), ref.per_chunk)
+        trial_ref = dataclasses.replace(ref, stop=ref.start + n)
+
+        def trial() -> tuple[torch.Tensor, Copies]:
+            m = master.reshape(-1)[:n].clone()
+            # copies start as NaN: an element one path leaves unwritten differs from the other's value
+            return m, {q: [(sign, torch.full_like(m, float("nan"))) for sign, _ in outs] for q, outs in copies.items()}
+
+        def results(m: torch.Tensor, outs: Copies) -> list[torch.Tensor]:
+            return [m] + [out for q_outs in outs.values() for _, out in q_outs]
+
+        m, outs = trial()
         try:
-            self._run(directions, p, ref, master, pending, step, eps, part, decay, launches)
+            self._run(directions, p, trial_ref, m, pending, step, eps, None, decay, self._launches(pending, outs))
         except Exception as exc:  # noqa: BLE001 (Triton's compiler raises many kinds; the fallback is exact)
             got, why = None, f"it failed ({type(exc).__name__}: {' '.join(str(exc).split())[:300]})"
         else:
-            got, why = [master.clone()] + [out.clone() for outs in copies.values() for _, out in outs], "it differs"
-        master.copy_(before)
-        torch_pass(directions, p, ref, master, pending, step, eps, copies, part, ())
-        want = [master] + [out for outs in copies.values() for _, out in outs]
+            got, why = results(m, outs), "it differs"
+        m, outs = trial()
+        torch_pass(directions, p, trial_ref, m, pending, step, eps, outs, None, ())
+        want = results(m, outs)
         same = got is not None and all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got, want))
         if not same:
             log.warning("engine.native: the CUDA chunk kernel was checked against torch ops on %s (%s, %s) and %s; "

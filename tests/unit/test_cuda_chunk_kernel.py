@@ -299,3 +299,33 @@ def test_every_kernel_variant_compiles_for_an_h100_without_one():
     for row in rows:
         want = ["cos.approx", "lg2.approx", "sin.approx"] if "gaussian" in row["variant"] else []
         assert row["approx"] == want, row
+
+
+def test_a_variant_is_checked_on_a_trial_of_one_chunk():
+    """The first call of a variant checks the kernel against the torch path on a clone of up to one
+    chunk, not on the call's span (whose float32 scratch, up to 2^25 elements, the torch path would
+    keep for the process), and then runs the call itself once, on the kernel that agreed."""
+    from distzo.zo.directions import ChunkRef
+
+    d, _, _ = _setup()
+    per, chunks = 300, 4
+    master = torch.linspace(-1, 1, per * chunks)
+    p = TrainableParam("w", master, param_key("w"), True)
+    ref = ChunkRef(p.key, 2, 2 * per, 2 * per + per * chunks, per)
+    copies = {0: [(1, torch.zeros(per * chunks)), (-1, torch.zeros(per * chunks))]}
+    pending = PendingUpdate(0, ((0, 1.0),), 1e-3, 0.0, SGD().rule(0, 1e-3, 0.0))
+    seen = []
+
+    def fake_run(directions, p_, ref_, master_, *rest):  # the kernel: records what it was given
+        seen.append(("kernel", ref_.stop - ref_.start, master_.numel(), master_.data_ptr() == master.data_ptr()))
+
+    def fake_torch(directions, p_, ref_, master_, u, step, eps, outs, part, state):
+        seen.append(("torch", ref_.stop - ref_.start, master_.numel(), master_.data_ptr() == master.data_ptr()))
+
+    kernels = CudaKernels()
+    kernels._run = fake_run
+    kernels.chunk_pass(d, p, ref, master, pending, 1, 1e-3, copies, None, None, fake_torch)
+    # the trial (one chunk, cloned) both ways, then the call on the kernel
+    whole = per * chunks
+    assert seen == [("kernel", per, per, False), ("torch", per, per, False), ("kernel", whole, whole, True)]
+    assert torch.equal(master, torch.linspace(-1, 1, per * chunks))  # the trial left the call's master alone

@@ -174,7 +174,9 @@ KERNEL_KINDS = (
     ("matmul", r"gemm|gemv|matmul|aten::mm$|aten::addmm|aten::bmm|aten::linear|cutlass|xmma|cublas|nvjet"),
     ("noise", r"_draw_kernel|normal|randn|rademacher|bernoulli|philox"),
     ("perturb", r"_chunk_kernel"),  # CUDA: the pending update and the working copies, z drawn in the kernel
-    ("decode", r"_int8_kernel|_nf4_kernel|dequantize"),  # a quantized base's weights decoded for a matmul
+    # distzo's decode kernels (engine.quantized_matmul=decoded); torchao's own decoding runs as generic
+    # elementwise and copy kernels, which count under copy and other
+    ("decode", r"_int8_kernel|_nf4_kernel|dequantize"),
     ("copy", r"memcpy|memset|copy|aten::to$|_to_copy|aten::cat"),
 )
 

@@ -129,7 +129,9 @@ def check_identity(cfg: Config, where: str, identity: dict[str, Any]) -> int:
     if identity.get("config_fingerprint") != config_fingerprint(cfg):
         raise ResumeError(f"cannot resume from {where}: it was written with a different model, task, estimator, "
                           "optimiser, trainable set (peft), objective or batch size (or steps, with a decaying lr "
-                          "schedule); use another hydra.run.dir to start afresh")
+                          "schedule), engine.compute, or engine.quantized_matmul on a quantized base (auto is "
+                          "decoded on CUDA and torchao elsewhere: set the one the run used); use another "
+                          "hydra.run.dir to start afresh")
     if not same_directions(identity.get("directions_version"), str(cfg.estimator.distribution)):
         raise ResumeError(f"cannot resume from {where}: its {cfg.estimator.distribution} directions were drawn with "
                           f"scheme {identity.get('directions_version')}, and this distzo draws scheme "

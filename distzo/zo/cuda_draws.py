@@ -54,8 +54,18 @@ UNFUSED = {"enable_fp_fusion": False}
 # The Gaussian stream's scheme, part of `Directions.gaussian_generator_id` on CUDA: "counter-gaussian"
 # drew one word and IEEE ln and cos per element (DIRECTIONS_VERSION 4); "gaussian-pairs" is this one.
 GAUSSIAN_SCHEME = "gaussian-pairs"
-# Triton's interpreter runs no libdevice call (its CPU tests): numpy's functions stand in for the GPU's.
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _interpreted() -> bool:
+    """Whether Triton runs kernels in its interpreter (TRITON_INTERPRET=1, true, on or yes; or set in
+    code): it runs no libdevice call (the CPU tests), so numpy's functions stand in for the GPU's."""
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+INTERPRETED = triton is not None and _interpreted()
 
 
 def split64(value: int) -> tuple[int, int]:

@@ -268,7 +268,7 @@ def test_cuda_directions_are_the_counter_streams(distribution):
     moves r by 1.1e-7 / r, which only near u1 = 1, where r is small, exceeds the rest); rows (element
     by element, from any offset), single chunks and scaled draws are the same values."""
     d = Directions(3, distribution, "cuda")
-    shape, key, step, q = (3000, 700), param_key("layers.0.w"), 5, 1
+    shape, key, step, q = (3000, 701), param_key("layers.0.w"), 5, 1  # odd rows and chunks
     z = d.generate(shape, key, step, q)
     flat = z.view(-1).cpu()
     refs = chunks_of(key, shape)

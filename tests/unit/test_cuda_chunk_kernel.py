@@ -329,3 +329,14 @@ def test_a_variant_is_checked_on_a_trial_of_one_chunk():
     whole = per * chunks
     assert seen == [("kernel", per, per, False), ("torch", per, per, False), ("kernel", whole, whole, True)]
     assert torch.equal(master, torch.linspace(-1, 1, per * chunks))  # the trial left the call's master alone
+
+
+def test_every_spelling_of_triton_interpret_runs_the_draws_on_numpys_functions():
+    """Triton reads TRITON_INTERPRET=true (or on, yes) as 1; so must the draws' switch from the GPU's
+    approximate functions (libdevice calls, which the interpreter cannot run) to numpy's."""
+    check = ("import torch; from distzo.zo import cuda_draws; "
+             "print(cuda_draws.fill_span(torch.empty(8), 5, 0, 8, 1.0, True))")
+    for value in ("1", "true"):
+        r = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "TRITON_INTERPRET": value})
+        assert r.returncode == 0 and "tensor(" in r.stdout, (value, r.stderr[-2000:])

@@ -51,6 +51,12 @@ def matmul_mode(setting: str, device_type: str) -> str:
         return "decoded" if device_type == "cuda" else "torchao"
     return setting
 
+
+def base_matmul(quantize: str, setting: str, device_type: str) -> str | None:
+    """How a run's quantized base multiplies on `device_type` (`matmul_mode`), or None without one
+    (model.quantize=none): what the engine builds, the resume fingerprint and bench record."""
+    return None if str(quantize) == "none" else matmul_mode(setting, device_type)
+
 NF4_BLOCK = 64  # weights per NF4 absmax block (QLoRA's)
 NF4_SCALER_BLOCK = 256  # absmax scales per block of their own 8-bit quantization (QLoRA's double quantization)
 

@@ -62,7 +62,7 @@ from torch.nn import functional as F
 
 from ..config.compose import switch_component, typed
 from ..config.schema import Config
-from ..models.quantize import matmul_mode
+from ..models.quantize import base_matmul
 from ..parallel.mesh import Mesh
 from ..parallel.shape import MeshShape
 from ..telemetry.flops import forward_precision, model_flops_utilisation
@@ -431,8 +431,7 @@ def _bench(cfg: Config, c: Components, run_dir: Path) -> dict[str, Any]:
         "model": cfg.model.name, "estimator": cfg.estimator.name, "q": cfg.estimator.q,
         "distribution": cfg.estimator.distribution, "mesh": str(mesh.shape), "offload": cfg.offload.mode,
         "dtype": str(cfg.model.dtype), "compute": str(cfg.engine.compute),
-        "quantized_matmul": matmul_mode(cfg.engine.quantized_matmul, device.type) if cfg.model.quantize != "none"
-        else None,
+        "quantized_matmul": base_matmul(cfg.model.quantize, cfg.engine.quantized_matmul, device.type),
         "device": str(device.type), "threads_per_rank": torch.get_num_threads(), "batch_size": cfg.batch_size,
         "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "warmup_steps": b.warmup, "timed_steps": b.steps,

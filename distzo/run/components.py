@@ -18,7 +18,7 @@ from ..errors import DistzoError
 from ..models import adapter_for, load_model
 from ..models.checks import check_positions
 from ..models.decode import DecodedLinears
-from ..models.quantize import QuantizedBase, matmul_mode, quantize_base
+from ..models.quantize import QuantizedBase, base_matmul, quantize_base
 from ..parallel.mesh import Mesh
 from ..peft import apply_peft
 from ..telemetry.timing import DISABLED, Timers, WorkClock
@@ -76,7 +76,7 @@ def build_model_stack(cfg: Config, mesh: Mesh, seed: int, weights: Mapping[str, 
     estimator = build_estimator(cfg.estimator)
     optimizer = build_optimizer(cfg.optim)
     quantized = quantize_base(model, cfg.model.quantize)  # the frozen base's linear weights, before the adapters
-    if cfg.model.quantize != "none" and matmul_mode(cfg.engine.quantized_matmul, mesh.device.type) == "decoded":
+    if base_matmul(cfg.model.quantize, cfg.engine.quantized_matmul, mesh.device.type) == "decoded":
         DecodedLinears(quantized.modules(model))  # each call decodes into one shared buffer (models/decode.py)
     apply_peft(model, cfg.peft)  # freezes the model and adds the adapter's parameters (peft != none)
     estimator.prepare_model(model)

@@ -28,7 +28,7 @@ from ..config.legacy import v1_sections
 from ..config.schema import Config
 from ..engine import Engine
 from ..errors import DistzoError
-from ..models.quantize import matmul_mode
+from ..models.quantize import base_matmul
 from ..parallel.mesh import Mesh, device_type
 from ..telemetry.jsonl import read_jsonl, truncate_after
 from ..telemetry.metrics import Progress
@@ -77,7 +77,7 @@ def config_fingerprint(cfg: Config) -> str:
             keys[section].pop(key, None)
     if str(cfg.engine.compute) != "fp32":
         keys["compute"] = str(cfg.engine.compute)  # the forward's arithmetic shapes the losses
-    matmul = matmul_mode(cfg.engine.quantized_matmul, device_type(cfg.device)) if cfg.model.quantize != "none" else None
+    matmul = base_matmul(cfg.model.quantize, cfg.engine.quantized_matmul, device_type(cfg.device))
     if matmul not in (None, "torchao"):
         keys["quantized_matmul"] = matmul  # so does how a quantized base multiplies (auto: as resolved here)
     keys["batch_size"] = cfg.batch_size

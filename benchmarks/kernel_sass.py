@@ -1,4 +1,4 @@
-"""distzo's CUDA kernels compiled for a GPU architecture on any machine, no GPU needed: their SASS
+"""distzo's CUDA kernels (the chunk pass, the draws, a quantized base's decode) compiled for a GPU architecture on any machine, no GPU needed: their SASS
 instruction counts (static, per element of a program's block) and the approximate instructions
 they use.
 
@@ -31,6 +31,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from distzo.models import decode  # noqa: E402
 from distzo.native import cuda as native_cuda  # noqa: E402
 from distzo.native.rounding import CODES  # noqa: E402
 from distzo.zo import cuda_draws  # noqa: E402
@@ -48,6 +49,13 @@ CHUNK = [("chunk: update + copies, float16, gaussian", dict(UPDATE=True, DECAY=F
 DRAW = [("draw: span, gaussian", dict(TABLES=False, GAUSSIAN=True)),
         ("draw: rows, gaussian", dict(TABLES=True, GAUSSIAN=True)),
         ("draw: span, rademacher", dict(TABLES=False, GAUSSIAN=False))]
+# A quantized base's decode (models/decode.py): (name, kernel, weight code, output code, constexprs)
+SCALE = {0: "*fp32", 1: "*bf16", 2: "*fp16"}  # torchao's scales and tables are in the weight's dtype
+DECODE = [("decode: int8, float32 weight to float32", "int8", 0, 0),
+          ("decode: int8, float16 weight to float32", "int8", 2, 0),
+          ("decode: int8, bfloat16 weight to bfloat16", "int8", 1, 1),
+          ("decode: nf4, float32 weight to float32", "nf4", 0, 0),
+          ("decode: nf4, bfloat16 weight to bfloat16", "nf4", 1, 1)]
 
 
 def _signature(fn, constexprs: dict, pointers: dict) -> dict:
@@ -81,6 +89,17 @@ def compile_variants(arch: int) -> list[tuple[str, object]]:
         src = ASTSource(cuda_draws._draw_kernel, _signature(cuda_draws._draw_kernel, constexprs, pointers),
                         constexprs=constexprs)
         out.append((name, triton.compile(src, target=target, options=cuda_draws.UNFUSED)))
+    for name, kind, weight, result in DECODE:
+        codes = dict(WEIGHT=weight, OUT=result)
+        if kind == "int8":
+            fn, constexprs = decode._int8_kernel, {**codes, "ROWS": decode._INT8_ROWS, "COLS": decode._INT8_COLS}
+            pointers = {"q_ptr": "*i8", "scale_ptr": SCALE[weight], "out_ptr": POINTER[result]}
+        else:
+            fn, constexprs = decode._nf4_kernel, {**codes, "GROUP": 64, "SCALER_GROUP": 256, "BLOCK": decode._NF4_BLOCK}
+            pointers = {"packed_ptr": "*u8", "lut_ptr": SCALE[weight], "qscaler_ptr": "*i8",
+                        "factor_ptr": SCALE[weight], "mean_ptr": SCALE[weight], "out_ptr": POINTER[result]}
+        src = ASTSource(fn, _signature(fn, constexprs, pointers), constexprs=constexprs)
+        out.append((name, triton.compile(src, target=target)))
     return out
 
 
@@ -110,7 +129,7 @@ def main() -> None:
         ops = opcodes(kernel)
         ptx = kernel.asm["ptx"]
         approx = sorted(set(re.findall(r"\b(lg2\.approx|sin\.approx|cos\.approx|ex2\.approx)", ptx)))
-        threads = kernel.metadata.num_warps * 32
+        threads = kernel.metadata.num_warps * 32  # every program handles BLOCK elements
         rows.append({"variant": name, "arch": f"sm_{ns.arch}", "sass": sum(ops.values()),
                      "sass_per_element": round(sum(ops.values()) / (BLOCK / threads), 1),
                      "mufu": ops["MUFU"], "imad": ops["IMAD"], "branches": ops["BRA"], "approx": approx})

@@ -9,7 +9,8 @@ kernel (Triton on CUDA; torchao's own dequantization elsewhere, where speed is n
 scratch buffer that every quantized layer of the model shares, in the dtype the product runs in
 (bfloat16 under `engine.compute=bf16`), and then runs the float base's `F.linear` on it. The stock
 layer is untouched: a forward pre-hook puts the decoded weight in place for the call and a forward
-hook puts the quantized one back.
+hook puts the quantized one back. Each layer's launch is prepared once (`KernelDecode`) and reused
+while the layer holds the same weight, so the host's work per call is the launch.
 
 Exactness: the decoded weight is torchao's `dequantize()` bitwise (int8: q times its row's scale;
 NF4: the code's table value times its block's scaler, each scaler rebuilt in the kernel with the
@@ -39,7 +40,8 @@ except ImportError:  # CPU-only installs decode with torch ops
 else:
     from ..native.rounding import round_to, store_as
 
-_BLOCK = 1024
+_INT8_ROWS, _INT8_COLS = 4, 256  # an int8 program's tile (1,024 elements, each row's scale loaded once)
+_NF4_BLOCK = 1024  # an NF4 program's elements (whole blocks of the format)
 
 
 def is_int8(weight: torch.Tensor) -> bool:
@@ -52,56 +54,94 @@ def is_nf4(weight: torch.Tensor) -> bool:
 
 if triton is not None:
     @triton.jit
-    def _int8_kernel(q_ptr, scale_ptr, out_ptr, n_cols, total, WEIGHT: tl.constexpr, OUT: tl.constexpr,
-                     BLOCK: tl.constexpr):
+    def _int8_kernel(q_ptr, scale_ptr, out_ptr, n_rows, n_cols, WEIGHT: tl.constexpr, OUT: tl.constexpr,
+                     ROWS: tl.constexpr, COLS: tl.constexpr):
         # out[r, c] = q[r, c] * scale[r], rounded to the weight's dtype (torchao's dequantize), then
-        # to the output's.
-        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offsets < total
+        # to the output's. A program decodes a tile of ROWS x COLS and loads each row's scale once:
+        # no per-element division to find the row (a 64-bit division is about forty instructions).
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        cols = tl.program_id(1) * COLS + tl.arange(0, COLS)
+        row_ok = rows < n_rows
+        mask = row_ok[:, None] & (cols < n_cols)[None, :]
+        offsets = rows.to(tl.int64)[:, None] * n_cols + cols[None, :]
         q = tl.load(q_ptr + offsets, mask=mask, other=0).to(tl.float32)
-        scale = tl.load(scale_ptr + offsets // n_cols, mask=mask, other=0).to(tl.float32)
-        x = round_to(round_to(q * scale, WEIGHT), OUT)
+        scale = tl.load(scale_ptr + rows, mask=row_ok, other=0).to(tl.float32)
+        x = round_to(round_to(q * scale[:, None], WEIGHT), OUT)
         store_as(out_ptr, offsets, x, mask, OUT)
 
     @triton.jit
-    def _nf4_kernel(packed_ptr, lut_ptr, qscaler_ptr, factor_ptr, mean_ptr, out_ptr, block_size, scaler_block,
-                    total, WEIGHT: tl.constexpr, OUT: tl.constexpr, BLOCK: tl.constexpr):
-        # Element i: code = high nibble of byte i // 2 for even i, low nibble for odd i; its block's
-        # scaler decoded as torchao's dequantize_scalers does, each operation rounded to the weight's
-        # dtype: qscaler[b] / factor[b // scaler_block] + mean, b = i // block_size; value =
+    def _nf4_kernel(packed_ptr, lut_ptr, qscaler_ptr, factor_ptr, mean_ptr, out_ptr, total, WEIGHT: tl.constexpr,
+                    OUT: tl.constexpr, GROUP: tl.constexpr, SCALER_GROUP: tl.constexpr, BLOCK: tl.constexpr):
+        # A program decodes BLOCK elements, BLOCK // GROUP whole NF4 blocks (GROUP: the weights per
+        # absmax block). Element 2j is the high nibble of byte j, element 2j + 1 the low one. Each
+        # block's scaler is decoded once, as torchao's dequantize_scalers does, every operation
+        # rounded to the weight's dtype: qscaler[b] / factor[b // SCALER_GROUP] + mean; then value =
         # lut[code] * scaler, rounded to the weight's dtype, then to the output's.
-        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offsets < total
-        byte = tl.load(packed_ptr + offsets // 2, mask=mask, other=0).to(tl.int32)
-        code = tl.where(offsets % 2 == 0, byte >> 4, byte & 15)
-        value = tl.load(lut_ptr + code, mask=mask, other=0).to(tl.float32)
-        b = offsets // block_size
-        qs = tl.load(qscaler_ptr + b, mask=mask, other=0).to(tl.float32)
-        factor = tl.load(factor_ptr + b // scaler_block, mask=mask, other=1).to(tl.float32)
+        G: tl.constexpr = BLOCK // GROUP
+        pid = tl.program_id(0).to(tl.int64)
+        half = pid * (BLOCK // 2) + tl.arange(0, BLOCK // 2)
+        byte = tl.load(packed_ptr + half, mask=half < total // 2, other=0).to(tl.int32)
+        value = tl.load(lut_ptr + tl.interleave(byte >> 4, byte & 15)).to(tl.float32)
+        blocks = pid * G + tl.arange(0, G)
+        block_ok = blocks < total // GROUP
+        qs = tl.load(qscaler_ptr + blocks, mask=block_ok, other=0).to(tl.float32)
+        factor = tl.load(factor_ptr + blocks // SCALER_GROUP, mask=block_ok, other=1).to(tl.float32)
         mean = tl.load(mean_ptr).to(tl.float32)
         scaler = round_to(round_to(tl.math.div_rn(qs, factor), WEIGHT) + mean, WEIGHT)
-        x = round_to(round_to(value * scaler, WEIGHT), OUT)
-        store_as(out_ptr, offsets, x, mask, OUT)
+        x = round_to(round_to(tl.reshape(value, (G, GROUP)) * scaler[:, None], WEIGHT), OUT)
+        offsets = pid * BLOCK + tl.arange(0, G)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+        store_as(out_ptr, offsets, x, offsets < total, OUT)
+
+
+class KernelDecode:
+    """The Triton decode of one torchao int8 or NF4 weight into one output tensor (contiguous, the
+    weight's shape, float32, bfloat16 or float16), its launch arguments prepared once: calling it
+    launches the kernel (on CUDA, or on CPU tensors under Triton's interpreter). `reusable`: the
+    arguments are the weight's own tensors, not contiguous copies of them, so a later call decodes
+    what the weight holds then (a streamed slot refilled in place)."""
+
+    def __init__(self, weight: torch.Tensor, out: torch.Tensor):
+        if not (is_int8(weight) or is_nf4(weight)):
+            raise TypeError(f"no decoder for a {type(weight).__name__} weight")
+        self.weight, self.out = weight, out
+        target = as_kernel_arg(out)  # bfloat16 stored as its bits
+        codes = dict(WEIGHT=dtype_code(weight.dtype), OUT=dtype_code(out.dtype))
+        if is_int8(weight):
+            own = [weight.qdata, weight.scale.reshape(-1)]
+            q, scale = args = [t.contiguous() for t in own]
+            n_cols = q.shape[-1]
+            n_rows = q.numel() // n_cols
+            grid = (triton.cdiv(n_rows, _INT8_ROWS), triton.cdiv(n_cols, _INT8_COLS))
+            self._launch = _int8_kernel[grid]
+            self._args = (q, scale, target, n_rows, n_cols)
+            self._meta = dict(**codes, ROWS=_INT8_ROWS, COLS=_INT8_COLS)
+        else:  # the scalers are decoded in the kernel too: no torch op per call
+            own = [weight.quantized_data, weight.nf4, weight.quantized_scalers, weight.quantization_factor,
+                   weight.scaler_mean.reshape(1)]
+            args = [t.contiguous() for t in own]
+            group = int(weight.block_size)
+            block = max(_NF4_BLOCK, group)
+            self._launch = _nf4_kernel[(triton.cdiv(out.numel(), block),)]
+            self._args = (*args, target, out.numel())
+            self._meta = dict(**codes, GROUP=group, SCALER_GROUP=int(weight.scaler_block_size), BLOCK=block)
+        self.reusable = all(a.data_ptr() == t.data_ptr() and a.shape == t.shape for a, t in zip(args, own))
+
+    @staticmethod
+    def supports(weight: torch.Tensor) -> bool:
+        """Whether the kernels decode `weight`: int8, or NF4 with a power-of-two block (a program
+        holds whole blocks; torchao's default and distzo's are 64)."""
+        if is_int8(weight):
+            return True
+        return is_nf4(weight) and weight.block_size > 0 and weight.block_size & (weight.block_size - 1) == 0
+
+    def __call__(self) -> torch.Tensor:
+        self._launch(*self._args, **self._meta)
+        return self.out
 
 
 def decode_with_kernel(weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """The Triton kernels' decode of a torchao int8 or NF4 weight into `out` (contiguous, the
-    weight's shape, float32, bfloat16 or float16): on CUDA, or on CPU tensors under Triton's
-    interpreter."""
-    if not (is_int8(weight) or is_nf4(weight)):
-        raise TypeError(f"no decoder for a {type(weight).__name__} weight")
-    total = out.numel()
-    target = as_kernel_arg(out)  # bfloat16 stored as its bits
-    grid, codes = (triton.cdiv(total, _BLOCK),), dict(WEIGHT=dtype_code(weight.dtype), OUT=dtype_code(out.dtype))
-    if is_int8(weight):
-        q, scale = weight.qdata.contiguous(), weight.scale.reshape(-1).contiguous()
-        _int8_kernel[grid](q, scale, target, q.shape[-1], total, **codes, BLOCK=_BLOCK)
-    else:  # the scalers are decoded in the kernel too: no torch op per call
-        _nf4_kernel[grid](weight.quantized_data.contiguous(), weight.nf4.contiguous(),
-                          weight.quantized_scalers.contiguous(), weight.quantization_factor.contiguous(),
-                          weight.scaler_mean.reshape(1), target, weight.block_size, weight.scaler_block_size, total,
-                          **codes, BLOCK=_BLOCK)
-    return out
+    """The Triton kernels' decode of a torchao int8 or NF4 weight into `out` (`KernelDecode`)."""
+    return KernelDecode(weight, out)()
 
 
 def decode_reference(weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -110,15 +150,33 @@ def decode_reference(weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return out.copy_(full)
 
 
-def decode(weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """`weight` decoded into `out`: the kernel on CUDA, torchao's dequantization elsewhere (the same
-    values)."""
+class ReferenceDecode:
+    """torchao's dequantization of one weight into one output tensor, called like `KernelDecode`."""
+
+    reusable = False
+
+    def __init__(self, weight: torch.Tensor, out: torch.Tensor):
+        self.weight, self.out = weight, out
+
+    def __call__(self) -> torch.Tensor:
+        return decode_reference(self.weight, self.out)
+
+
+def decoder(weight: torch.Tensor, out: torch.Tensor) -> KernelDecode | ReferenceDecode:
+    """`weight`'s decode into `out`: the kernel on CUDA, torchao's dequantization elsewhere (the same
+    values), or for an NF4 block size the kernel does not take."""
     if out.device.type == "cuda":
         if triton is None:
             raise RuntimeError("engine.quantized_matmul=decoded decodes with a Triton kernel on CUDA, and Triton is "
                                "not installed; torch's CUDA wheels bring it")
-        return decode_with_kernel(weight, out)
-    return decode_reference(weight, out)
+        if KernelDecode.supports(weight):
+            return KernelDecode(weight, out)
+    return ReferenceDecode(weight, out)
+
+
+def decode(weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """`weight` decoded into `out` (`decoder`)."""
+    return decoder(weight, out)()
 
 
 class DecodedLinears:
@@ -131,6 +189,9 @@ class DecodedLinears:
         self.largest = max((m.weight.numel() for m in self.layers), default=0)
         self.scratch: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
         self.held: dict[nn.Module, torch.Tensor] = {}
+        # Each layer's prepared decode (a kernel launch with its arguments ready), kept while the layer
+        # holds the same weight object: a resident base prepares once, a streamed slot per walk.
+        self.prepared: dict[nn.Module, KernelDecode | ReferenceDecode] = {}
         self.handles = [h for m in self.layers for h in (m.register_forward_pre_hook(self._decode),
                                                           m.register_forward_hook(self._restore))]
 
@@ -145,9 +206,15 @@ class DecodedLinears:
         x = args[0]
         kind = x.device.type
         dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
-        out = self._buffer(x.device, dtype)[:weight.numel()].view(weight.shape)
+        run = self.prepared.get(module)
+        if run is None or run.weight is not weight or run.out.dtype != dtype or run.out.device != x.device:
+            run = decoder(weight, self._buffer(x.device, dtype)[:weight.numel()].view(weight.shape))
+            if run.reusable:
+                self.prepared[module] = run
+            else:
+                self.prepared.pop(module, None)
         self.held[module] = weight
-        module._parameters["weight"] = decode(weight, out)
+        module._parameters["weight"] = run()
 
     def _restore(self, module: nn.Module, args, output):
         module._parameters["weight"] = self.held.pop(module)
@@ -157,6 +224,7 @@ class DecodedLinears:
         for h in self.handles:
             h.remove()
         self.handles = []
+        self.prepared.clear()
 
     def memory_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.scratch.values())

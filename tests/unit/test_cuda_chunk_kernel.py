@@ -282,8 +282,8 @@ def test_the_draw_kernel_is_the_counter_streams_under_the_interpreter():
 
 
 def test_every_kernel_variant_compiles_for_an_h100_without_one():
-    """benchmarks/kernel_sass.py compiles the chunk and draw kernels for sm_90 with Triton's own ptxas
-    (no GPU needed): each variant a step launches compiles to machine code, and the Gaussian ones use
+    """benchmarks/kernel_sass.py compiles the chunk, draw and decode kernels for sm_90 with Triton's own
+    ptxas (no GPU needed): each variant a step launches compiles to machine code, and the Gaussian ones use
     the approximate ln, cos and sin the stream is defined by (the interpreter runs numpy's instead,
     so only this compile sees that path before a GPU does)."""
     import json
@@ -295,7 +295,7 @@ def test_every_kernel_variant_compiles_for_an_h100_without_one():
                        text=True, env=env, timeout=600, cwd=root)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(line) for line in r.stdout.splitlines()]
-    assert len(rows) == 6 and all(row["sass"] > 0 and row["arch"] == "sm_90" for row in rows)
+    assert len(rows) == 11 and all(row["sass"] > 0 and row["arch"] == "sm_90" for row in rows)
     for row in rows:
         want = ["cos.approx", "lg2.approx", "sin.approx"] if "gaussian" in row["variant"] else []
         assert row["approx"] == want, row

@@ -20,7 +20,7 @@ KERNEL_CHECK = textwrap.dedent("""
     import torch
     from torch import nn
     from torchao.quantization import Int8WeightOnlyConfig, quantize_, to_nf4
-    from distzo.models.decode import decode_reference, decode_with_kernel
+    from distzo.models.decode import KernelDecode, decode_reference, decode_with_kernel
     torch.manual_seed(0)
     bad = []
     for wdt in (torch.float32, torch.bfloat16):
@@ -28,12 +28,23 @@ KERNEL_CHECK = textwrap.dedent("""
         lin.weight.data.mul_(40)  # values past bfloat16's small exponents too
         quantize_(lin, Int8WeightOnlyConfig(), filter_fn=lambda m, fqn: fqn == "")
         nf4 = to_nf4(torch.randn(96, 512, dtype=wdt) * 0.02, 64, 256)
-        for weight in (lin.weight, nf4):
+        # 1,920 elements: 30 blocks of 64 (a program's 16 blocks and a partial one), scaler blocks of 2
+        nf4_small = to_nf4(torch.randn(20, 96, dtype=wdt) * 0.02, 64, 2)
+        for weight in (lin.weight, nf4, nf4_small):
             for out in (torch.float32, torch.bfloat16, torch.float16):
                 got = decode_with_kernel(weight, torch.empty(weight.shape, dtype=out))
                 want = decode_reference(weight, torch.empty(weight.shape, dtype=out))
                 if not torch.equal(got, want):
                     bad.append((type(weight).__name__, str(wdt), str(out), int((got != want).sum())))
+    # A prepared launch reads the weight's own tensors: it decodes what they hold at each call.
+    lin = nn.Linear(300, 5)
+    quantize_(lin, Int8WeightOnlyConfig(), filter_fn=lambda m, fqn: fqn == "")
+    run = KernelDecode(lin.weight, torch.empty(lin.weight.shape))
+    assert run.reusable
+    first = run().clone()
+    lin.weight.qdata.neg_()
+    if not torch.equal(run(), decode_reference(lin.weight, torch.empty(lin.weight.shape))) or torch.equal(run(), first):
+        bad.append("reuse")
     print("mismatches", bad)
 """)
 

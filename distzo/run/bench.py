@@ -43,6 +43,7 @@ this one invocation.
 
 from __future__ import annotations
 
+import collections
 import gzip
 import json
 import logging
@@ -208,6 +209,7 @@ def profile_steps(c: Components, steps: list[int], run_dir: Path) -> dict[str, A
     # the host, not the device, sets the pace; the profiler's own overhead counts as idle too).
     busy_us = _union_length([(e.time_range.start, e.time_range.end) for e in prof.events()
                              if e.device_type == torch.autograd.DeviceType.CUDA]) if cuda else None
+    gaps = idle_gaps(prof.events(), len(steps)) if cuda else None
     if c.mesh.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "profile.txt").write_text(prof.key_averages().table(sort_by=key, row_limit=40) + "\n")
@@ -222,8 +224,48 @@ def profile_steps(c: Components, steps: list[int], run_dir: Path) -> dict[str, A
             "busy_fraction": round(total / wall_us, 3) if cuda else None,
             "device_idle_s": round(max(0.0, wall_us - busy_us) / 1e6 / len(steps), 4) if cuda else None,
             "by_kind_s": {k: round(v / 1e6 / len(steps), 4) for k, v in budget.items()},
+            "idle_gaps": gaps,
             "top": [{"name": e.key, "calls": e.count // len(steps),
                      "seconds_per_step": round(getattr(e, key) / 1e6 / len(steps), 5)} for e in top]}
+
+
+def idle_gaps(events, steps: int, min_us: float = 20.0, longest: int = 12) -> dict[str, Any]:
+    """Where the device waited on the host: every gap of at least `min_us` in the union of the
+    device's intervals (kernels and copies on any stream), a step's count and seconds of them, and
+    the `longest` gaps, each with the kernels before and after it and the host operators that ran
+    during it on the main thread (each operator's own time in the gap, less what ran nested in it,
+    in microseconds; `python` is the part no operator covers: the interpreter's own work). A gap
+    after a synchronising operator (`aten::item`, `aten::nonzero`, `aten::unique`,
+    `cudaStreamSynchronize`) is the host's latency, paid once per synchronisation."""
+    device = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
+                    if e.device_type == torch.autograd.DeviceType.CUDA)
+    found, reach, last = [], None, None
+    for start, end, name in device:
+        if reach is not None and start - reach >= min_us:
+            found.append((reach, start, last, name))
+        if reach is None or end > reach:
+            reach, last = end, name
+    found.sort(key=lambda g: g[0] - g[1])
+    host = [(e.time_range.start, e.time_range.end, e.name, e.thread) for e in events
+            if e.device_type == torch.autograd.DeviceType.CPU]
+    main = collections.Counter(t for *_, t in host).most_common(1)[0][0] if host else None
+    host = sorted(((s, e, n) for s, e, n, t in host if t == main), key=lambda x: (x[0], -x[1]))
+    top = []
+    for gap_start, gap_end, before, after in found[:longest]:
+        ops = [(max(s, gap_start), min(e, gap_end), n) for s, e, n in host if s < gap_end and e > gap_start]
+        share: dict[str, float] = {}
+        for i, (s, e, n) in enumerate(ops):  # an operator's own time in the gap: less what runs nested in it
+            nested = []
+            for s2, e2, _ in ops[i + 1:]:
+                if s2 >= e:
+                    break
+                nested.append((s2, min(e2, e)))
+            share[n] = share.get(n, 0.0) + (e - s) - _union_length(nested)
+        share["python"] = (gap_end - gap_start) - _union_length([(s, e) for s, e, _ in ops])
+        host_ops = sorted(((n, round(us)) for n, us in share.items() if us >= 1), key=lambda x: -x[1])[:4]
+        top.append({"us": round(gap_end - gap_start), "after": before[:80], "before": after[:80], "host": host_ops})
+    return {"min_us": min_us, "per_step": round(len(found) / steps, 1),
+            "seconds_per_step": round(sum(e - s for s, e, _, _ in found) / 1e6 / steps, 6), "longest": top}
 
 
 def _union_length(spans: list[tuple[float, float]]) -> float:
@@ -582,6 +624,12 @@ def report(r: dict[str, Any]) -> str:
             f"{k} {v:.3f}" for k, v in p["by_kind_s"].items()) + (
             f"; kernel time / wall {p['busy_fraction']:.0%}, device idle {p['device_idle_s']:.3f} s a step"
             if p["busy_fraction"] is not None else ""))
+        if p.get("idle_gaps"):
+            g = p["idle_gaps"]
+            lines.append(f"  idle gaps          {g['per_step']} a step of at least {g['min_us']:.0f} us, "
+                         f"{g['seconds_per_step']:.4f} s a step; longest: " + "; ".join(
+                             f"{x['us']} us before {x['before'][:40]} ({', '.join(n for n, _ in x['host'][:2])})"
+                             for x in g["longest"][:3]))
     if "mezo_reference" in r:
         m = r["mezo_reference"]
         lines.append(f"  MeZO reference     {m['step_time_s']:.3f} s   distzo/reference {m['distzo_over_reference']} "

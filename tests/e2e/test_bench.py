@@ -134,6 +134,36 @@ def test_the_reference_scores_the_same_token_loss_as_distzo(tmp_path):
         c.close()
 
 
+def test_idle_gaps_name_the_kernels_around_each_gap_and_the_host_work_in_it():
+    """bench's `idle_gaps` finds the gaps in the union of the device's intervals (a copy on another
+    stream covering a kernel's gap closes it), longest first, and charges each gap's time to the
+    main thread's innermost operators (a parent's time less its children's) and to `python` where no
+    operator runs; another thread's operators are not the step's host work."""
+    from types import SimpleNamespace as NS
+
+    import torch
+
+    from distzo.run.bench import idle_gaps
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    ev = lambda name, start, end, kind, thread=1: NS(name=name, device_type=kind, thread=thread,  # noqa: E731
+                                                    time_range=NS(start=start, end=end))
+    events = [ev("gemm", 0, 100, cuda), ev("copy", 90, 150, cuda), ev("chunk", 200, 300, cuda),  # gap 150-200
+              ev("softmax", 305, 400, cuda), ev("gemm", 1000, 1100, cuda),  # 5 us (too short), 400-1000
+              ev("aten::item", 140, 170, cpu), ev("cudaStreamSynchronize", 145, 165, cpu),
+              ev("aten::unique", 420, 700, cpu), ev("aten::sort", 450, 550, cpu), ev("cudaLaunchKernel", 990, 995, cpu),
+              ev("other thread", 400, 1000, cpu, thread=2), ev("cudaLaunchKernel", 996, 997, cpu),
+              ev("cudaLaunchKernel", 998, 999, cpu)]
+    g = idle_gaps(events, steps=2)
+    assert g["per_step"] == 1.0 and g["seconds_per_step"] == pytest.approx((50 + 600) / 1e6 / 2)
+    first, second = g["longest"]
+    assert (first["us"], first["after"], first["before"]) == (600, "softmax", "gemm")
+    assert dict(first["host"]) == {"python": 600 - 280 - 7, "aten::unique": 180, "aten::sort": 100,
+                                   "cudaLaunchKernel": 7}
+    assert (second["us"], second["after"], second["before"]) == (50, "copy", "chunk")
+    assert dict(second["host"]) == {"python": 30, "cudaStreamSynchronize": 15, "aten::item": 5}
+
+
 def test_the_device_idle_time_counts_overlapping_kernels_once():
     """bench's `device_idle_s` is the wall time less the union of the device's intervals: kernels on
     several streams that overlap (an offloaded step's uploads beside its compute) count once, and the

@@ -7,6 +7,8 @@
 #   table      DistZO2's Table 1 workload: OPT-6.7B, 13B, 1.3B, 2.7B in float16 (the MFU rows first),
 #              batch 4 x 2,048 tokens, resident (with MeZO's Algorithm 1 and the profile) and offload=cpu
 #              (benchmarks/distzo2_table.py; table-fp16/table.jsonl and a markdown table)
+#   link       the host link's bandwidth, each direction alone and both at once (upload_bandwidth.py, ~15 s):
+#              an offloaded step moves its weights' bytes up and back, so it reads the offload rows
 #   tests      tests/gpu on four pytest-xdist workers, each test's result as it ends (the 56 tests took
 #              over 220 s on one worker at 974cb70)
 #   quantized  LoRA on a float32, an int8 and an int4 base of model=llama-1b at batch 16, fp32 and bf16
@@ -50,7 +52,7 @@ out=${1:?usage: benchmarks/gpu_check.sh OUT_DIR}
 mkdir -p "$out"
 export out PY=${PYTHON:-python3} HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 DEADLINE_S=${DEADLINE_S:-530}
-STAGES=${STAGES:-"table tests quantized qtable load bf16 30b"}
+STAGES=${STAGES:-"table link tests quantized qtable load bf16 30b"}
 if [ -d .gpu/whl ]; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/* \
     || { echo "installing .gpu/whl failed"; exit 1; }
@@ -95,6 +97,7 @@ table() {  # DIR DTYPE SIZES...: the table's rows that fit this stage's limit (1
 }
 stage_table() { table table-fp16 float16 6.7b 13b 1.3b 2.7b; }
 stage_bf16() { table table-bf16 bfloat16 1.3b 6.7b; }
+stage_link() { "$PY" benchmarks/upload_bandwidth.py --sizes-mib 256 1024 --repeats 5; }
 stage_30b() { table table-30b float16 30b; }
 # Four workers on the one GPU (each test starts its own processes; none times anything), every result
 # printed as it comes and no test past 200 s, so a cut stage still names what failed and what ran.
@@ -166,9 +169,9 @@ PY
     --max-forwards 4000 --deadline-s "$left" --out "$out/study-gpu.jsonl" device="${STUDY_DEVICE:-cuda}" > "$out/study/$1-$2-$3-$4.log" 2>&1
   tail -n 1 "$out/study/$1-$2-$3-$4.log"
 }
-export -f table stage_table stage_load stage_bf16 stage_30b stage_tests stage_quantized stage_qtable lora_bench stage_study study_run
+export -f table stage_table stage_link stage_load stage_bf16 stage_30b stage_tests stage_quantized stage_qtable lora_bench stage_study study_run
 
-declare -A LIMIT=([table]=330 [tests]=200 [quantized]=200 [qtable]=220 [load]=200 [bf16]=120 [30b]=300 [study]=500)
+declare -A LIMIT=([table]=330 [link]=30 [tests]=200 [quantized]=200 [qtable]=220 [load]=200 [bf16]=120 [30b]=300 [study]=500)
 for name in $STAGES; do
   [ -n "${LIMIT[$name]:-}" ] || { echo "unknown stage $name (stages: ${!LIMIT[*]})"; continue; }
   stage "$name" "${LIMIT[$name]}"

@@ -1,6 +1,6 @@
-"""distzo's CUDA kernels (the chunk pass, the draws, a quantized base's decode) compiled for a GPU architecture on any machine, no GPU needed: their SASS
-instruction counts (static, per element of a program's block) and the approximate instructions
-they use.
+"""distzo's CUDA kernels (the chunk pass, the draws, a quantized base's decode) compiled for a GPU
+architecture on any machine, no GPU needed: their SASS instruction counts (static, per element of a
+program's block) and the approximate instructions they use.
 
 Triton compiles for a target without a device (its wheel brings ptxas and nvdisasm), so the kernels'
 machine code can be inspected, and their compilation checked, on a CPU. A static count is not a

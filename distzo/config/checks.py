@@ -17,7 +17,7 @@ from typing import Any, Iterator
 from ..errors import ConfigError
 from .schema import Config
 
-SWITCHES = ("engine.fuse_update", "engine.divide_work", "engine.native", "bench.single_rank")
+SWITCHES = ("engine.fuse_update", "engine.divide_work", "engine.native", "engine.copy_stream", "bench.single_rank")
 SWITCH_VALUES = ("auto", "true", "false")
 _COMPARISONS = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le}
 

@@ -406,7 +406,12 @@ class EngineConfig:
       decodes each weight into a buffer shared by every layer, in the product's dtype, then the float
       matmul (distzo/models/decode.py; the same weight, bitwise, the product rounded differently).
       "auto": decoded on CUDA (1.01-1.02x the float base's LoRA step at DistZO2's workload on an
-      H100, against torchao's 1.39-1.52x), torchao elsewhere (`models.quantize.matmul_mode`)."""
+      H100, against torchao's 1.39-1.52x), torchao elsewhere (`models.quantize.matmul_mode`).
+    copy_stream: resident weights on CUDA: build each block's update and working copies one block
+      ahead on a second, low-priority stream, beside the forward through the block before, which
+      runs on a high-priority stream (distzo/engine/copystream.py; the same values, bitwise). "auto":
+      for sgd over plain directions (the field's MeZO workload); "true": any resident CUDA run (an
+      error elsewhere); "false": one stream, for comparison."""
 
     fuse_update: str = "auto"
     row_tokens: int = setting(1024, "> 0")
@@ -414,6 +419,7 @@ class EngineConfig:
     native: str = "auto"
     compute: ComputeMode = ComputeMode.fp32
     quantized_matmul: QuantizedMatmul = QuantizedMatmul.auto
+    copy_stream: str = "auto"
 
 
 @dataclass

@@ -92,6 +92,22 @@ class EngineMode:
         raise NotImplementedError
 
 
+def copy_stream_applies(s: EngineSetup) -> bool:
+    """`engine.copy_stream` for a resident run: "auto" on CUDA for sgd over plain directions, "true"
+    on CUDA (an error elsewhere), "false" never."""
+    want = str(s.engine.copy_stream).lower()  # auto, true or false (config.checks)
+    if want == "false":
+        return False
+    if s.device.type != "cuda":
+        if want == "true":
+            raise EngineConfigError(f"engine.copy_stream=true overlaps two CUDA streams, and this run computes on "
+                                    f"{s.device.type}; use engine.copy_stream=auto")
+        return False
+    optimizer = s.optimizer or SGD()
+    plain = type(s.directions) is Directions and type(optimizer).update is SGD.update
+    return want == "true" or (plain and not optimizer.shapes_directions)
+
+
 def resident_engine(model, adapter, params, directions, *, optimizer: Optimizer | None = None, **kwargs) -> StageLoop:
     """Every weight on the compute device."""
     optimizer = optimizer or SGD()
@@ -110,7 +126,8 @@ class ResidentMode(EngineMode):
     @classmethod
     def build(cls, s: EngineSetup) -> StageLoop:
         s.model.to(s.device)
-        return resident_engine(s.model, s.adapter, s.params, s.directions, **s.loop_options())
+        return resident_engine(s.model, s.adapter, s.params, s.directions, copy_stream=copy_stream_applies(s),
+                               **s.loop_options())
 
 
 def build_engine(s: EngineSetup) -> Engine:
@@ -133,5 +150,8 @@ def build_engine(s: EngineSetup) -> Engine:
         return modes.get("resident").build(s)
     for _, mode in sorted(modes.items(), key=lambda item: -item[1].precedence):
         if mode.applies(s):
+            if mode.name != "resident" and str(s.engine.copy_stream).lower() == "true":
+                raise EngineConfigError(f"engine.copy_stream=true builds copies beside the forward for resident "
+                                        f"weights, and this run's engine is {mode.name}; use engine.copy_stream=auto")
             return mode.build(s)
     raise AssertionError("the resident mode always applies")

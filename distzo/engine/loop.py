@@ -39,6 +39,7 @@ from ..zo.estimators import CLEAN, Probe
 from ..zo.optimizers import SGD, Optimizer
 from ..zo.params import TrainableParams
 from .base import Engine, Materialized
+from .copystream import SLOTS, CopyStreams, SideStreamNoise
 from .pending import PendingUpdate, Target, apply_pending
 from .stores import OUTER, WeightStore
 from .weights import CleanWeights, PerturbedWeights, StageNoise, Workspace
@@ -61,7 +62,7 @@ class Division:
     def stage_noise(self, loop: StageLoop, i: int, step: int, plan: Sequence[Probe], perturbed: bool,
                     full_plan: Sequence[Probe] | None) -> StageNoise:
         """The object that builds block i's working copies for `plan`."""
-        return loop.noise(step, plan)
+        return loop.noise(step, plan, block=i)
 
     def before_write(self) -> None:
         """Before this rank writes the master outside a block's pass (peers may still read it)."""
@@ -94,13 +95,15 @@ class StageLoop(Engine):
     own, for comparison); micro_batch_size: examples of a rank's shard per forward (None: the whole
     shard at once; see `_walk`); compute: the forward's arithmetic (`engine.compute`); timers: phase
     timers (`bench`); optimizer: the update rule and its state (sgd when None), whose state the
-    store holds where it holds the master; store / division / stacked: the mode's parts."""
+    store holds where it holds the master; store / division / stacked: the mode's parts;
+    copy_stream: build each block's copies one block ahead on a second CUDA stream
+    (`distzo.engine.copystream`; resident weights only)."""
 
     def __init__(self, model: nn.Module, adapter: DecoderAdapter, params: TrainableParams, directions: Directions,
                  store: WeightStore, *, division: Division | None = None, stacked: StackedProbes | None = None,
                  eps: float = 1e-3, mesh: Mesh | None = None, row_tokens: int = 1024, fuse_update: bool = True,
                  micro_batch_size: int | None = None, compute: str = "fp32", timers: Timers = DISABLED,
-                 optimizer: Optimizer | None = None, mode: str = "resident"):
+                 optimizer: Optimizer | None = None, mode: str = "resident", copy_stream: bool = False):
         self.model, self.adapter, self.params, self.directions = model, adapter, params, directions
         self.device = directions.device
         self.eps, self.row_tokens, self.fuse_update, self.timers = float(eps), row_tokens, fuse_update, timers
@@ -111,11 +114,13 @@ class StageLoop(Engine):
         self.store = store
         self.division = division if division is not None else Division()
         self.stacked = stacked
+        self.copy_streams = CopyStreams(self.device) if copy_stream else None
         self.pending: PendingUpdate | None = None
         store.attach(self)
 
     def describe(self) -> str:
-        parts = [self.store.describe(), self.division.describe(), self.stacked.describe() if self.stacked else ""]
+        parts = [self.store.describe(), self.division.describe(), self.stacked.describe() if self.stacked else "",
+                 "copies built one block ahead on a second CUDA stream" if self.copy_streams is not None else ""]
         return ", ".join(p for p in parts if p)
 
     # --- the interface ------------------------------------------------------------------------------
@@ -265,7 +270,12 @@ class StageLoop(Engine):
 
     # --- the stage loop -----------------------------------------------------------------------------
 
-    def noise(self, step: int, plan: Sequence[Probe]) -> StageNoise:
+    def noise(self, step: int, plan: Sequence[Probe], block: int | None = None) -> StageNoise:
+        """The object that builds a stage's working copies (block: a decoder block's index, None for
+        the outer stage); with `copy_stream`, a block's are built on the copy stream."""
+        if block is not None and self.copy_streams is not None:
+            return SideStreamNoise(self.directions, self.workspace, step, self.eps, plan, self.timers,
+                                   streams=self.copy_streams, slot=block % SLOTS, **self.shaping())
         return StageNoise(self.directions, self.workspace, step, self.eps, plan, self.timers, **self.shaping())
 
     def shaping(self) -> dict:
@@ -289,9 +299,16 @@ class StageLoop(Engine):
     def _run(self, parts: Sequence[Sequence[Packed]], plan: Sequence[Probe], step: int,
              full_plan: Sequence[Probe] | None) -> list[Scores]:
         with self.forward_arithmetic():
-            if self.stacked is not None and any(ev.perturbed for ev in plan):
+            perturbed = any(ev.perturbed for ev in plan)
+            if self.stacked is not None and perturbed:
                 return self.stacked.run(self, parts, plan, step)
-            return self._walk(parts, plan, step, full_plan)
+            if self.copy_streams is None or not perturbed:
+                return self._walk(parts, plan, step, full_plan)
+            with self.copy_streams.walk() as keep:
+                scores = self._walk(parts, plan, step, full_plan)
+                for t in (t for sc in scores for t in (sc.nll, sc.count, sc.logits) if t is not None):
+                    keep(t)
+            return scores
 
     def _walk(self, parts: Sequence[Sequence[Packed]], plan: Sequence[Probe], step: int,
               full_plan: Sequence[Probe] | None) -> list[Scores]:
@@ -315,7 +332,7 @@ class StageLoop(Engine):
         hidden = [[self.adapter.stem(contexts[id(p)], w) for p in ps]
                   for ps, w in zip(parts, stage_views(self.noise(step, plan)))]
         blocks = self.store.blocks
-        ahead = self.division.look_ahead(perturbed)
+        ahead = self.division.look_ahead(perturbed) or (perturbed and self.copy_streams is not None)
         next_noise = None
         for i in range(blocks):
             with self.store.block(i) as block:

@@ -71,6 +71,8 @@ class StageNoise:
     shaper: an optimizer whose state shapes the directions (HiZOO; None: z as drawn); state_of:
     where the state of a parameter whose copies are built on first use is (the outer stage's)."""
 
+    buffer = "work"  # the workspace buffers of the copies: f"{buffer}{probe index}"
+
     def __init__(self, directions: Directions, workspace: Workspace, step: int, eps: float,
                  plan: Sequence[Probe], timers: Timers = DISABLED, shaper: Optimizer | None = None,
                  state_of: StateOf | None = None):
@@ -106,8 +108,12 @@ class StageNoise:
             out = self._outputs(todo)
             copies = {p.name: [(ev.query, ev.sign, out[(p.name, i)].view(-1)) for i, ev in enumerate(self.plan)
                                if ev.perturbed] for p in todo}
-            self._perturb_chunks(todo, source, pending, copies, state=state)
+            self._build(lambda: self._perturb_chunks(todo, source, pending, copies, state=state))
             self._copies.update(out)
+
+    def _build(self, passes: Callable[[], None]) -> None:
+        """Run the chunk passes (here, at once, on the current stream)."""
+        passes()
 
     def _perturb_chunks(self, todo: Sequence[TrainableParam], source: Callable[[TrainableParam], torch.Tensor],
                         pending: PendingUpdate | None,
@@ -144,7 +150,7 @@ class StageNoise:
             for dtype in {p.tensor.dtype for p in todo}:
                 group = [p for p in todo if p.tensor.dtype == dtype]
                 start = self._used.get((i, dtype), 0)
-                views = self.workspace.carve(f"work{i}", [p.shape for p in group], dtype, start)
+                views = self.workspace.carve(f"{self.buffer}{i}", [p.shape for p in group], dtype, start)
                 self._used[(i, dtype)] = start + sum(v.numel() for v in views)
                 out.update({(p.name, i): v for p, v in zip(group, views)})
         return out

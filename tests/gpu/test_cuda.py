@@ -162,6 +162,30 @@ def test_the_triton_chunk_pass_trains_the_weights_of_torch_ops_on_cuda(tmp_path,
     assert res["validation_accuracy_after"] == fused["validation_accuracy_after"]
 
 
+@pytest.mark.parametrize("args", [["model=tiny-opt", "model.dtype=float16", "optim.weight_decay=0.1"],
+                                  ["model=tiny", "estimator.q=2"]])
+def test_copies_built_on_the_copy_stream_train_the_weights_of_one_stream_on_cuda(tmp_path, args, monkeypatch):
+    """engine.copy_stream (distzo/engine/copystream.py): block i + 1's update and copies on the copy
+    stream beside block i's forward on the compute stream, ordered by events, against one stream:
+    the same weights and evaluations bitwise after six steps (the same kernels on the same inputs;
+    a slot overwritten before its forward read it, or a forward reading copies not yet written,
+    would change them). The copy stream really ran; auto turns it on here."""
+    from distzo.engine import copystream
+
+    built = []
+    build = copystream.CopyStreams.build
+    monkeypatch.setattr(copystream.CopyStreams, "build", lambda self, q: (built.append(1), build(self, q))[1])
+    one = train(make_config(*FAST, *args, "optim.lr=1e-2", "steps=6", "engine.copy_stream=false"), tmp_path / "one")
+    assert not built
+    two = train(make_config(*FAST, *args, "optim.lr=1e-2", "steps=6"), tmp_path / "two")
+    assert built
+    a = load_file(tmp_path / "one" / "final" / "model.safetensors")
+    b = load_file(tmp_path / "two" / "final" / "model.safetensors")
+    assert all(torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a)
+    assert (one["validation_accuracy_after"], one["test_accuracy"]) == (two["validation_accuracy_after"],
+                                                                      two["test_accuracy"])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("distribution", ["gaussian", "rademacher"])
 def test_the_chunk_kernel_equals_torch_ops_on_cuda(dtype, distribution):

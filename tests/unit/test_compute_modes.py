@@ -62,6 +62,31 @@ def test_a_float32_master_keeps_updates_that_a_bfloat16_master_loses():
     assert moved["fp32 master"] > 0.9
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (["engine.copy_stream=true"], "overlaps two CUDA streams, and this run computes on cpu"),
+    (["engine.copy_stream=true", "offload=cpu"], "this run's engine is offload"),
+])
+def test_copy_stream_true_is_refused_where_it_cannot_apply(tmp_path, overrides, message):
+    """engine.copy_stream=true asks for resident CUDA weights: a CPU run, or an offloaded one (whose
+    blocks stream on their own), is refused with one error naming the setting, before training."""
+    from distzo.run.training import train
+    from tests.conftest import make_config
+
+    with pytest.raises(EngineConfigError, match=message):
+        train(make_config("model=tiny", "task=synthetic-cue", "steps=1", *overrides), tmp_path / "r")
+    assert not (tmp_path / "r" / "final").exists()
+
+
+def test_copy_stream_auto_keeps_one_stream_off_cuda(tmp_path):
+    """auto resolves per run: on a CPU the resident engine walks with one stream."""
+    from distzo.run.training import Trainer
+    from tests.conftest import make_config
+
+    with Trainer(make_config("model=tiny", "task=synthetic-cue", "steps=1"), tmp_path / "r") as t:
+        t.fit()
+        assert t.components.engine.mode == "resident" and t.components.engine.copy_streams is None
+
+
 def test_tf32_is_refused_off_cuda(tmp_path):
     from distzo.run.training import train
     from tests.conftest import make_config

@@ -173,6 +173,32 @@ def test_workspace_is_reused_across_steps():
     assert sizes == {k: v.data_ptr() for k, v in engine.workspace._buffers.items()}
 
 
+@pytest.mark.parametrize("arch", ["llama", "opt"])
+def test_copies_built_one_block_ahead_change_nothing(arch):
+    """engine.copy_stream's look-ahead (on a CPU its two buffer slots run in order, no second stream):
+    each block's pending update and copies are built one block ahead into alternating slots, and the
+    logits and weights over steps with updates (weight decay too), then a flush, are bitwise the
+    one-stream walk's. A slot written before its last reader finished would change the logits."""
+    runs = []
+    for ahead in (False, True):
+        model = random_model(arch, 400, {}, 0, torch.float32)
+        params = TrainableParams.from_model(model)
+        engine = resident_engine(model, adapter_for(model), params, Directions(0, "gaussian"), eps=EPS,
+                                 copy_stream=ahead)
+        logits = []
+        for step, coeffs in enumerate([[(0, 0.9), (1, -0.4)], [(0, -2.0), (1, 0.3)], [(0, 0.5), (1, 0.1)]]):
+            logits.append(plan_logits(engine, sample_batch(seed=step), PLAN, step=step))
+            engine.apply(step, coeffs, 1e-2, 0.1)
+        materialize(engine)
+        runs.append((logits, model.state_dict(), engine))
+    (logits_a, state_a, _), (logits_b, state_b, engine) = runs
+    assert all(torch.equal(a, b) for a, b in zip(logits_a, logits_b))
+    assert all(torch.equal(state_a[k], state_b[k]) for k in state_a)
+    # the blocks' copies went to the two slots (the outer stage's to its own buffers)
+    names = {name for name, _ in engine.workspace._buffers}
+    assert {"ahead0-0", "ahead1-0"} <= names and "work0" in names
+
+
 @pytest.mark.parametrize("distribution", ["gaussian", "rademacher"])
 @pytest.mark.parametrize("arch", ["llama", "opt"])
 def test_the_fused_kernels_change_nothing(arch, distribution, monkeypatch):

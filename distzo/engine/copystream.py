@@ -7,7 +7,8 @@ forwards, adding its whole time to the step. Here a resident walk runs its forwa
 high-priority compute stream and builds each block's copies one block ahead on the copy stream, at
 the lowest priority: the GPU's scheduler hands the copy kernel's programs the room the forward's
 kernels leave (a matrix product's last partial wave, the memory-bound norms and activations, the
-gaps between launches) and never delays a forward kernel that is ready to run.
+gaps between launches) before any forward program that is waiting (priorities order the programs not
+yet started; a copy program already running is not preempted).
 
 Ordering, by events on the device (the host never waits):
 - the copy stream starts block i + 1's pass once the compute stream's work queued so far is done

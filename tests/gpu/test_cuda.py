@@ -162,8 +162,10 @@ def test_the_triton_chunk_pass_trains_the_weights_of_torch_ops_on_cuda(tmp_path,
     assert res["validation_accuracy_after"] == fused["validation_accuracy_after"]
 
 
-@pytest.mark.parametrize("args", [["model=tiny-opt", "model.dtype=float16", "optim.weight_decay=0.1"],
-                                  ["model=tiny", "estimator.q=2"]])
+# Six blocks: each copy slot is reused (block i + 1 writes the slot block i - 1 read).
+@pytest.mark.parametrize("args", [["model=tiny-opt", "model.dtype=float16", "optim.weight_decay=0.1",
+                                   "+model.arch_config.num_hidden_layers=6"],
+                                  ["model=tiny", "estimator.q=2", "+model.arch_config.num_hidden_layers=6"]])
 def test_copies_built_on_the_copy_stream_train_the_weights_of_one_stream_on_cuda(tmp_path, args, monkeypatch):
     """engine.copy_stream (distzo/engine/copystream.py): block i + 1's update and copies on the copy
     stream beside block i's forward on the compute stream, ordered by events, against one stream:

@@ -178,10 +178,11 @@ def test_copies_built_one_block_ahead_change_nothing(arch):
     """engine.copy_stream's look-ahead (on a CPU its two buffer slots run in order, no second stream):
     each block's pending update and copies are built one block ahead into alternating slots, and the
     logits and weights over steps with updates (weight decay too), then a flush, are bitwise the
-    one-stream walk's. A slot written before its last reader finished would change the logits."""
+    one-stream walk's. A slot written before its last reader finished would change the logits; four
+    blocks, so each slot is reused within a walk."""
     runs = []
     for ahead in (False, True):
-        model = random_model(arch, 400, {}, 0, torch.float32)
+        model = random_model(arch, 400, {"num_hidden_layers": 4}, 0, torch.float32)
         params = TrainableParams.from_model(model)
         engine = resident_engine(model, adapter_for(model), params, Directions(0, "gaussian"), eps=EPS,
                                  copy_stream=ahead)

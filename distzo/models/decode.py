@@ -174,11 +174,6 @@ def decoder(weight: torch.Tensor, out: torch.Tensor) -> KernelDecode | Reference
     return ReferenceDecode(weight, out)
 
 
-def decode(weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """`weight` decoded into `out` (`decoder`)."""
-    return decoder(weight, out)()
-
-
 class DecodedLinears:
     """Hooks on a model's quantized linear layers: for each call the layer's weight is decoded into
     the shared scratch buffer (the largest layer's size, per device and dtype) and put in place of

@@ -1,5 +1,5 @@
 """The four ways to start a mesh (docs/cluster.md), each against a torchrun run of the same
-configuration: `python -m distzo train mesh=2x2` starting its own workers, ranks started by srun,
+configuration: `python -m distzo train mesh=1x2` starting its own workers, ranks started by srun,
 Hydra's submitit launcher (one SLURM job per run, requeued on its warning signal), and Hydra's
 Optuna sweeper tuning the learning rate from the metric `train` returns. SLURM's are the real
 one-node cluster of tests/cluster/conftest.py."""
@@ -50,20 +50,22 @@ def train_lines(run: Path) -> int:
     return sum(r["type"] == "train" for r in read_jsonl(path)) if path.exists() else 0
 
 
-# --- python -m distzo train mesh=2x2: its own workers --------------------------------------------
+# --- python -m distzo train mesh=1x2: its own workers --------------------------------------------
 
-MESH22 = ("model=tiny", "task=synthetic-cue", "mesh=2x2", "steps=20", "eval_every=0", "task.val_size=16",
-          "task.test_size=16", "checkpoint.every=0", "log_every=1000")
+# Two workers: each is a fresh interpreter (about 7 s of CPU for torch's and transformers' imports),
+# and starting, stopping and killing them needs no more than two.
+SELF_LAUNCHED = ("model=tiny", "task=synthetic-cue", "mesh=1x2", "steps=20", "eval_every=0", "task.val_size=16",
+                 "task.test_size=16", "checkpoint.every=0", "log_every=1000")
 
 
 def test_a_plain_process_starts_its_workers_and_equals_torchrun(tmp_path):
-    reference = torchrun_reference(tmp_path, 4, *MESH22)
-    p = distzo("train", *MESH22, f"hydra.run.dir={tmp_path / 'self'}", cwd=tmp_path)
+    reference = torchrun_reference(tmp_path, 2, *SELF_LAUNCHED)
+    p = distzo("train", *SELF_LAUNCHED, f"hydra.run.dir={tmp_path / 'self'}", cwd=tmp_path)
     out, err = p.communicate(timeout=600)
     assert p.returncode == 0, err[-3000:]
-    assert "Starting 4 local workers" in out
+    assert "Starting 2 local workers" in out
     summary = json.loads((tmp_path / "self" / "summary.json").read_text())
-    assert summary["mesh"] == "2x2" and len(summary["replica_checksums"]) == 4
+    assert summary["mesh"] == "1x2" and len(summary["replica_checksums"]) == 2
     assert_same_weights(reference, tmp_path / "self" / "final" / "model.safetensors")
 
 
@@ -73,7 +75,7 @@ def workers_of(launcher: subprocess.Popen) -> list[psutil.Process]:
 
 def start_long_self_launched_run(tmp_path: Path, name: str) -> tuple[subprocess.Popen, Path]:
     run = tmp_path / name
-    p = distzo("train", *MESH22[:3], "steps=100000", "eval_every=0", "task.val_size=16", "task.test_size=16",
+    p = distzo("train", *SELF_LAUNCHED[:3], "steps=100000", "eval_every=0", "task.val_size=16", "task.test_size=16",
                "checkpoint.every=0", f"hydra.run.dir={run}", cwd=tmp_path)
     deadline = time.time() + 300
     while train_lines(run) < 3 and time.time() < deadline and p.poll() is None:
@@ -85,15 +87,15 @@ def start_long_self_launched_run(tmp_path: Path, name: str) -> tuple[subprocess.
 def test_a_killed_worker_ends_the_self_launched_job_with_one_line(tmp_path):
     p, _ = start_long_self_launched_run(tmp_path, "killed")
     workers = workers_of(p)
-    assert len(workers) == 4
-    workers[2].send_signal(signal.SIGKILL)
+    assert len(workers) == 2
+    workers[1].send_signal(signal.SIGKILL)
     _, err = p.communicate(timeout=300)
     ours = [line for line in err.splitlines() if line.startswith("distzo: error:")]
     assert p.returncode == 128 + signal.SIGKILL
     # The launcher's line ends the job; a surviving worker that noticed the loss before it was stopped
     # says so in one line of its own. No traceback, no Hydra report.
     assert "was killed by SIGKILL, so the job stopped" in ours[-1], err[-3000:]
-    assert all(re.fullmatch(r"distzo: error: rank [0-3] lost its peers \(.+\): another rank of the job stopped "
+    assert all(re.fullmatch(r"distzo: error: rank [01] lost its peers \(.+\): another rank of the job stopped "
                             r"first, and its own message, or the launcher's, says why", line)
                for line in ours[:-1]), ours
     assert "Traceback" not in err and "Error executing job" not in err, err[-3000:]
@@ -119,18 +121,19 @@ def sbatch(cluster, cwd, *args, env=None) -> str:
 
 
 def test_srun_ranks_join_the_mesh_and_equal_torchrun(slurm, tmp_path):
-    """slurm/train.sbatch with LAUNCHER=srun: `srun` starts 4 tasks, each `python -m distzo train`,
-    and they join a 2x2 mesh from SLURM's variables."""
-    overrides = (*FAST, "mesh=2x2")
-    reference = torchrun_reference(tmp_path, 4, *overrides)
+    """slurm/train.sbatch with LAUNCHER=srun: `srun` starts 2 tasks, each `python -m distzo train`,
+    and they join a 1x2 mesh from SLURM's variables (two: each task is a fresh interpreter, and the
+    ranks' environment is the same for any number)."""
+    overrides = (*FAST, "mesh=1x2")
+    reference = torchrun_reference(tmp_path, 2, *overrides)
     env = {"DISTZO_RUNS": str(tmp_path / "runs"), "PYTHON": sys.executable, "LAUNCHER": "srun"}
-    jid = sbatch(slurm, tmp_path, "--ntasks-per-node=4", str(SCRIPT), *overrides, env=env)
+    jid = sbatch(slurm, tmp_path, "--ntasks-per-node=2", str(SCRIPT), *overrides, env=env)
     state = wait_for_jobs(slurm, [jid])[jid]
     log = (tmp_path / f"slurm-{jid}.out").read_text()
     assert state == ("COMPLETED", 0), log[-3000:]
-    assert f"job {jid} (attempt 1): 4 rank(s) on localhost (srun)" in log
+    assert f"job {jid} (attempt 1): 2 rank(s) on localhost (srun)" in log
     run = tmp_path / "runs" / jid
-    assert json.loads((run / "summary.json").read_text())["mesh"] == "2x2"
+    assert json.loads((run / "summary.json").read_text())["mesh"] == "1x2"
     assert_same_weights(reference, run / "final" / "model.safetensors")
 
 

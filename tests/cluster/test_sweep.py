@@ -73,21 +73,23 @@ def recomputed(metrics):
             "val_accuracy": val["accuracy"], "val_loss": val["loss"], "steps": train[-1]["step"]}
 
 
-def test_local_sweep_of_three_layouts(tmp_path):
+def test_local_sweep_of_two_layouts(tmp_path):
+    """Two layouts, one of them two processes (torchrun's): each is fresh interpreters, about 7 s of CPU
+    apiece, and the sweep's bookkeeping is the same for two rows as for more."""
     out = tmp_path / "sweep"
-    r = subprocess.run([sys.executable, "-m", "distzo", "sweep", "mesh=1x2,2x1,1x1", *FAST, "save_final=false",
+    r = subprocess.run([sys.executable, "-m", "distzo", "sweep", "mesh=1x2,1x1", *FAST, "save_final=false",
                         "sweep.progress_every_s=5", f"hydra.sweep.dir={out}"],
                        env=ENV, cwd=tmp_path, capture_output=True, text=True, timeout=400)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "[sweep] 1/3 mesh=1x2: 2 process(es)" in r.stdout and "3/3 runs ok" in r.stdout
+    assert "[sweep] 1/2 mesh=1x2: 2 process(es)" in r.stdout and "2/2 runs ok" in r.stdout
     with open(out / "sweep.csv") as fh:
         rows = list(csv.DictReader(fh))
-    assert [row["mesh"] for row in rows] == ["1x2", "2x1", "1x1"]
+    assert [row["mesh"] for row in rows] == ["1x2", "1x1"]
     for n, row in enumerate(rows):
         assert row["status"] == "ok" and row["exit_code"] == "0" and row["run_dir"] == str(out / str(n))
         for key, value in recomputed(out / str(n) / "metrics.jsonl").items():
             assert math.isclose(float(row[key]), value, rel_tol=1e-12), (n, key, row[key], value)
     table = (out / "sweep.md").read_text()
-    assert table in r.stdout and table.count("| ok |") == 3
+    assert table in r.stdout and table.count("| ok |") == 2
     assert (out / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert json.loads((out / "sweep.json").read_text())["runs"][2]["label"] == "mesh=1x1"
+    assert json.loads((out / "sweep.json").read_text())["runs"][1]["label"] == "mesh=1x1"

@@ -1,12 +1,14 @@
 """Helpers that start real multi-process jobs: whole runs with torchrun's worker environment,
-torch.multiprocessing for collective-level checks. Every process uses the gloo backend on CPU.
+functions per rank (as torch.multiprocessing runs them) for collective-level checks. Every process
+uses the gloo backend on CPU.
 
 Importing torch and transformers costs a process about 6 s of CPU, which on the 2-core CI machine
 dominated the suite when every rank of every run paid it. `torchrun()` therefore forks each run's
 ranks from a forkserver that imported distzo, torch and transformers once, and gives them the
 environment torchrun gives its workers (RANK, LOCAL_RANK, WORLD_SIZE, ..., TORCHELASTIC_*), and hosts
 the job's TCP store itself as torchrun's agent does (`TORCHELASTIC_USE_AGENT_STORE=True`). Like
-torchrun, it stops the other ranks once one has failed. Tests of torchrun's own behaviour (its agent store,
+torchrun, it stops the other ranks once one has failed. `start_ranks()` forks the ranks of
+collective-level checks from the same server. Tests of torchrun's own behaviour (its agent store,
 `--max-restarts`, its error reporting) build and run the real `torchrun` command line themselves.
 """
 
@@ -60,7 +62,7 @@ def torchrun(nproc: int, *args: str, cwd: Path | None = None, timeout: float = 6
 
 
 def spawn_env(rank: int, world: int, port: int, job: int = 0) -> None:
-    """A spawned rank's environment, torchrun's worker's: it joins the store the test process hosts
+    """A rank's environment (start_ranks), torchrun's worker's: it joins the store the test process hosts
     on `port` (`hosted_store`) as a client, its keys under the namespace of `job` (parallel/mesh.py
     gives each attempt of a worker group one), so one store serves several runs in turn."""
     os.environ.update(ENV)
@@ -144,6 +146,17 @@ def _reread_hub_settings() -> None:
     import huggingface_hub.constants
 
     importlib.reload(huggingface_hub.constants)
+
+
+def start_ranks(fn, nprocs: int, args: tuple) -> None:
+    """`torch.multiprocessing.start_processes(fn, args, nprocs, join=True)` for collective-level
+    checks, each rank forked from the preloaded server rather than spawned (a spawned rank pays the
+    imports again). fn(rank, *args) must be importable by name (a module-level function of a test
+    module); it sets its own environment (spawn_env)."""
+    import torch.multiprocessing as mp
+
+    _forkserver()  # the server the forkserver context uses, started once with PRELOAD imported
+    mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
 
 
 class ForkedJob:

@@ -12,9 +12,8 @@ import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from tests.distributed.launch import hosted_store, spawn_env
+from tests.distributed.launch import hosted_store, spawn_env, start_ranks
 from tests.unit.test_engine import EPS, sample_batch
 
 PLAN_SIGNS = (+1, -1)  # a 2x1 mesh: rank r runs evaluation r of MeZO's (+, -) plan
@@ -79,8 +78,7 @@ def test_ranks_out_of_step_still_compute_the_single_process_step(tmp_path, slow_
     from distzo.zo.estimators import Probe
 
     store = hosted_store(2, 300)
-    mp.start_processes(_worker, args=(2, store.port, slow_rank, distribution, tmp_path), nprocs=2, join=True,
-                       start_method="spawn")
+    start_ranks(_worker, 2, (2, store.port, slow_rank, distribution, tmp_path))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the ranks (OMP_NUM_THREADS=1): a matmul's result may depend on threads
     try:

@@ -2,7 +2,7 @@
 and 4x1 ends with the same weights, within the tolerance tests/distributed/test_mesh.py states for
 data-parallel layouts.
 
-To stay cheap, one set of four gloo processes (torch.multiprocessing) trains every estimator on
+To stay cheap, one set of four gloo processes (start_ranks) trains every estimator on
 both four-rank meshes in turn, each on a fresh process group; the 1x1 references run in the test
 process. The runs: MeZO n-SPSA (q=2: four evaluations, one per rank on 4x1), P-RGE on LoRA-FA (q=2,
 each rank's evaluations in one batched forward) and AGZO (q=3 perturbed evaluations over the 4x1
@@ -19,11 +19,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
-from tests.distributed.launch import hosted_store, spawn_env
-from tests.plugins import signum  # noqa: F401  registers optim.name=signum here and in the spawned workers
+from tests.distributed.launch import hosted_store, spawn_env, start_ranks
+from tests.plugins import signum  # noqa: F401  registers optim.name=signum here and in the ranks
 
 STEPS = 5
 COMMON = ["model=tiny", "eval_every=0", "log_every=1000", f"steps={STEPS}", "batch_size=12", "seed=3",
@@ -178,7 +177,7 @@ def layouts(tmp_path_factory):
     write_qa(root)
     store = hosted_store(4, 600)
     configs = [_config(name, mesh, root) for name, mesh in JOBS]
-    mp.start_processes(_worker, args=(4, store.port, root, configs), nprocs=4, join=True, start_method="spawn")
+    start_ranks(_worker, 4, (4, store.port, root, configs))
     del store
     threads = torch.get_num_threads()
     try:

@@ -13,12 +13,11 @@ import time
 import psutil
 import pytest
 import torch
-import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 from distzo.parallel.shape import MeshError, MeshShape
 from distzo.telemetry.jsonl import read_jsonl
-from tests.distributed.launch import ENV, hosted_store, spawn_env, torchrun
+from tests.distributed.launch import ENV, hosted_store, spawn_env, start_ranks, torchrun
 
 TINY = ["model=tiny", "task=synthetic-cue", "eval_every=0", "log_every=1000", "steps=8", "batch_size=12",
         "optim.lr=1e-3", "estimator.q=2", "seed=3", "task.val_size=48", "task.test_size=48"]
@@ -184,9 +183,9 @@ def _replica_worker(rank, world, port, corrupt_rank, out_dir):
 
 def test_replica_guard_catches_a_corrupted_replica(tmp_path):
     """Consistent replicas pass the guard; one weight one ulp off on one rank fails it on every rank,
-    naming that rank (both in one job of three spawned processes)."""
+    naming that rank (both in one job of three processes)."""
     store = hosted_store(3, 300)
-    mp.start_processes(_replica_worker, args=(3, store.port, 2, tmp_path), nprocs=3, join=True, start_method="spawn")
+    start_ranks(_replica_worker, 3, (3, store.port, 2, tmp_path))
     for r in range(3):
         consistent, corrupted = (tmp_path / f"rank{r}.txt").read_text().split("\n", 1)
         assert consistent == "consistent"

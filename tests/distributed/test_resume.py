@@ -81,6 +81,17 @@ def uninterrupted(tmp_path_factory):
     return root / "run"
 
 
+@pytest.fixture(scope="module")
+def uninterrupted_2x1(tmp_path_factory):
+    """The reference of the tests that restart real worker processes: 2x1, 30 steps. Two workers, not
+    four: each fresh worker pays torch's and transformers' imports (about 7 s of CPU), and what
+    those tests check (a killed worker restarted, the run continued) needs no more than two."""
+    root = tmp_path_factory.mktemp("reference-2x1")
+    r = torchrun(2, *BASE, "steps=30", "mesh=2x1", f"hydra.run.dir={root / 'run'}", cwd=root)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return root / "run"
+
+
 def test_sigkill_7_steps_after_a_snapshot_resumes_from_the_last_logged_step(tmp_path, uninterrupted):
     """Killed 7 or more steps after its snapshot at step 10: the resumed run re-applies every step the
     trajectory logged after it (no forward passes), continues from the last one, and ends bitwise
@@ -147,15 +158,15 @@ def test_killed_before_its_first_snapshot_resumes_from_the_initial_weights(tmp_p
     assert [json.loads(line)["step"] for line in open(run_dir / "trajectory.jsonl")] == list(range(1, 21))
 
 
-def test_torchrun_restarts_a_failed_worker_and_the_run_resumes(tmp_path, uninterrupted):
+def test_torchrun_restarts_a_failed_worker_and_the_run_resumes(tmp_path, uninterrupted_2x1):
     run_dir = tmp_path / "run"
-    args = [*BASE, "steps=30", "mesh=2x2", "resume=auto", f"hydra.run.dir={run_dir}"]
-    proc = subprocess.Popen(launch_cmd(4, *args, restarts=1), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    args = [*BASE, "steps=30", "mesh=2x1", "resume=auto", f"hydra.run.dir={run_dir}"]
+    proc = subprocess.Popen(launch_cmd(2, *args, restarts=1), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True, env=ENV, cwd=tmp_path)
     kill_rank_when(proc, run_dir, min_step=12, rank="1")
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
-    assert_bitwise(weights(uninterrupted), weights(run_dir))
+    assert_bitwise(weights(uninterrupted_2x1), weights(run_dir))
 
 
 def test_killed_while_writing_a_snapshot_resumes_from_the_previous_one(tmp_path):
@@ -268,12 +279,12 @@ def test_sigkill_of_a_stateful_run_resumes_bitwise(tmp_path, settings, cases):
         assert_bitwise(weights(ref), weights(run_dir))
 
 
-def test_a_self_launched_mesh_restarted_after_a_kill_continues_its_run(tmp_path, uninterrupted):
-    """`python -m distzo train mesh=2x2 launch.max_restarts=1`, no resume=auto and Hydra's timestamped
+def test_a_self_launched_mesh_restarted_after_a_kill_continues_its_run(tmp_path, uninterrupted_2x1):
+    """`python -m distzo train mesh=2x1 launch.max_restarts=1`, no resume=auto and Hydra's timestamped
     run directory: one worker SIGKILLed mid-run, the restarted workers continue the run in the same
     directory from its newest snapshot and logged steps, and the job ends with exit 0 and the
     uninterrupted run's weights, bitwise; the result's line is printed once."""
-    args = [*BASE, "steps=30", "mesh=2x2", "launch.max_restarts=1"]
+    args = [*BASE, "steps=30", "mesh=2x1", "launch.max_restarts=1"]
     proc = subprocess.Popen([sys.executable, "-m", "distzo", "train", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=ENV, cwd=tmp_path)
     deadline = time.time() + 120
@@ -285,7 +296,7 @@ def test_a_self_launched_mesh_restarted_after_a_kill_continues_its_run(tmp_path,
     assert proc.returncode == 0, err[-3000:]
     assert "continuing the run from its newest snapshot" in out + err
     assert list(tmp_path.glob("outputs/*/*")) == [run_dir]
-    assert_bitwise(weights(uninterrupted), weights(run_dir))
+    assert_bitwise(weights(uninterrupted_2x1), weights(run_dir))
     assert (out + err).count("] Validation (resumed at step") == 1, (out + err)[-3000:]
 
 

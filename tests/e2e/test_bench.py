@@ -79,8 +79,9 @@ def test_the_table_harness_runs_a_tiny_opt_at_2048_tokens(tmp_path):
 
     script = Path(__file__).resolve().parents[2] / "benchmarks" / "distzo2_table.py"
     r = subprocess.run([sys.executable, str(script), "run", "--out", str(tmp_path), "--sizes", "tiny", "--device",
-                        "cpu", "--dtype", "float32", "--batch-size", "1", "--profile", "--", "bench.steps=1",
-                        "bench.peak_tflops=1"], capture_output=True, text=True, timeout=600, cwd=script.parent)
+                        "cpu", "--dtype", "float32", "--batch-size", "1", "--warmup", "1", "--profile", "--",
+                        "bench.steps=1", "bench.peak_tflops=1"], capture_output=True, text=True, timeout=600,
+                       cwd=script.parent)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "table.jsonl").read_text().splitlines()]
     assert [(row["mode"], "bench" in row) for row in rows] == [("resident", True), ("offload", True)], rows

@@ -3,8 +3,8 @@ distzo through DISTZO_PLUGINS alone, one file each, and run as the built-in ones
 
 The example plugins (examples/plugins/clipped_spsa.py: an estimator with a setting;
 examples/plugins/signum.py: an optimizer with a setting and a state slot) train from the command line
-on 1x1 and on a 2x2 mesh (the estimator's ranks as torchrun starts them, the optimizer's self-launched
-by `python -m distzo train mesh=2x2`, whose launching process composes and checks the plugin's
+on 1x1 and on a mesh (the estimator's 2x2 ranks as torchrun starts them, the optimizer's 1x2 workers
+self-launched by `python -m distzo train mesh=1x2`, whose launching process composes and checks the plugin's
 configuration before its workers import the plugin again), with their settings changed on the command
 line, and agree within the layout bound of tests/distributed/test_estimator_layouts.py; they train
 under ZOTrainer with their settings as ZOArguments fields. A command and a task kind written here, one file each, run
@@ -34,19 +34,19 @@ RUNS = {  # each plugin with a setting of its own changed on the command line
     "clipped_spsa": ["estimator=clipped_spsa", "estimator.clip=0.05", "optim.lr=1e-3"],
     "signum": ["optim=signum", "optim.beta=0.5", "optim.lr=1e-3"],
 }
-# how each plugin's 2x2 run starts: 4 ranks forked with torchrun's environment, or one plain process that
-# starts its 4 workers (fresh interpreters, each paying its imports: one such run is enough)
-RANKS_2X2 = {"clipped_spsa": 4, "signum": 1}
+# each plugin's mesh run, and how it starts: 4 ranks forked with torchrun's environment, or one plain
+# process that starts its 2 workers (fresh interpreters, each paying its imports: one such run of two
+# is enough)
+MESHES = {"clipped_spsa": ("2x2", 4), "signum": ("1x2", 1)}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Each plugin's run on 1x1 and on 2x2 (RANKS_2X2)."""
+    """Each plugin's run on 1x1 (in 1x1/) and on its mesh (MESHES, in mesh/)."""
     root = tmp_path_factory.mktemp("plugins")
     for name, overrides in RUNS.items():
-        for mesh in ("1x1", "2x2"):
-            r = run_forked(RANKS_2X2[name] if mesh == "2x2" else 1,
-                           [*COMMON, *overrides, f"mesh={mesh}", f"hydra.run.dir={root / name / mesh}"],
+        for folder, (mesh, nproc) in (("1x1", ("1x1", 1)), ("mesh", MESHES[name])):
+            r = run_forked(nproc, [*COMMON, *overrides, f"mesh={mesh}", f"hydra.run.dir={root / name / folder}"],
                            cwd=root, timeout=600, env=PLUGINS)
             assert r.returncode == 0, r.stderr[-3000:]
     return root
@@ -68,7 +68,7 @@ def test_a_plugin_trains_on_a_mesh_as_on_one_process(runs, name):
     estimate is within the shards' rounding of zero (at most 1e-3 of them, each off by at most
     2 lr a step)."""
     ref = load_file(runs / name / "1x1" / "final" / "model.safetensors")
-    got = load_file(runs / name / "2x2" / "final" / "model.safetensors")
+    got = load_file(runs / name / "mesh" / "final" / "model.safetensors")
     start = initial_weights(runs)
     moved = max(float((ref[k] - start[k]).abs().max()) for k in ref)
     diff = max(float((ref[k] - got[k]).abs().max()) for k in ref)
@@ -82,11 +82,11 @@ def test_a_plugin_trains_on_a_mesh_as_on_one_process(runs, name):
 
 
 def test_the_settings_given_on_the_command_line_are_the_ones_that_ran(runs):
-    grads = [g for line in open(runs / "clipped_spsa" / "2x2" / "trajectory.jsonl") for g in json.loads(line)["grads"]]
+    grads = [g for line in open(runs / "clipped_spsa" / "mesh" / "trajectory.jsonl") for g in json.loads(line)["grads"]]
     assert grads and max(abs(g) for g in grads) <= 0.05 and any(abs(g) == 0.05 for g in grads)  # clipped
-    log = (runs / "signum" / "2x2" / "train.log").read_text()
+    log = (runs / "signum" / "mesh" / "train.log").read_text()
     assert "optimizer signum (beta 0.5)" in log
-    summary = json.loads((runs / "signum" / "2x2" / "summary.json").read_text())
+    summary = json.loads((runs / "signum" / "mesh" / "summary.json").read_text())
     assert summary["optimizer"] == "signum" and summary["optimizer_state_bytes"] > 0
 
 

@@ -6,9 +6,6 @@ your own model and task; your own config directory; mistakes as one-line ConfigE
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -17,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 import distzo
-from tests.distributed.launch import ENV, free_port, run_forked
+from tests.distributed.launch import run_forked, torchrun_script
 
 BASE = ["model=tiny", "task=synthetic-cue", "eval_every=0", "task.val_size=16", "task.test_size=16", "optim.lr=1e-3",
         "seed=3"]
@@ -181,16 +178,14 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_the_api_under_torchrun_on_a_2x2_mesh_is_the_cli_run(tmp_path):
-    """Every rank runs the same script; the mesh comes from torchrun's environment."""
+    """Every rank runs the same script; the mesh comes from torchrun's environment (the script's ranks
+    forked with it, as the CLI's are: torchrun's own agent is tests/cluster's and test_resume's)."""
     overrides = [*TINY, "mesh=2x2"]
     r = run_forked(4, ["train", *overrides, f"hydra.run.dir={tmp_path / 'cli'}"], cwd=tmp_path, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     script = tmp_path / "train_api.py"
     script.write_text(SCRIPT)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-           f"--rdzv-endpoint=127.0.0.1:{free_port()}", str(script), str(tmp_path / "api"), *overrides]
-    r = subprocess.run(cmd, capture_output=True, text=True, env={**ENV, "PYTHONPATH": os.getcwd()}, cwd=tmp_path,
-                       timeout=600)
+    r = torchrun_script(4, script, str(tmp_path / "api"), *overrides, cwd=tmp_path, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.count("saved ") == 1  # rank 0 alone writes and reports
     assert_same_weights(tmp_path / "cli" / "final" / "model.safetensors",

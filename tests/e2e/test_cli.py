@@ -1,4 +1,10 @@
-"""The command line as users call it: real subprocesses, real exit codes."""
+"""The command line as users call it: `python -m distzo ARGS`'s exit codes, output and files.
+
+`distzo()` runs the command in a process forked from the suite's preloaded server
+(tests/distributed/launch.py): the same `main(argv)` with its own stdout, stderr and exit status,
+without paying torch's and transformers' imports per command. `python_m_distzo()` starts the real
+interpreter, as a shell would (the main run's test; tests/cluster and test_wheel.py start many
+more)."""
 
 import os
 import subprocess
@@ -7,10 +13,16 @@ from pathlib import Path
 
 import pytest
 
+from tests.distributed.launch import run_forked
+
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
 
 
-def distzo(*args, cwd=None):
+def distzo(*args, cwd=None) -> subprocess.CompletedProcess:
+    return run_forked(1, list(args), cwd=cwd, timeout=300)
+
+
+def python_m_distzo(*args, cwd=None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "distzo", *args], capture_output=True, text=True, env=ENV,
                           cwd=cwd, timeout=300)
 
@@ -57,8 +69,8 @@ def test_prepare_help():
 
 def test_train_writes_the_run_directory(tmp_path):
     out = tmp_path / "run"
-    r = distzo("train", "model=tiny", "task=synthetic-cue", "steps=3", "eval_every=0", f"hydra.run.dir={out}",
-               cwd=tmp_path)
+    r = python_m_distzo("train", "model=tiny", "task=synthetic-cue", "steps=3", "eval_every=0",
+                        f"hydra.run.dir={out}", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     assert (out / "metrics.jsonl").is_file() and (out / "final" / "model.safetensors").is_file()
     assert (out / "train.log").is_file() and (out / ".hydra" / "config.yaml").is_file()

@@ -68,10 +68,10 @@ trap 'rm -f "$LOG"' EXIT
 now() { if [ -n "${EPOCHREALTIME:-}" ]; then echo "${EPOCHREALTIME/,/.}"; else date +%s.%N; fi; }
 since() { awk -v a="$1" -v b="$(now)" 'BEGIN { printf "%.1f", b - a }'; }
 T0=$(now)
-# --no-compile: pip would byte-compile every module of every package (about half of this set-up's
-# time, mostly transformers' hundreds of model families); Python compiles the few it imports on
-# first use instead.
-pip_q() { "$PY" -m pip install -q --disable-pip-version-check --no-input --no-compile "$@"; }
+# pip byte-compiles what it installs (about half of this set-up's time). Kept: where
+# PYTHONDONTWRITEBYTECODE is set, nothing else ever writes the .pyc files, and every interpreter would
+# compile torch's and transformers' modules again on each start.
+pip_q() { "$PY" -m pip install -q --disable-pip-version-check --no-input "$@"; }
 # Runs "$@" with its output in $LOG; prints the step's time, or its output if it failed.
 run_step() {
   local t; t=$(now)

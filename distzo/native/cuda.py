@@ -42,6 +42,7 @@ import torch
 from ..zo import cuda_draws
 from ..zo.cuda_draws import split64
 from ..zo.optimizers import SGD
+from ..zo.rademacher import as_int64
 from .rounding import CODES, as_kernel_arg, dtype_code
 
 if TYPE_CHECKING:
@@ -219,8 +220,7 @@ class CudaKernels:
         if key not in self._terms:
             if len(self._terms) > 8:
                 self._terms.clear()
-            q = [k & _MASK64 for k, _ in terms]
-            q = [v - (1 << 64) if v >= 1 << 63 else v for v in q]  # int64 bit patterns
+            q = [as_int64(k & _MASK64) for k, _ in terms]  # int64 bit patterns
             self._terms[key] = (torch.tensor(q, dtype=torch.int64, device=device),
                                 torch.tensor([a for _, a in terms], dtype=torch.float32, device=device))
         return self._terms[key]

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Protocol, Se
 import torch
 
 from . import cuda_draws
-from .rademacher import Stream, _int64, mix64, stream_rows, stream_signs
+from .rademacher import Stream, as_int64, mix64, stream_rows, stream_signs
 from .workers import CHUNK_NUMEL, ChunkWorkers
 
 if TYPE_CHECKING:
@@ -270,7 +270,7 @@ class Directions:
         offsets = [(r % rows_per_chunk) * row for r in rows_cpu]
         if self._cpu_kernels is not None:
             return self._cpu_kernels.rademacher_rows(torch.empty(len(rows_cpu), row), seeds, offsets, 1.0)
-        return stream_rows(torch.tensor([_int64(s) for s in seeds], dtype=torch.int64, device=self.device),
+        return stream_rows(torch.tensor([as_int64(s) for s in seeds], dtype=torch.int64, device=self.device),
                            torch.tensor(offsets, dtype=torch.int64, device=self.device), row)
 
     # --- what a direction rule may add (low-rank factors, a magnitude mask) ------------------------

@@ -37,7 +37,7 @@ class Stream:
     scale: float
 
 
-def _int64(c: int) -> int:
+def as_int64(c: int) -> int:
     """A 64-bit pattern as the signed integer torch's int64 arithmetic (which wraps) works on."""
     return c - (1 << 64) if c >= 1 << 63 else c
 
@@ -50,10 +50,10 @@ def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
 def stream_words(seeds: torch.Tensor | int, words: torch.Tensor) -> torch.Tensor:
     """SplitMix64 output `words` (int64 word indices) of the streams started at `seeds`, as int64
     bit patterns: the splitmix64 finaliser of seed + (word + 1) * golden gamma, all modulo 2^64."""
-    seeds = _int64(seeds) if isinstance(seeds, int) else seeds
-    x = (words + 1) * _int64(_GAMMA) + seeds
-    x = (x ^ _shr(x, 30)) * _int64(_MIX1)
-    x = (x ^ _shr(x, 27)) * _int64(_MIX2)
+    seeds = as_int64(seeds) if isinstance(seeds, int) else seeds
+    x = (words + 1) * as_int64(_GAMMA) + seeds
+    x = (x ^ _shr(x, 30)) * as_int64(_MIX1)
+    x = (x ^ _shr(x, 27)) * as_int64(_MIX2)
     return x ^ _shr(x, 31)
 
 

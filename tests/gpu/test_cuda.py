@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from distzo.run.training import train
 from distzo.telemetry.jsonl import read_jsonl
 from distzo.zo.directions import Directions, chunks_of, param_key
-from distzo.zo.rademacher import _int64, stream_signs, stream_words
+from distzo.zo.rademacher import as_int64, stream_signs, stream_words
 from tests.conftest import make_config
 from tests.distributed.launch import ENV
 
@@ -278,7 +278,7 @@ def test_bench_on_the_1b_preset(tmp_path):
 def _gaussian_reference(seed: int, n: int) -> torch.Tensor:
     """The CUDA Gaussian stream's definition (distzo/zo/cuda_draws.py) in float64 torch ops on the CPU:
     elements 2j and 2j + 1 are r cos t and r sin t of word j."""
-    words = stream_words(_int64(seed), torch.arange((n + 1) // 2, dtype=torch.int64))
+    words = stream_words(as_int64(seed), torch.arange((n + 1) // 2, dtype=torch.int64))
     u1 = (((words >> 40) & 0xFFFFFF).double() + 1) / 2 ** 24
     u2 = ((words >> 16) & 0xFFFFFF).double() / 2 ** 24
     r, t = torch.sqrt(-2 * torch.log(u1)), math.pi * (2 * u2 - 1)

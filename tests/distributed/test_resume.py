@@ -72,24 +72,26 @@ def kill_rank_when(job: ForkedJob | subprocess.Popen, run_dir: Path, min_step: i
     raise AssertionError("never reached the step to kill at")
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    """The reference: 2x2, 30 steps, never interrupted."""
-    root = tmp_path_factory.mktemp("reference")
-    r = torchrun(4, *BASE, "steps=30", "mesh=2x2", f"hydra.run.dir={root / 'run'}", cwd=root)
+def uninterrupted_run(tmp_path_factory, nproc: int, mesh: str) -> Path:
+    """A reference run: 30 steps on `mesh`, never interrupted (its run directory)."""
+    root = tmp_path_factory.mktemp(f"reference-{mesh}")
+    r = torchrun(nproc, *BASE, "steps=30", f"mesh={mesh}", f"hydra.run.dir={root / 'run'}", cwd=root)
     assert r.returncode == 0, r.stderr[-3000:]
     return root / "run"
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The reference: 2x2."""
+    return uninterrupted_run(tmp_path_factory, 4, "2x2")
 
 
 @pytest.fixture(scope="module")
 def uninterrupted_2x1(tmp_path_factory):
-    """The reference of the tests that restart real worker processes: 2x1, 30 steps. Two workers, not
-    four: each fresh worker pays torch's and transformers' imports (about 7 s of CPU), and what
-    those tests check (a killed worker restarted, the run continued) needs no more than two."""
-    root = tmp_path_factory.mktemp("reference-2x1")
-    r = torchrun(2, *BASE, "steps=30", "mesh=2x1", f"hydra.run.dir={root / 'run'}", cwd=root)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return root / "run"
+    """The reference of the tests that restart real worker processes: 2x1. Two workers, not four: each
+    fresh worker pays torch's and transformers' imports (about 7 s of CPU), and what those tests
+    check (a killed worker restarted, the run continued) needs no more than two."""
+    return uninterrupted_run(tmp_path_factory, 2, "2x1")
 
 
 def test_sigkill_7_steps_after_a_snapshot_resumes_from_the_last_logged_step(tmp_path, uninterrupted):

@@ -15,10 +15,9 @@ from dataclasses import fields, is_dataclass
 from typing import Any, Iterator
 
 from ..errors import ConfigError
-from .schema import Config
+from .schema import SWITCH_VALUES, Config, switch
 
 SWITCHES = ("engine.fuse_update", "engine.divide_work", "engine.native", "engine.copy_stream", "bench.single_rank")
-SWITCH_VALUES = ("auto", "true", "false")
 _COMPARISONS = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le}
 
 
@@ -85,7 +84,7 @@ def check_values(cfg: Config) -> None:
     check_numbers(cfg)
     for key in SWITCHES:
         section, name = key.split(".")
-        value = str(getattr(getattr(cfg, section), name)).lower()
+        value = switch(getattr(getattr(cfg, section), name))
         if value not in SWITCH_VALUES:
             raise ConfigError(f"{key}={value!r} is not supported; use one of: {', '.join(SWITCH_VALUES)}")
     pe = cfg.peft

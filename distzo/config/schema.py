@@ -36,6 +36,15 @@ def setting(default: Any, range: str | None = None, doc: str = "") -> Any:  # no
     return field(default=default, metadata=metadata)
 
 
+SWITCH_VALUES = ("auto", "true", "false")
+
+
+def switch(value: Any) -> str:
+    """An auto/true/false setting's word: YAML reads `true` and `false` as booleans, and the switches
+    are strings so that `auto` is a value too (config.checks rejects any other word)."""
+    return str(value).lower()
+
+
 class Choice(str, Enum):  # noqa: UP042 (moving to StrEnum is a behaviour change, not a lint fix)
     """A choice field's values: equal to, and printed as, their string."""
 

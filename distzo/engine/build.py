@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..config.schema import CommConfig, EngineConfig, OffloadConfig
+from ..config.schema import CommConfig, EngineConfig, OffloadConfig, switch
 from ..parallel.mesh import Mesh
 from ..registry import register, registry
 from ..telemetry.timing import DISABLED, Timers
@@ -71,7 +71,7 @@ class EngineSetup:
     def loop_options(self) -> dict[str, Any]:
         """The loop's settings every mode passes on (StageLoop's keyword arguments)."""
         return dict(eps=self.estimator.eps, mesh=self.mesh, row_tokens=self.engine.row_tokens,
-                    fuse_update=str(self.engine.fuse_update).lower() != "false",
+                    fuse_update=switch(self.engine.fuse_update) != "false",
                     micro_batch_size=self.micro_batch_size, compute=str(self.engine.compute), timers=self.timers,
                     optimizer=self.optimizer or SGD())
 
@@ -95,7 +95,7 @@ class EngineMode:
 def copy_stream_applies(s: EngineSetup) -> bool:
     """`engine.copy_stream` for a resident run: "auto" on CUDA for sgd over plain directions, "true"
     on CUDA (an error elsewhere), "false" never."""
-    want = str(s.engine.copy_stream).lower()  # auto, true or false (config.checks)
+    want = switch(s.engine.copy_stream)
     if want == "false":
         return False
     if s.device.type != "cuda":
@@ -150,7 +150,7 @@ def build_engine(s: EngineSetup) -> Engine:
         return modes.get("resident").build(s)
     for _, mode in sorted(modes.items(), key=lambda item: -item[1].precedence):
         if mode.applies(s):
-            if mode.name != "resident" and str(s.engine.copy_stream).lower() == "true":
+            if mode.name != "resident" and switch(s.engine.copy_stream) == "true":
                 raise EngineConfigError(f"engine.copy_stream=true builds copies beside the forward for resident "
                                         f"weights, and this run's engine is {mode.name}; use engine.copy_stream=auto")
             return mode.build(s)

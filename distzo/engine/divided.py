@@ -39,6 +39,7 @@ from typing import Callable, Sequence, TypeVar
 import torch
 import torch.distributed as dist
 
+from ..config.schema import switch
 from ..parallel.mesh import Mesh
 from ..parallel.node import Node, mapped_resident_bytes
 from ..registry import register
@@ -274,7 +275,7 @@ def divided_engine(model, adapter, params, directions, *, node: Node, optimizer:
 def work_division(s: EngineSetup) -> bool:
     """Whether the node's ranks share the master and divide noise and update work (engine.divide_work):
     `auto` wherever it applies, `true` required (an error naming why it cannot apply), `false` never."""
-    mode = str(s.engine.divide_work).lower()
+    mode = switch(s.engine.divide_work)
     if mode == "false":
         return False
     mesh, estimator = s.mesh, s.estimator

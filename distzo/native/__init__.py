@@ -38,6 +38,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 from ..cache import cache_dir
+from ..config.schema import SWITCH_VALUES, switch
 from ..errors import DistzoError
 from ..registry import registry  # the optimizers' update rules, which the kernels reproduce (their `kernel` cases)
 from ..zo.optimizers import CURVATURE  # the coefficient entry a HiZOO rule's constants read
@@ -54,7 +55,6 @@ SOURCE = Path(__file__).with_name("kernels.c")
 NAME = "distzo_kernels"
 # -ffp-contract=off: no fused multiply-adds (they would round `x * decay - z` once, not twice).
 FLAGS = ("-O3", "-ffp-contract=off", "-fno-fast-math")
-MODES = ("auto", "true", "false")
 
 
 class NativeUnavailable(DistzoError):
@@ -315,9 +315,9 @@ def load(mode: str = "auto", device: torch.device | str = "cpu") -> Kernels | Cu
     """The fused kernels for engine.native=`mode` on `device`: the C library on CPU, the Triton chunk
     kernel on CUDA (`distzo.native.cuda`), or None where torch ops run instead (`false`, another
     device, or `auto` without a compiler). `true` raises NativeUnavailable when they cannot load."""
-    mode = str(mode).lower()
-    if mode not in MODES:
-        raise ValueError(f"engine.native={mode}: expected one of {', '.join(MODES)}")
+    mode = switch(mode)
+    if mode not in SWITCH_VALUES:
+        raise ValueError(f"engine.native={mode}: expected one of {', '.join(SWITCH_VALUES)}")
     if mode == "false":
         return None
     if torch.device(device).type == "cuda":

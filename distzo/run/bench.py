@@ -62,7 +62,7 @@ from omegaconf import DictConfig
 from torch.nn import functional as F
 
 from ..config.compose import switch_component, typed
-from ..config.schema import Config
+from ..config.schema import Config, switch
 from ..models.quantize import base_matmul
 from ..parallel.mesh import Mesh
 from ..parallel.shape import MeshShape
@@ -314,7 +314,7 @@ def materialize(c: Components) -> None:
 
 
 def wants_single_rank(cfg: Config, mesh: Mesh) -> bool:
-    mode = str(cfg.bench.single_rank).lower()
+    mode = switch(cfg.bench.single_rank)
     if mesh.world_size == 1 and mode == "true":
         log.info("bench.single_rank=true: this run is one rank already; its figures are one rank's")
     if mesh.world_size == 1 or mode == "false":

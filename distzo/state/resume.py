@@ -50,14 +50,14 @@ log = logging.getLogger("distzo")
 
 # What a snapshot records of the run that wrote it (run_identity's keys).
 IDENTITY_KEYS = ("seed", "directions_version", "distribution", "device_type", "gaussian_generator", "mesh",
-                 "config_fingerprint", "sources")
+                 "config_fingerprint", "fingerprint_keys", "sources")
 
 
 class ResumeError(DistzoError):
     """A run directory that this configuration cannot continue."""
 
 
-def config_fingerprint(cfg: Config) -> str:
+def fingerprint_keys(cfg: Config) -> dict[str, Any]:
     """What a snapshot must agree with to be resumed: everything that shapes the trajectory except
     the mesh, offloading, threads and evaluation cadence (those change where and how fast, not what).
     The estimator's and optimizer's settings are hashed in the layout of the first fingerprints
@@ -84,7 +84,35 @@ def config_fingerprint(cfg: Config) -> str:
     keys["objective"] = str(cfg.objective)
     if cfg.optim.schedule != "constant":
         keys["steps"] = cfg.steps  # a decaying schedule depends on the run length
-    return hashlib.sha256(json.dumps(keys, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return json.loads(json.dumps(keys, default=str))  # as plain JSON, the form run.json keeps
+
+
+def config_fingerprint(cfg: Config) -> str:
+    """The hash of `fingerprint_keys`, which run.json and every snapshot record."""
+    return hashlib.sha256(json.dumps(fingerprint_keys(cfg), sort_keys=True).encode()).hexdigest()[:16]
+
+
+# fingerprint_keys' top-level entries that are not named as their configuration keys are
+_KEY_NAMES = {"compute": "engine.compute", "quantized_matmul": "engine.quantized_matmul"}
+
+
+def _flat(keys: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in keys.items():
+        name = f"{prefix}{_KEY_NAMES.get(k, k) if not prefix else k}"
+        out.update(_flat(v, name + ".") if isinstance(v, dict) else {name: v})
+    return out
+
+
+def fingerprint_differences(recorded: dict[str, Any], cfg: Config, most: int = 6) -> list[str]:
+    """The settings in which `cfg` differs from a run's recorded `fingerprint_keys`, as
+    "key: VALUE there, VALUE here", at most `most` of them and a count of the rest ("the default":
+    a key that counts only when set, which was not)."""
+    there, here = _flat(recorded), _flat(fingerprint_keys(cfg))
+    shown = lambda d, k: json.dumps(d[k]) if k in d else "the default"  # noqa: E731
+    named = [f"{k}: {shown(there, k)} there, {shown(here, k)} here"
+             for k in sorted(set(there) | set(here)) if there.get(k, ...) != here.get(k, ...)]
+    return named[:most] + [f"{len(named) - most} more"] if len(named) > most else named
 
 
 def run_identity(cfg: Config, seed: int, mesh: Mesh, sources: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -93,7 +121,7 @@ def run_identity(cfg: Config, seed: int, mesh: Mesh, sources: dict[str, Any] | N
     identity = {"seed": seed, "directions_version": DIRECTIONS_VERSION,
                 "distribution": str(cfg.estimator.distribution), "device_type": mesh.device.type,
                 "gaussian_generator": gaussian_generator_id(mesh.device), "mesh": str(mesh.shape),
-                "config_fingerprint": config_fingerprint(cfg)}
+                "config_fingerprint": config_fingerprint(cfg), "fingerprint_keys": fingerprint_keys(cfg)}
     if sources:
         identity["sources"] = dict(sources)
     return identity
@@ -127,6 +155,11 @@ class ResumePoint:
 def check_identity(cfg: Config, where: str, identity: dict[str, Any]) -> int:
     """The seed of a run that `cfg` may continue; raises ResumeError naming the difference."""
     if identity.get("config_fingerprint") != config_fingerprint(cfg):
+        named = fingerprint_differences(identity["fingerprint_keys"], cfg) if identity.get("fingerprint_keys") else []
+        if named:  # runs written since run.json records the keys themselves, not only their hash
+            raise ResumeError(f"cannot resume from {where}: it was written with another configuration ("
+                              f"{'; '.join(named)}); run with the settings it was written with, or use another "
+                              "hydra.run.dir to start afresh")
         raise ResumeError(f"cannot resume from {where}: it was written with a different model, task, estimator, "
                           "optimiser, trainable set (peft), objective or batch size (or steps, with a decaying lr "
                           "schedule), engine.compute, or engine.quantized_matmul on a quantized base (auto is "

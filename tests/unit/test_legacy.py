@@ -10,7 +10,9 @@ import yaml
 
 from distzo.config.compose import compose_config, saved_config, typed
 from distzo.config.legacy import DEFAULT_CHOICES
-from distzo.state.resume import config_fingerprint
+from distzo.parallel.mesh import Mesh
+from distzo.state.resume import ResumeError, check_identity, config_fingerprint, run_identity
+from distzo.zo.directions import DIRECTIONS_VERSION
 
 # config_fingerprint(compose_config(overrides)) as a69fb26 computed it.
 RECORDED = {
@@ -97,3 +99,28 @@ def test_the_earlier_spelling_composes_to_today_s_configuration():
                                 "optim.momentum.mu=0.5"]))
     new = typed(compose_config(["estimator=agzo", "estimator.rank=2", "optim=adam", "optim.beta2=0.9"]))
     assert old == new
+
+
+def _cfg(overrides: str):
+    return typed(compose_config(overrides.split()))
+
+
+def test_a_run_that_records_its_fingerprint_keys_is_refused_naming_what_differs():
+    written = run_identity(_cfg("model=tiny optim=adam optim.beta2=0.99"), 0, Mesh.single("cpu"))
+    assert check_identity(_cfg("model=tiny optim=adam optim.beta2=0.99"), "run", written) == 0
+    with pytest.raises(ResumeError) as err:
+        check_identity(_cfg("model=tiny optim.lr=0.5 batch_size=4"), "run", written)
+    assert str(err.value) == (
+        "cannot resume from run: it was written with another configuration (batch_size: 16 there, 4 here; "
+        "optim.adam.beta1: 0.9 there, the default here; optim.adam.beta2: 0.99 there, the default here; "
+        "optim.adam.eps: 1e-08 there, the default here; optim.lr: 2e-05 there, 0.5 here; "
+        "optim.name: \"adam\" there, the default here); run with the settings it was written with, or use "
+        "another hydra.run.dir to start afresh")
+
+
+def test_a_run_written_before_the_keys_were_recorded_is_refused_with_the_general_message():
+    written = {"seed": 0, "directions_version": DIRECTIONS_VERSION,  # run.json of before: no fingerprint_keys
+               "config_fingerprint": config_fingerprint(_cfg("model=tiny"))}
+    assert check_identity(_cfg("model=tiny"), "run", written) == 0
+    with pytest.raises(ResumeError, match="it was written with a different model, task, estimator"):
+        check_identity(_cfg("model=tiny optim.lr=0.5"), "run", written)

@@ -287,7 +287,8 @@ def work_division(s: EngineSetup) -> bool:
     elif s.offload.mode != "none":
         why = "offloaded runs divide the update by slices already (comm.sliced)"
     elif not estimator.streams_blocks or s.peft_method != "none":
-        why = "it serves full-parameter estimator=mezo (other estimators and trainable sets evaluate their own way)"
+        why = ("it serves full-parameter runs of the block-streaming estimators (mezo, lozo, subzero, sparse_mezo); "
+               "the others and the trainable sets evaluate their own way")
     elif not division_applies(estimator.dealt_plan(), mesh.shape.pert):
         why = f"a perturbation rank of mesh {mesh.shape} would have no perturbed probe in the estimator's plan"
     if why is not None and mode == "true":

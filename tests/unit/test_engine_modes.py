@@ -63,8 +63,8 @@ def division(cfg, mesh):
 @pytest.mark.parametrize("overrides,shape,node,why", [
     ((), "2x1", 1, None),  # no peers on the machine: not divided, no error under auto
     (("offload=cpu",), "2x1", 2, "offloaded runs divide the update by slices already"),
-    (("estimator=agzo",), "2x1", 2, "it serves full-parameter estimator=mezo"),
-    (("peft=lora",), "2x1", 2, "it serves full-parameter estimator=mezo"),
+    (("estimator=agzo",), "2x1", 2, "it serves full-parameter runs of the block-streaming estimators"),
+    (("peft=lora",), "2x1", 2, "it serves full-parameter runs of the block-streaming estimators"),
     (("estimator.q=1",), "4x1", 4, "would have no perturbed probe"),
 ])
 def test_work_division_says_why_it_cannot_apply(overrides, shape, node, why):

@@ -4,13 +4,17 @@
 # under DEADLINE_S: a stage that cannot start in time is skipped and named, so a hang or a slow stage
 # still leaves the others' figures, and a second call can run what was left (STAGES=...).
 #
+#   smoke      the kernels first (~60 s): tests/gpu's checks of the chunk, draw and decode kernels and the copy
+#              stream against torch ops, so a kernel that fails on this GPU is known before the table
+#              measures (a chunk-kernel variant that disagrees falls back to torch ops with a warning,
+#              which every stage's summary counts: "fallbacks" in stages.log)
 #   table      DistZO2's Table 1 workload: OPT-6.7B, 13B, 1.3B, 2.7B in float16 (the MFU rows first),
 #              batch 4 x 2,048 tokens, resident (with MeZO's Algorithm 1 and the profile) and offload=cpu
 #              (benchmarks/distzo2_table.py; table-fp16/table.jsonl and a markdown table)
 #   link       the host link's bandwidth, each direction alone and both at once (upload_bandwidth.py, ~15 s):
 #              an offloaded step moves its weights' bytes up and back, so it reads the offload rows
-#   tests      tests/gpu on four pytest-xdist workers, each test's result as it ends (the 56 tests took
-#              over 220 s on one worker at 974cb70)
+#   tests      the rest of tests/gpu on four pytest-xdist workers, each test's result as it ends (the 56
+#              tests took over 220 s on one worker at 974cb70)
 #   quantized  LoRA on a float32, an int8 and an int4 base of model=llama-1b at batch 16, fp32 and bf16
 #              compute, engine.quantized_matmul=auto (decoded on CUDA), each profiled (bench-lora-*.json;
 #              about 25 s each); QUANT_RUNS="fp32:int8-torchao ..." adds torchao's linears
@@ -31,18 +35,18 @@
 #   STAGES="quantized bf16" bash benchmarks/gpu_check.sh OUT  # a second call for what was left
 #
 # One session's 15 device minutes (the first call's start took about 30 s on 2026-11-28) hold two
-# calls back to back: the default (table and tests fill its 530 s), then at once, with what is left
-# (the lease's budget_left_s, about 290 s): STAGES="quantized qtable" DEADLINE_S=<left - 40>.
+# calls back to back: the default (smoke, table and tests fill its 560 s, counted from the script's
+# start, installs included), then at once, with what is left (the lease's budget_left_s, about 290 s):
+# STAGES="quantized qtable" DEADLINE_S=<left - 40>. Under the device tool ($OUT set) every stage's end
+# packs what is there into $OUT/gpu.tgz, so a call cut by the tool's limit still returns its figures.
 #
 # Through the device tool (its $OUT returns at most 8 files: pack them; the traces stay behind):
 #   bash benchmarks/gpu_prepare.sh    # here, once
-#   run(command="bash benchmarks/gpu_check.sh /tmp/g; tar czf $OUT/gpu.tgz --exclude='*trace*' -C /tmp/g .",
-#       carry=[".gpu"], timeout_s=570)
+#   run(command="bash benchmarks/gpu_check.sh /tmp/g", carry=[".gpu"], timeout_s=590)
 # The study (the GGUF travels in two calls; an ignored path carried earlier stays on a warm machine, which
 # is held 30 s after a call, so make the second call at once):
 #   run(command="ls -la .gpu-model-a", carry=[".gpu-model-a"], timeout_s=60)
-#   run(command="STAGES=study bash benchmarks/gpu_check.sh /tmp/g; tar czf $OUT/gpu.tgz -C /tmp/g .",
-#       carry=[".gpu", ".gpu-model-b"], timeout_s=570)
+#   run(command="STAGES=study bash benchmarks/gpu_check.sh /tmp/g", carry=[".gpu", ".gpu-model-b"], timeout_s=590)
 #
 # Runs from the repository root with the machine's python3. If .gpu/ is there (benchmarks/gpu_prepare.sh
 # fills it on a machine with the project installed; carry it in the device call), the wheels the GPU
@@ -50,9 +54,10 @@
 set -uo pipefail
 out=${1:?usage: benchmarks/gpu_check.sh OUT_DIR}
 mkdir -p "$out"
+start=$SECONDS  # DEADLINE_S counts the installs and imports below too: the call's limit sees them
 export out PY=${PYTHON:-python3} HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-DEADLINE_S=${DEADLINE_S:-530}
-STAGES=${STAGES:-"table link tests quantized qtable load bf16 30b"}
+DEADLINE_S=${DEADLINE_S:-560}
+STAGES=${STAGES:-"smoke table link tests quantized qtable load bf16 30b"}
 if [ -d .gpu/whl ]; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/* \
     || { echo "installing .gpu/whl failed"; exit 1; }
@@ -71,23 +76,30 @@ export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  git rev-parse --short HEAD 2>/dev/null || echo "(no git)"
+  git rev-parse --short HEAD 2>/dev/null || cat .gpu/commit 2>/dev/null || echo "(no git)"
   "$PY" -c "import sys, torch, transformers, triton, torchao; print('python', sys.version.split()[0], 'torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__, 'torchao', torchao.__version__)"
   free -g | head -2
 } 2>&1 | tee "$out/machine.txt"
 
-start=$SECONDS
+pack() {  # under the device tool: what $out holds so far, as the one file that comes back (traces stay)
+  [ -n "${OUT:-}" ] || return 0
+  tar czf "$OUT/gpu.tgz.part" --exclude='*trace*' -C "$out" . && mv "$OUT/gpu.tgz.part" "$OUT/gpu.tgz"
+}
 stage() {  # NAME LIMIT_S: runs stage_NAME with STAGE_LIMIT set, cut at its limit or at the deadline
-  local name=$1 limit=$2 left=$((DEADLINE_S - (SECONDS - start)))
+  local name=$1 limit=$2 left=$((DEADLINE_S - (SECONDS - start) - 15))  # 15 s: the kill's grace and the pack
   if ((left < 30)); then
-    echo "== $name: skipped, $left s left of DEADLINE_S=$DEADLINE_S" | tee -a "$out/stages.log"; return
+    echo "== $name: skipped, $((left + 15)) s left of DEADLINE_S=$DEADLINE_S" | tee -a "$out/stages.log"; return
   fi
   ((limit > left)) && limit=$left
   echo "== $name: limit $limit s, at $((SECONDS - start)) s" | tee -a "$out/stages.log"
   local t0=$SECONDS
   STAGE_LIMIT=$limit timeout --kill-after=10 "$limit" bash -c "stage_$name" > "$out/$name.log" 2>&1
   echo "== $name: exit $? after $((SECONDS - t0)) s" | tee -a "$out/stages.log"
-  grep -v '^\[' "$out/$name.log" | tail -n 40
+  # a chunk-kernel variant that disagreed with torch ops ran on torch ops: the stage did not measure the kernel
+  local fallbacks; fallbacks=$(grep -rhos "the CUDA chunk kernel was checked against torch ops on [^;]*" "$out" | sort -u)
+  [ -z "$fallbacks" ] || printf '== fallbacks so far:\n%s\n' "$fallbacks" | tee -a "$out/stages.log"
+  grep -Ev '^\[[0-9:]+\]' "$out/$name.log" | tail -n 40  # distzo's timestamped progress lines out, pytest's [gwN] in
+  pack
 }
 
 table() {  # DIR DTYPE SIZES...: the table's rows that fit this stage's limit (15 s kept for the table itself)
@@ -101,9 +113,15 @@ stage_link() { "$PY" benchmarks/upload_bandwidth.py --sizes-mib 256 1024 --repea
 stage_30b() { table table-30b float16 30b; }
 # Four workers on the one GPU (each test starts its own processes; none times anything), every result
 # printed as it comes and no test past 200 s, so a cut stage still names what failed and what ran.
-stage_tests() {
+# The smoke stage's tests: the kernels against torch ops, each a few seconds.
+export SMOKE_TESTS="decode_kernels or chunk_kernel_equals or counter_streams or grid_limit or copy_stream"
+gpu_tests() {
   local per_test=(); "$PY" -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout 200)
-  "$PY" -m pytest tests/gpu -v -n 4 --dist load "${per_test[@]}" -p no:cacheprovider -rfE --tb=short
+  "$PY" -m pytest tests/gpu -v -n 4 --dist load "${per_test[@]}" -p no:cacheprovider -rfE --tb=short "$@"
+}
+stage_smoke() { gpu_tests -k "$SMOKE_TESTS"; }
+stage_tests() {  # what the smoke stage ran is not run again
+  if [ -f "$out/smoke.log" ]; then gpu_tests -k "not ($SMOKE_TESTS)"; else gpu_tests; fi
 }
 lora_bench() {  # NAME BASE LIMIT OVERRIDES...: one LoRA bench on BASE (none, int8 or int4; "-torchao" or
   # "-decoded" names engine.quantized_matmul, auto otherwise), profiled, into $runs/NAME (the caller's);
@@ -169,11 +187,13 @@ PY
     --max-forwards 4000 --deadline-s "$left" --out "$out/study-gpu.jsonl" device="${STUDY_DEVICE:-cuda}" > "$out/study/$1-$2-$3-$4.log" 2>&1
   tail -n 1 "$out/study/$1-$2-$3-$4.log"
 }
-export -f table stage_table stage_link stage_load stage_bf16 stage_30b stage_tests stage_quantized stage_qtable lora_bench stage_study study_run
+export -f table stage_table stage_link stage_load stage_bf16 stage_30b gpu_tests stage_smoke stage_tests stage_quantized \
+  stage_qtable lora_bench stage_study study_run
 
-declare -A LIMIT=([table]=330 [link]=30 [tests]=200 [quantized]=200 [qtable]=220 [load]=200 [bf16]=120 [30b]=300 [study]=500)
+declare -A LIMIT=([smoke]=90 [table]=300 [link]=30 [tests]=200 [quantized]=200 [qtable]=220 [load]=200 [bf16]=120 [30b]=300 [study]=500)
 for name in $STAGES; do
   [ -n "${LIMIT[$name]:-}" ] || { echo "unknown stage $name (stages: ${!LIMIT[*]})"; continue; }
   stage "$name" "${LIMIT[$name]}"
 done
 echo "== done after $((SECONDS - start)) s; figures in $out" | tee -a "$out/stages.log"
+pack

@@ -16,6 +16,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 dest=.gpu
 rm -rf "$dest" && mkdir -p "$dest/whl" "$dest/cache/models"
+# The commit the working tree is at (the device copies the tree without .git; gpu_check.sh prints this),
+# marked when files differ from it.
+{ git rev-parse --short HEAD; git diff --quiet HEAD || echo "(with uncommitted changes)"; } | paste -sd" " > "$dest/commit"
 version() { python -c "import importlib.metadata as m; print(m.version('$1'))"; }
 for name in hydra-core omegaconf antlr4-python3-runtime torchao datasets dill multiprocess gguf; do
   spec="$name==$(version "$name")"

@@ -37,7 +37,7 @@ from distzo.native.rounding import CODES  # noqa: E402
 from distzo.zo import cuda_draws  # noqa: E402
 
 BLOCK = 1024
-POINTER = {0: "*fp32", 1: "*i16", 2: "*i16"}  # rounding.as_kernel_arg passes half precision as its bits
+POINTER = {0: "*fp32", 1: "*u16", 2: "*fp16"}  # as rounding.as_kernel_arg passes them: bfloat16 as its bits
 
 # (name, kernel, constexprs, pointer types): the variants a step launches
 CHUNK = [("chunk: update + copies, float16, gaussian", dict(UPDATE=True, DECAY=False, PLUS=True, MINUS=True, CODE=2,

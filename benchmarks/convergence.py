@@ -175,17 +175,40 @@ def run(ns) -> None:
     print(f"{ns.task} {ns.method or ns.optim} lr={ns.lr} seed={ns.seed}: {outcome}", flush=True)
 
 
+# Overrides a run was given that do not change what it computes (where and how fast only)
+_PLACEMENT = ("device=", "threads=")
+
+
+def variant(r: dict) -> str:
+    """A run's method with the settings it was given beyond the study's (`run`'s extra overrides, e.g.
+    "hizoo optim.alpha=1e-4"): runs of one method at one lr but other settings are other rows."""
+    given = r.get("overrides", [])
+    steps = next((i for i, o in enumerate(given) if o.startswith("steps=")), len(given))
+    extra = [o for o in given[steps + 1:] if not o.startswith(_PLACEMENT)]
+    return " ".join([r["method"], *extra])
+
+
+def loss_at(r: dict, forwards: int) -> float | None:
+    """The run's validation loss at `forwards` forward passes: the evaluation nearest to it, within one
+    step's forward passes (a method of three a step is evaluated at 102, 201, 402 for 100, 200, 400)."""
+    per_step = r.get("forwards_per_step", 1)
+    near = min(r["evals"], key=lambda e: abs(e["forwards"] - forwards), default=None)
+    return near["loss"] if near is not None and abs(near["forwards"] - forwards) < max(per_step, 1) else None
+
+
 def loss_study(records: list[dict]) -> dict:
     """Per task: MeZO's target (the mean validation loss at the budget of its seeds that ran the whole
-    budget) and, per (method, lr), each seed's curve and forward passes to the target (None: not within
-    the budget, or not before the run was cut: outcome 'deadline')."""
+    budget; of the MeZO runs, the lr with the most such seeds) and, per (method and its extra settings,
+    lr), each seed's curve and forward passes to the target (None: not within the budget, or not before
+    the run was cut: outcome 'deadline')."""
     out: dict = {}
     for r in records:
         task = out.setdefault(r["task"], {"runs": {}})
-        task["runs"].setdefault((r["method"], r["lr"]), {})[r["seed"]] = r
+        task["runs"].setdefault((variant(r), r["lr"]), {})[r["seed"]] = r
     for task in out.values():
-        base = [runs for (m, _), runs in task["runs"].items() if m == "mezo"]
-        finals = [r["evals"][-1] for r in (base[0].values() if base else []) if r.get("outcome") != "deadline"]
+        whole = [[r for r in runs.values() if r.get("outcome") != "deadline"]
+                 for (m, _), runs in task["runs"].items() if m == "mezo"]
+        finals = [r["evals"][-1] for r in max(whole, key=len, default=[])]
         if not finals:
             continue
         task["budget"] = max(e["forwards"] for e in finals)
@@ -217,7 +240,7 @@ def loss_table(records: list[dict]) -> None:
             budget = task["budget"]
             cells = []
             for point in (budget // 4, budget // 2, budget):
-                losses = [e["loss"] for r in runs.values() for e in r["evals"] if e["forwards"] == point]
+                losses = [loss for r in runs.values() if (loss := loss_at(r, point)) is not None]
                 cells.append(f"{sum(losses) / len(losses):.4f} ({min(losses):.4f}-{max(losses):.4f})"
                              + (f" [{len(losses)} seeds]" if len(losses) < len(runs) else "") if losses else "-")
             each = ", ".join(str(reached[s]) if reached[s] is not None else

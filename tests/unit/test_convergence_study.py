@@ -75,3 +75,33 @@ def test_a_cut_run_settles_nothing_unless_it_reached(capsys):
     assert ">100 (cut), >100 (cut), >100 (cut) | - (cut) |" in out
     assert "| good | 0.0001 | 3 | 100, 100, 100 | 0.25 |" in out
     assert "Goal met" in out and "good" in out.split("Goal met")[1] and "fast" not in out.split("Goal met")[1]
+
+
+def test_runs_with_other_settings_are_other_rows_and_three_forward_steps_meet_the_marks(capsys):
+    """A method of three forward passes a step is evaluated at 102, 201, 402 for the marks 100, 200, 400;
+    a run given a setting beyond the study's (an extra override) is its own row, where one given only
+    where it ran (device=, threads=) is not."""
+    conv = convergence()
+    study_args = ["optim.lr=2e-05", "seed=0", "threads=2", "steps=400"]
+
+    def hizoo(task: str, seed: int, extra: list[str], losses: list[float]) -> dict:
+        r = run(task, "hizoo", seed, [], lr=2e-5)
+        r["overrides"], r["forwards_per_step"] = study_args + extra, 3
+        r["evals"] = [{"forwards": f, "loss": loss, "accuracy": 0.5}
+                      for f, loss in zip((0, 102, 201, 303, 402), losses)]
+        return r
+
+    plain = [hizoo("a", s, ["device=cuda"] if s else [], [2.0, 1.5, 1.2, 1.0, 0.95]) for s in range(3)]
+    other = [hizoo("a", 0, ["optim.alpha=1e-4"], [2.0, 1.9, 1.8, 1.7, 1.6])]
+    conv.loss_table(mezo("a") + plain + other)
+    out = capsys.readouterr().out
+    assert "| a (1.0000 at 400) | hizoo | 2e-05 | 3 | 303, 303, 303 | 0.76 | 1.5000 (1.5000-1.5000) / " \
+           "1.2000 (1.2000-1.2000) / 0.9500 (0.9500-0.9500) |" in out
+    assert "| hizoo optim.alpha=1e-4 | 2e-05 | 1 | >400 | > 1.00 | 1.9000 (1.9000-1.9000) / " in out
+
+
+def test_the_target_is_the_mezo_lr_with_the_most_whole_seeds():
+    conv = convergence()
+    one_other = run("a", "mezo", 0, [2.0, 0.5, 0.4, 0.3, 0.2], lr=1e-4)  # one seed at another lr, listed first
+    study = conv.loss_study([one_other] + mezo("a"))
+    assert abs(study["a"]["target"] - 1.0) < 1e-12

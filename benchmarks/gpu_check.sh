@@ -37,8 +37,10 @@
 # One session's 15 device minutes (the first call's start took about 30 s on 2026-11-28) hold two
 # calls back to back: the default (smoke, table and tests fill its 560 s, counted from the script's
 # start, installs included), then at once, with what is left (the lease's budget_left_s, about 290 s):
-# STAGES="quantized qtable" DEADLINE_S=<left - 40>. Under the device tool ($OUT set) every stage's end
-# packs what is there into $OUT/gpu.tgz, so a call cut by the tool's limit still returns its figures.
+# STAGES="quantized qtable" DEADLINE_S=<left - 40> (or, where the table ran out of time first,
+# STAGES="table quantized" TABLE_SIZES="1.3b 2.7b": the rows it did not reach). Under the device tool
+# ($OUT set) every stage's end packs what is there into $OUT/gpu.tgz, so a call cut by the tool's limit
+# still returns its figures.
 #
 # Through the device tool (its $OUT returns at most 8 files: pack them; the traces stay behind):
 #   bash benchmarks/gpu_prepare.sh    # here, once
@@ -107,7 +109,7 @@ table() {  # DIR DTYPE SIZES...: the table's rows that fit this stage's limit (1
   "$PY" benchmarks/distzo2_table.py run --out "$out/$dir" --dtype "$dtype" --sizes "$@" --profile \
     --deadline-s $((STAGE_LIMIT - 15)) --row-timeout-s 200
 }
-stage_table() { table table-fp16 float16 6.7b 13b 1.3b 2.7b; }
+stage_table() { table table-fp16 float16 ${TABLE_SIZES:-6.7b 13b 1.3b 2.7b}; }  # TABLE_SIZES: the rows left
 stage_bf16() { table table-bf16 bfloat16 1.3b 6.7b; }
 stage_link() { "$PY" benchmarks/upload_bandwidth.py --sizes-mib 256 1024 --repeats 5; }
 stage_30b() { table table-30b float16 30b; }

@@ -32,14 +32,14 @@ class _ZOArgumentsBase:
     """The zeroth-order settings (see the module docstring and docs/hf.md): the rest comes from
     `TrainingArguments`.
 
-    estimator: a registered estimator (mezo, prge, agzo, or your own); optimizer: a registered ZO
-    optimizer (sgd, momentum, adam, sign, fzoo, or your own). peft: distzo's trainable set (lora,
-    lora_fa, prefix) for a plain model; None: the model's own trainable parameters (all of them, or
-    a PEFT model's adapter), or the one trainable set the estimator runs on (prge: lora_fa). offload:
-    none or cpu (ZO2: blocks in host memory); mesh: P x D over the launched processes (null: 1 x world
-    size). device: auto, cpu or cuda. overrides: any further distzo setting, as `key=value` strings
-    (`engine.compute=bf16`). The estimator's settings are fields of their own names, the optimizer's
-    `optim_<name>`; None: the component's own default."""
+    estimator: a registered estimator (mezo, prge, agzo, lozo, subzero, sparse_mezo, or your own);
+    optimizer: a registered ZO optimizer (sgd, momentum, adam, sign, fzoo, hizoo, or your own). peft:
+    distzo's trainable set (lora, lora_fa, prefix) for a plain model; None: the model's own trainable
+    parameters (all of them, or a PEFT model's adapter), or the one trainable set the estimator runs on
+    (prge: lora_fa). offload: none or cpu (ZO2: blocks in host memory); mesh: P x D over the launched
+    processes (null: 1 x world size). device: auto, cpu or cuda. overrides: any further distzo setting,
+    as `key=value` strings (`engine.compute=bf16`). The estimator's settings are fields of their own
+    names, the optimizer's `optim_<name>`; None: the component's own default."""
 
     estimator: str = "mezo"
     optimizer: str = "sgd"

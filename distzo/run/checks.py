@@ -24,8 +24,9 @@ def check_estimator(cfg: Config) -> None:
     estimator = component_of(cfg.estimator, "estimator")
     e, peft = cfg.estimator, str(cfg.peft.method)
     if cfg.objective in ("f1", "exact_match") and not estimator.decodes:
+        decoders = ", ".join(sorted(n for n, c in registry("estimator").items() if c.decodes))
         raise ConfigError(f"objective={cfg.objective} decodes answers under each of MeZO's perturbations; "
-                          f"estimator={e.name} is not supported with it: use estimator=mezo")
+                          f"estimator={e.name} is not supported with it: use one of {decoders}")
     estimator.check(cfg)
     off = cfg.offload
     if off.mode != "none" and peft == "none" and not estimator.streams_blocks:

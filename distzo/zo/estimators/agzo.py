@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...config.schema import Config, Difference, EstimatorSettings, TiedEmbeddings, setting
+from ...config.schema import Config, Difference, Distribution, EstimatorSettings, TiedEmbeddings, setting
 from ...errors import ConfigError
 from ...registry import register
 from ..params import TrainableParams
@@ -47,6 +47,8 @@ class AGZO(Estimator):
         power_iters: int = setting(3, ">= 0", "K: block power iterations on the layer's input activations")
         tied_embeddings: TiedEmbeddings = setting(TiedEmbeddings.freeze, doc="a token embedding shared with the "
                                                   "LM head: freeze (not trained) or dense (MeZO's dense Gaussian)")
+        distribution: Distribution = setting(Distribution.gaussian, doc="gaussian only: R and the dense directions "
+                                             "are Gaussian")
 
     def __init__(self, eps: float = 1e-4, q: int = 1, rank: int = 1, power_iters: int = 3,
                  tied_embeddings: str = "freeze"):

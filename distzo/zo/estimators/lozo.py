@@ -34,6 +34,8 @@ class LOZO(SPSA):
         lazy_interval: int = setting(50, ">= 1", "steps between draws of V (ν)")
         factor_momentum: float = setting(0.0, ">= 0 and < 1", "LOZO-M's momentum of the factor U (β; 0: plain "
                                          "LOZO)")
+        distribution: Distribution = setting(Distribution.gaussian, doc="gaussian only: the factors U and V are "
+                                             "Gaussian")
 
     def __init__(self, eps: float = 1e-3, q: int = 1, difference: str = "central", rank: int = 2,
                  lazy_interval: int = 50, factor_momentum: float = 0.0):

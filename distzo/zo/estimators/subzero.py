@@ -28,6 +28,8 @@ class SubZero(SPSA):
     class Settings(EstimatorSettings):
         rank: int = setting(8, ">= 1", "r: the subspaces' dimension")
         subspace_interval: int = setting(2000, ">= 1", "steps between renewals of U and V (T0)")
+        distribution: Distribution = setting(Distribution.gaussian, doc="gaussian only: the subspaces and the core "
+                                             "are Gaussian")
 
     def __init__(self, eps: float = 1e-3, q: int = 1, difference: str = "central", rank: int = 8,
                  subspace_interval: int = 2000):

@@ -97,9 +97,10 @@ _KEY_NAMES = {"compute": "engine.compute", "quantized_matmul": "engine.quantized
 
 
 def _flat(keys: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested keys as dotted configuration keys."""
     out = {}
     for k, v in keys.items():
-        name = f"{prefix}{_KEY_NAMES.get(k, k) if not prefix else k}"
+        name = prefix + (k if prefix else _KEY_NAMES.get(k, k))
         out.update(_flat(v, name + ".") if isinstance(v, dict) else {name: v})
     return out
 
@@ -109,7 +110,10 @@ def fingerprint_differences(recorded: dict[str, Any], cfg: Config, most: int = 6
     "key: VALUE there, VALUE here", at most `most` of them and a count of the rest ("the default":
     a key that counts only when set, which was not)."""
     there, here = _flat(recorded), _flat(fingerprint_keys(cfg))
-    shown = lambda d, k: json.dumps(d[k]) if k in d else "the default"  # noqa: E731
+
+    def shown(values: dict[str, Any], key: str) -> str:
+        return json.dumps(values[key]) if key in values else "the default"
+
     named = [f"{k}: {shown(there, k)} there, {shown(here, k)} here"
              for k in sorted(set(there) | set(here)) if there.get(k, ...) != here.get(k, ...)]
     return named[:most] + [f"{len(named) - most} more"] if len(named) > most else named

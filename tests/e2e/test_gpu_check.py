@@ -17,8 +17,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def gpu_check(tmp_path: Path, stages: str, deadline_s: int) -> tuple[subprocess.CompletedProcess, Path, Path]:
     out, device_out = tmp_path / "g", tmp_path / "OUT"
     device_out.mkdir(exist_ok=True)
-    env = {**os.environ, "PYTHON": sys.executable, "STAGES": stages, "DEADLINE_S": str(deadline_s),
-           "OUT": str(device_out)}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}  # the script's pytest is its own
+    env.update(PYTHON=sys.executable, STAGES=stages, DEADLINE_S=str(deadline_s), OUT=str(device_out))
     r = subprocess.run(["bash", "benchmarks/gpu_check.sh", str(out)], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=300)
     return r, out, device_out

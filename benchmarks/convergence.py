@@ -281,7 +281,10 @@ def plot(ns) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = [json.loads(line) for line in open(ns.file) if line.strip() and json.loads(line).get("method")]
+    *files, png = ns.files
+    if not files:
+        raise SystemExit("plot: give the results files, then the image to write")
+    records = [r for r in read_records(files) if r.get("method")]
     study = loss_study(records)
     chosen = {m: float(lr) for m, lr in (c.split("=") for c in ns.methods)} if ns.methods else None
     fig, axes = plt.subplots(1, len(study), figsize=(6 * len(study), 4.2), squeeze=False)
@@ -303,12 +306,17 @@ def plot(ns) -> None:
         ax.set_ylabel("loss")
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(ns.png, dpi=110)
-    print(ns.png)
+    fig.savefig(png, dpi=110)
+    print(png)
+
+
+def read_records(files: list[Path]) -> list[dict]:
+    """Every run of the results files, in order (a study kept in several files reads as one)."""
+    return [json.loads(line) for f in files for line in open(f) if line.strip()]
 
 
 def table(ns) -> None:
-    records = [json.loads(line) for line in open(ns.file) if line.strip()]
+    records = read_records(ns.files)
     if any(r.get("method") for r in records):
         loss_table([r for r in records if r.get("method")])
         return
@@ -344,12 +352,11 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("extra", nargs="*", help="further overrides")
     p.set_defaults(fn=run)
-    t = sub.add_parser("table", help="the markdown table of a results file")
-    t.add_argument("file", type=Path)
+    t = sub.add_parser("table", help="the markdown table of results files (their runs together)")
+    t.add_argument("files", type=Path, nargs="+")
     t.set_defaults(fn=table)
     g = sub.add_parser("plot", help="validation loss against forward passes (the loss study)")
-    g.add_argument("file", type=Path)
-    g.add_argument("png", type=Path)
+    g.add_argument("files", type=Path, nargs="+", help="results files, then the image to write")
     g.add_argument("--methods", nargs="*", help="method=lr pairs to draw (default: every run)")
     g.set_defaults(fn=plot)
     ns = parser.parse_args()

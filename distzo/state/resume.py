@@ -87,9 +87,13 @@ def fingerprint_keys(cfg: Config) -> dict[str, Any]:
     return json.loads(json.dumps(keys, default=str))  # as plain JSON, the form run.json keeps
 
 
+def _digest(keys: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(keys, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def config_fingerprint(cfg: Config) -> str:
     """The hash of `fingerprint_keys`, which run.json and every snapshot record."""
-    return hashlib.sha256(json.dumps(fingerprint_keys(cfg), sort_keys=True).encode()).hexdigest()[:16]
+    return _digest(fingerprint_keys(cfg))
 
 
 # fingerprint_keys' top-level entries that are not named as their configuration keys are
@@ -122,10 +126,11 @@ def fingerprint_differences(recorded: dict[str, Any], cfg: Config, most: int = 6
 def run_identity(cfg: Config, seed: int, mesh: Mesh, sources: dict[str, Any] | None = None) -> dict[str, Any]:
     """What every snapshot of a run records, and run.json holds from its start. sources: the hub
     commits the run reads (distzo.run.hub_pins), which resume, eval.run and replay read again."""
+    keys = fingerprint_keys(cfg)
     identity = {"seed": seed, "directions_version": DIRECTIONS_VERSION,
                 "distribution": str(cfg.estimator.distribution), "device_type": mesh.device.type,
                 "gaussian_generator": gaussian_generator_id(mesh.device), "mesh": str(mesh.shape),
-                "config_fingerprint": config_fingerprint(cfg), "fingerprint_keys": fingerprint_keys(cfg)}
+                "config_fingerprint": _digest(keys), "fingerprint_keys": keys}
     if sources:
         identity["sources"] = dict(sources)
     return identity

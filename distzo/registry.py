@@ -110,6 +110,10 @@ class Registry:
     def items(self) -> Iterator[tuple[str, type]]:
         return iter(list(self.load()._classes.items()))
 
+    def having(self, attribute: str) -> str:
+        """The components whose class sets `attribute` true, as "a, b, c" (sorted; for messages)."""
+        return ", ".join(sorted(n for n, cls in self.items() if getattr(cls, attribute, False)))
+
     def settings(self, name: Any) -> type | None:
         """The settings dataclass of component `name` (None for a point without config groups)."""
         return getattr(self.get(name), "Settings", None) if self.point.group else None

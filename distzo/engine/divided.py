@@ -42,7 +42,7 @@ import torch.distributed as dist
 from ..config.schema import switch
 from ..parallel.mesh import Mesh
 from ..parallel.node import Node, mapped_resident_bytes
-from ..registry import register
+from ..registry import register, registry
 from ..telemetry.timing import DISABLED, Timers
 from ..zo.estimators import Probe
 from ..zo.optimizers import SGD, Optimizer
@@ -287,8 +287,9 @@ def work_division(s: EngineSetup) -> bool:
     elif s.offload.mode != "none":
         why = "offloaded runs divide the update by slices already (comm.sliced)"
     elif not estimator.streams_blocks or s.peft_method != "none":
-        why = ("it serves full-parameter runs of the block-streaming estimators (mezo, lozo, subzero, sparse_mezo); "
-               "the others and the trainable sets evaluate their own way")
+        why = (f"it serves full-parameter runs of the block-streaming estimators "
+               f"({registry('estimator').having('streams_blocks')}); the others and the trainable sets evaluate "
+               "their own way")
     elif not division_applies(estimator.dealt_plan(), mesh.shape.pert):
         why = f"a perturbation rank of mesh {mesh.shape} would have no perturbed probe in the estimator's plan"
     if why is not None and mode == "true":

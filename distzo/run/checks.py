@@ -24,14 +24,14 @@ def check_estimator(cfg: Config) -> None:
     estimator = component_of(cfg.estimator, "estimator")
     e, peft = cfg.estimator, str(cfg.peft.method)
     if cfg.objective in ("f1", "exact_match") and not estimator.decodes:
-        decoders = ", ".join(sorted(n for n, c in registry("estimator").items() if c.decodes))
         raise ConfigError(f"objective={cfg.objective} decodes answers under each of MeZO's perturbations; "
-                          f"estimator={e.name} is not supported with it: use one of {decoders}")
+                          f"estimator={e.name} is not supported with it: use one of "
+                          f"{registry('estimator').having('decodes')}")
     estimator.check(cfg)
     off = cfg.offload
     if off.mode != "none" and peft == "none" and not estimator.streams_blocks:
-        streamers = ", ".join(sorted(n for n, c in registry("estimator").items() if c.streams_blocks))
-        raise ConfigError(f"offload={off.mode} streams full-parameter blocks for estimator={streamers}; "
+        raise ConfigError(f"offload={off.mode} streams full-parameter blocks for "
+                          f"estimator={registry('estimator').having('streams_blocks')}; "
                           f"estimator={e.name} is not supported with offloading yet: use offload=none (or train "
                           "adapters, peft=lora, whose frozen base streams with any estimator)")
     if off.mode != "none" and peft != "none" and off.transfer_dtype is not None:

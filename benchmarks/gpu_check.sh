@@ -98,7 +98,7 @@ stage() {  # NAME LIMIT_S: runs stage_NAME with STAGE_LIMIT set, cut at its limi
   STAGE_LIMIT=$limit timeout --kill-after=10 "$limit" bash -c "stage_$name" > "$out/$name.log" 2>&1
   echo "== $name: exit $? after $((SECONDS - t0)) s" | tee -a "$out/stages.log"
   # a chunk-kernel variant that disagreed with torch ops ran on torch ops: the stage did not measure the kernel
-  local fallbacks; fallbacks=$(grep -rhos "the CUDA chunk kernel was checked against torch ops on [^;]*" "$out" | sort -u)
+  local fallbacks; fallbacks=$(grep -rhos --include="*.log" "the CUDA chunk kernel was checked against torch ops on [^;]*" "$out" | sort -u)
   [ -z "$fallbacks" ] || printf '== fallbacks so far:\n%s\n' "$fallbacks" | tee -a "$out/stages.log"
   grep -Ev '^\[[0-9:]+\]' "$out/$name.log" | tail -n 40  # distzo's timestamped progress lines out, pytest's [gwN] in
   pack

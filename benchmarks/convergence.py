@@ -73,6 +73,7 @@ METHODS = {
     "subzero": ["estimator=subzero"],
     "sparse": ["estimator=sparse_mezo"],
     "hizoo": ["estimator.clean=true", "optim.name=hizoo"],  # three forward passes a step
+    "meazo": ["optim.name=meazo"],  # MeZO's plan, the step over the running rms of the projected gradients
 }
 
 

@@ -20,7 +20,7 @@ ARGS = {"fzoo": ["estimator.difference=forward", "estimator.distribution=rademac
 
 
 def main() -> None:
-    rows = bench_each(__doc__, "optimizers", ["sgd", "momentum", "adam", "sign", "fzoo", "hizoo"],
+    rows = bench_each(__doc__, "optimizers", ["sgd", "momentum", "adam", "sign", "fzoo", "hizoo", "meazo"],
                       lambda name: [f"optim.name={name}", *ARGS.get(name, []), "bench.reference=false"])
     gib = 2**30
     print("| optimizer | state (GiB) | step | forward passes alone | step / forward | step / sgd's step (same rounds) "

@@ -530,7 +530,7 @@ class OptimSettings:
     """What every ZO optimizer has (`optim.<field>`, docs/optimizers.md); an optimizer's own settings
     extend these (its class's `Settings`, distzo.zo.optimizers), and `optim=<name>` (or
     `optim.name=<name>`) selects them with their defaults. name: a registered optimizer (sgd,
-    momentum, adam, sign, fzoo, hizoo, or one of DISTZO_PLUGINS). sgd is ZO-SGD: theta -= lr * (sum_k c_k
+    momentum, adam, sign, fzoo, hizoo, meazo, or one of DISTZO_PLUGINS). sgd is ZO-SGD: theta -= lr * (sum_k c_k
     z_k + weight_decay * theta), with c_k the estimator's coefficients (for SPSA c_k = g_k / q)."""
 
     name: str = MISSING

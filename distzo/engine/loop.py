@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from .stacked import StackedProbes
 
 DIRECTIONS_STATE = "directions/"  # the prefix of the directions' state among a snapshot's state tensors
+SCALAR_STATE = "scalars/"  # the prefix of the optimizer's host numbers (MEAZO's second moment) among them
 HEAD_ROWS = 256  # scored positions per full-vocabulary head product (bounds its [rows, vocab] temporary)
 
 
@@ -187,15 +188,22 @@ class StageLoop(Engine):
         return self.store.host_master_bytes()
 
     def optimizer_state(self) -> dict[str, torch.Tensor]:
-        """The optimizer's state, and what the directions keep between steps (LOZO-M's factors,
-        Sparse MeZO's thresholds) under `directions/`."""
+        """The optimizer's state (its per-element slots, and its host numbers under `scalars/`), and
+        what the directions keep between steps (LOZO-M's factors, Sparse MeZO's thresholds) under
+        `directions/`."""
         own = {f"{DIRECTIONS_STATE}{k}": v for k, v in self.directions.state().items()}
-        return {**self.store.optimizer_state(), **own}
+        scalars = {f"{SCALAR_STATE}{k}": v for k, v in self.optimizer.scalar_state().items()}
+        return {**self.store.optimizer_state(), **own, **scalars}
 
     def load_optimizer_state(self, tensors) -> None:
-        own = {k[len(DIRECTIONS_STATE):]: v for k, v in tensors.items() if k.startswith(DIRECTIONS_STATE)}
-        self.directions.load_state(own)
-        self.store.load_optimizer_state({k: v for k, v in tensors.items() if not k.startswith(DIRECTIONS_STATE)})
+        def under(prefix: str) -> dict[str, torch.Tensor]:
+            return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+
+        self.directions.load_state(under(DIRECTIONS_STATE))
+        if self.optimizer.scalars:
+            self.optimizer.load_scalar_state(under(SCALAR_STATE))
+        self.store.load_optimizer_state({k: v for k, v in tensors.items()
+                                         if not k.startswith((DIRECTIONS_STATE, SCALAR_STATE))})
 
     def optimizer_state_bytes(self) -> dict[str, int]:
         extra = self.directions.state_bytes()

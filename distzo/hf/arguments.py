@@ -33,7 +33,7 @@ class _ZOArgumentsBase:
     `TrainingArguments`.
 
     estimator: a registered estimator (mezo, prge, agzo, lozo, subzero, sparse_mezo, or your own);
-    optimizer: a registered ZO optimizer (sgd, momentum, adam, sign, fzoo, hizoo, or your own). peft:
+    optimizer: a registered ZO optimizer (sgd, momentum, adam, sign, fzoo, hizoo, meazo, or your own). peft:
     distzo's trainable set (lora, lora_fa, prefix) for a plain model; None: the model's own trainable
     parameters (all of them, or a PEFT model's adapter), or the one trainable set the estimator runs on
     (prge: lora_fa). offload: none or cpu (ZO2: blocks in host memory); mesh: P x D over the launched

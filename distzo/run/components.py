@@ -93,7 +93,7 @@ def build_model_stack(cfg: Config, mesh: Mesh, seed: int, weights: Mapping[str, 
     engine = build_engine(EngineSetup(mesh, model, adapter, params, directions, estimator, cfg.engine, cfg.offload,
                                       cfg.comm, str(cfg.peft.method), cfg.micro_batch_size, timers, optimizer,
                                       resident))
-    if (optimizer.slots or directions.state_keys()) and optimizer_state is not None:  # a snapshot's
+    if (optimizer.slots or optimizer.scalars or directions.state_keys()) and optimizer_state is not None:
         engine.load_optimizer_state(check_optimizer_state(optimizer, params, optimizer_state, directions))
     return ModelStack(model, tokenizer, params, estimator, engine,
                       estimator.activation_capture(model, params, directions), optimizer, directions, timers,
@@ -104,10 +104,11 @@ def check_optimizer_state(optimizer: Optimizer, params: TrainableParams, tensors
                           directions: Directions | None = None) -> Mapping[str, torch.Tensor]:
     """A snapshot's state: exactly the tensors the optimizer keeps for this trainable set, and those
     the directions keep (`directions/...`)."""
-    from ..engine.loop import DIRECTIONS_STATE
+    from ..engine.loop import DIRECTIONS_STATE, SCALAR_STATE
     from ..engine.optstate import state_key
 
     want = {state_key(slot, p.name): p.shape for p in params for slot in optimizer.slots}
+    want.update({SCALAR_STATE + k: (1,) for k in optimizer.scalars})
     extra = {DIRECTIONS_STATE + k for k in directions.state_keys()} if directions is not None else set()
     if (set(tensors) != set(want) | extra
             or any(tuple(tensors[k].shape) != tuple(shape) for k, shape in want.items())):

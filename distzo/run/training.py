@@ -100,7 +100,8 @@ def zo_step(c: Components, step: int, lr_at: Callable[[int], float] | None = Non
     if not torch.isfinite(losses).all():                                     # skip, never update
         return StepOutcome(batch, losses, None, lr)
     result = estimator.combine(losses)                                       # projected gradients
-    coefficients = c.optimizer.coefficients(result)                         # FZOO: normalised by their spread
+    c.optimizer.advance(result.grads)                                        # MEAZO: its running mean of g^2
+    coefficients = c.optimizer.coefficients(result)                         # FZOO, MEAZO: normalised
     engine.apply(step, coefficients, lr, cfg.optim.weight_decay)             # same on every rank (the
     return StepOutcome(batch, losses, result, lr, coefficients)              # optimizer's rule and state)
 
@@ -190,7 +191,8 @@ class Trainer:
             if point.records:
                 log.info("Re-applying the %d step(s) logged after %s (trajectory.jsonl), no forward passes",
                          len(point.records), "it" if point.snapshot else "the initial weights")
-            self._nonfinite = catch_up(c.engine, point.records, point.nonfinite_in_a_row, mesh.is_main)
+            self._nonfinite = catch_up(c.engine, point.records, point.nonfinite_in_a_row, mesh.is_main,
+                                       c.optimizer)
             self.start_step = point.step
             if mesh.is_main:
                 truncate_logs(run_dir, self.start_step)

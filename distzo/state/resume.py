@@ -34,6 +34,7 @@ from ..telemetry.jsonl import read_jsonl, truncate_after
 from ..telemetry.metrics import Progress
 from ..zo.directions import DIRECTIONS_VERSION, gaussian_generator_id, same_directions
 from ..zo.estimators import estimator_type
+from ..zo.optimizers import Optimizer
 from .saved import RUN_FILE
 from .snapshots import (
     CorruptSnapshot,
@@ -293,9 +294,12 @@ def truncate_logs(run_dir: Path, step: int) -> None:
         truncate_after(run_dir / name, step)
 
 
-def catch_up(engine: Engine, records: list[dict[str, Any]], nonfinite_in_a_row: int, show: bool) -> int:
+def catch_up(engine: Engine, records: list[dict[str, Any]], nonfinite_in_a_row: int, show: bool,
+             optimizer: Optimizer | None = None) -> int:
     """Re-apply logged steps through the engine (their updates, or nothing for skipped ones), as
-    training applied them; returns the non-finite steps in a row at the last one. Collective."""
+    training applied them; returns the non-finite steps in a row at the last one. Collective.
+    optimizer: the run's, whose host numbers (MEAZO's) each re-applied step advances as it did in
+    training (the logged coefficients already hold their effect on the weights)."""
     progress = Progress("catching up step", len(records), enabled=show)
     for i, r in enumerate(records):
         engine.begin_step(r["update"])  # as the step began in training
@@ -303,6 +307,8 @@ def catch_up(engine: Engine, records: list[dict[str, Any]], nonfinite_in_a_row: 
             nonfinite_in_a_row += 1
         else:
             nonfinite_in_a_row = 0
+            if optimizer is not None and optimizer.scalars:
+                optimizer.advance(r["grads"])
             engine.apply(r["update"], [tuple(c) for c in r["coefficients"]], r["lr"], r["weight_decay"])
         progress.update(i + 1)
     return nonfinite_in_a_row

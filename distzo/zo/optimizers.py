@@ -4,7 +4,8 @@ An estimator turns a step's losses into coefficients c_k (the projected gradient
 q); the optimizer decides the update. Every optimizer here is element-wise and reads z_k of the step
 whose update it applies, so it runs chunk by chunk inside the engines' passes (the pending update
 fused into the next perturbation), on any slice of a tensor, on any rank that owns the chunk; its
-state is one or two float32 tensors shaped like the parameter (docs/optimizers.md).
+state is float32 tensors shaped like the parameter, or a few host numbers (meazo), or none
+(docs/optimizers.md).
 
 | name | per element (g = sum_k c_k z_k, decay = 1 - lr wd where weight decay applies) | state |
 |---|---|---|
@@ -14,6 +15,7 @@ state is one or two float32 tensors shaped like the parameter (docs/optimizers.m
 | sign | x <- x decay - lr sign(g) | none |
 | fzoo | sgd's rule on coefficients c_k / std_k(g_k) (FZOO's step normalised by the spread of the losses) | none |
 | hizoo | H <- (1 - alpha) H + alpha d H z^2; x <- x decay - lr c z / sqrt(H), d = abs(L+ + L- - 2 L0) / (2 eps^2); the probes are x +- eps z / sqrt(H) | H (starts at 1) |
+| meazo | v <- b2 v + (1 - b2) mean_k g_k^2 (t steps); sgd's rule on coefficients c_k / (sqrt(v / (1 - b2^t)) + eps) | v and t: two numbers, not per element |
 
 `momentum` is heavy-ball momentum in update units (d_t = mu d_{t-1} + lr_t g_t, theta_{t+1} = theta_t
 decay - d_t: torch's SGD(momentum=mu, dampening=0) when lr is constant and there is no weight decay,
@@ -28,6 +30,11 @@ std eps std(g), so c_k / std(g) = (l_k - l_0) / (q std(l)), FZOO's coefficient (
 x +- eps z / sqrt(H), `shapes_directions`) and preconditions the update; it reads the curvature d
 of three losses a step (estimator.clean=true: L0 = L(x) beside L+-), carried in the step's
 coefficients as the entry `(CURVATURE, d)` so that resume and replay re-apply it like any other.
+`meazo` is MEAZO (Dbouk et al. 2026, "On Adaptivity in Zeroth-Order Optimization"): Adam's
+second-moment normalisation kept as one scalar, a running mean of the squared projected gradients,
+because a ZO estimate's per-element second moment holds nothing beyond that scale (z^2 is noise
+around 1); its state is `scalars`, host numbers the same on every rank, advanced by each step's
+projected gradients (`advance`), and the trajectory logs the normalised coefficients.
 
 Each optimizer is one class, registered by name (`@register("optimizer", name)`, distzo.registry):
 its rule in torch ops (`update`, the definition), its state slots, its settings (a dataclass
@@ -45,7 +52,7 @@ from __future__ import annotations
 import math
 import struct
 from dataclasses import dataclass, fields
-from typing import ClassVar, Sequence
+from typing import ClassVar, Mapping, Sequence
 
 import torch
 
@@ -132,7 +139,11 @@ class Optimizer:
     shapes_directions: its state shapes the step's directions: a probe reads x + s `perturbation`(eps
     z, state) instead of x + s eps z, so every pass that writes working copies reads the state (and
     its kernel case, if any, shapes the copies it writes).
-    max_terms: the most directions one update takes (None: any number)."""
+    max_terms: the most directions one update takes (None: any number).
+    scalars: its state that is not per element: host numbers (float64) that each applied step's
+    projected gradients advance (`advance`; the same on every rank, since they follow from the
+    exchanged losses) and that `coefficients` reads (MEAZO's second moment). Snapshots carry them
+    (`scalar_state`); resume advances them again through the logged steps it re-applies."""
 
     name: ClassVar[str]
     Settings: ClassVar[type] = OptimSettings
@@ -144,10 +155,12 @@ class Optimizer:
     initial: ClassVar[float] = 0.0
     shapes_directions: ClassVar[bool] = False
     max_terms: ClassVar[int | None] = None
+    scalars: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, settings: OptimSettings | None = None):
         """settings: the `optim` section (None: this optimizer's defaults)."""
         self.settings = settings if settings is not None else self.Settings(name=self.name)
+        self.scalar: dict[str, float] = dict.fromkeys(self.scalars, 0.0)
 
     @classmethod
     def check(cls, cfg: Config) -> None:
@@ -166,9 +179,24 @@ class Optimizer:
         """Step `step`'s rule (coefficients: the step's, for a rule whose constants read them)."""
         return Rule(self, tuple(f32(c) for c in self.constants(step, lr)), lr)
 
+    def advance(self, grads: Sequence[float]) -> None:
+        """An applied step's projected gradients advance the `scalars` (nothing where there are none).
+        Training calls it once per step whose update it applies, before `coefficients`; resume once
+        per logged step it re-applies."""
+
     def coefficients(self, result: StepResult) -> tuple[tuple[int, float], ...]:
         """The coefficients the update applies (and the trajectory logs) for a step's estimate."""
         return result.coefficients
+
+    def scalar_state(self) -> dict[str, torch.Tensor]:
+        """The `scalars` as float64 tensors of one element (what a snapshot writes)."""
+        return {k: torch.tensor([v], dtype=torch.float64) for k, v in self.scalar.items()}
+
+    def load_scalar_state(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Continue from a snapshot's `scalar_state`."""
+        if set(tensors) != set(self.scalars):
+            raise ValueError(f"optimizer {self.name} keeps the scalars {sorted(self.scalars)}, not {sorted(tensors)}")
+        self.scalar = {k: float(tensors[k].reshape(())) for k in self.scalars}
 
     def term_scale(self, c: float, lr: float) -> float:
         """a_k for a coefficient c_k: lr c_k, or c_k where `lr_terms` is False."""
@@ -410,6 +438,58 @@ class HiZOO(Optimizer):
 
     def describe(self) -> str:
         return f"hizoo (alpha {self.alpha:g})"
+
+
+@register("optimizer", "meazo")
+class MEAZO(SGD):
+    """MEAZO: sgd's rule on the estimator's coefficients divided by sqrt(v_hat) + eps, where v is a
+    running mean of the squared projected gradients, one number for the whole model:
+
+        v <- b2 v + (1 - b2) mean_k(g_k^2);  t <- t + 1;  v_hat = v / (1 - b2^t)
+        c'_k = c_k / (sqrt(v_hat) + eps)
+
+    in float64 on the host, identical on every rank. It is Adam's normalisation without Adam's 2 x d
+    state: the element-wise second moment of an estimate g_k z_k is g_k^2 z^2, and z^2 is noise
+    around 1, so a per-element v adds only noise to that one scale (Dbouk et al. 2026). The step
+    lr c'_k z_k does not grow with the loss's scale: its lr is of Adam's order (the first step moves
+    along each direction by about lr / q), not MeZO's. t counts the applied steps: a step skipped for
+    non-finite losses leaves v and t as they were."""
+
+    scalars = ("second_moment", "steps")
+
+    @dataclass
+    class Settings(OptimSettings):
+        beta2: float = setting(0.999, ">= 0 and < 1", "the decay of the running mean of the squared projected "
+                                                      "gradients")
+        eps: float = setting(1e-8, "> 0", "added to the bias-corrected sqrt(v)")
+
+    def __init__(self, settings: Settings | None = None):
+        super().__init__(settings)
+        self.beta2, self.eps = float(self.settings.beta2), float(self.settings.eps)
+        if not (0.0 <= self.beta2 < 1.0 and self.eps > 0):
+            raise ValueError(f"meazo beta2 {self.beta2} outside [0, 1) or eps {self.eps} <= 0")
+
+    def advance(self, grads: Sequence[float]) -> None:
+        if not grads:
+            raise ValueError("optim.name=meazo needs the step's projected gradients")
+        mean_square = math.fsum(g * g for g in grads) / len(grads)
+        self.scalar["second_moment"] = self.beta2 * self.scalar["second_moment"] + (1.0 - self.beta2) * mean_square
+        self.scalar["steps"] += 1.0
+
+    def scale(self) -> float:
+        """1 / (sqrt(v_hat) + eps): the coefficients' factor after the steps advanced so far."""
+        t = self.scalar["steps"]
+        if t < 1:
+            raise RuntimeError("internal error: meazo's coefficients before a step advanced its second moment")
+        v_hat = self.scalar["second_moment"] / (1.0 - self.beta2 ** t)
+        return 1.0 / (math.sqrt(v_hat) + self.eps)
+
+    def coefficients(self, result: StepResult) -> tuple[tuple[int, float], ...]:
+        s = self.scale()
+        return tuple((k, c * s) for k, c in result.coefficients)
+
+    def describe(self) -> str:
+        return f"meazo (beta2 {self.beta2:g}, eps {self.eps:g})"
 
 
 def optimizer_type(name: str) -> type[Optimizer]:

@@ -64,6 +64,8 @@ RUNS = {
     # rank idle); alpha large enough that H moves by several percent a step here
     "hizoo": [*CUE, "estimator=mezo", "estimator.clean=true", "optim.name=hizoo", "optim.alpha=1e-4",
               "optim.lr=1e-3", "optim.weight_decay=0.1"],
+    # MEAZO: coefficients normalised by a running number every rank keeps alike (from the exchanged losses)
+    "meazo": [*CUE, "estimator=mezo", "estimator.q=2", "optim.name=meazo", "optim.beta2=0.9", "optim.lr=1e-3"],
     # an optimizer added in one file (tests/plugins/signum.py, imported above): stateful, torch ops only
     "signum": [*CUE, "estimator=mezo", "estimator.q=2", "optim.name=signum", "optim.lr=1e-3"],
     # an optimizer with state on a trainable set of its own: LoRA-FA's B under P-RGE's batched forward
@@ -102,7 +104,7 @@ MESHES = ["2x2", "4x1"]
 # whose data-parallel and perturbation-parallel halves 2x2 already exercises; 4x1 stays for the
 # estimators, whose evaluations it deals one per rank
 ONLY_2X2 = {"gpt2", "gemma3", "gpt_neox", "phi3", "falcon", "stablelm", "lora-neox", "whole", "choice", "sft",
-            "prge-adam"}
+            "prge-adam", "meazo"}
 # optimizers whose update is discontinuous where the estimate is zero, and their lr (see the test)
 SIGN_LIKE = {"adam": 1e-3, "sign": 1e-3, "signum": 1e-3}
 MASKED = {"sparse", "sparse-momentum"}  # directions with a magnitude mask (see the test)

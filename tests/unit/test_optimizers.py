@@ -1,11 +1,13 @@
 """The ZO optimizers (docs/optimizers.md), every registered one including a rule added in one file
 (examples/plugins/signum.py, through DISTZO_PLUGINS): each update rule against its formula computed in
 float64 by a plain loop; every kernel case bitwise its rule's torch form; momentum at 0 is sgd bitwise; FZOO's
-normalisation; offloaded = resident with state (every slot count, reduced precision within its
-tolerance); the state in snapshots, resume and replay; configuration errors; sgd's fingerprint."""
+and MEAZO's normalisations; offloaded = resident with state (every slot count, reduced precision within its
+tolerance); the state in snapshots, resume and replay (MEAZO's host numbers too); configuration errors; sgd's
+fingerprint."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from pathlib import Path
@@ -24,7 +26,7 @@ from distzo.models.selection import adapter_for
 from distzo.registry import load_plugin, registry
 from distzo.zo.directions import Directions, chunks_of, param_key
 from distzo.zo.estimators import SPSA, StepResult
-from distzo.zo.optimizers import CURVATURE, FZOO, SGD, Adam, HiZOO, build_optimizer
+from distzo.zo.optimizers import CURVATURE, FZOO, MEAZO, SGD, Adam, HiZOO, build_optimizer
 from distzo.zo.params import TrainableParam
 from tests.unit.test_offload import batches, train_steps
 
@@ -65,13 +67,18 @@ def reference(name: str, params, directions: Directions) -> tuple[list[list[floa
     xs = [[float(v) for v in p.tensor.view(-1)] for p in params]
     slots = len(OPTIMIZERS[name].slots)
     state = [[[OPTIMIZERS[name].initial] * len(x) for _ in range(slots)] for x in xs]
-    for step, coefficients, lr, wd in steps_of(name):
+    second_moment = 0.0  # meazo's v
+    for t, (step, coefficients, lr, wd) in enumerate(steps_of(name), start=1):
         curvature = dict(coefficients).pop(CURVATURE, None)
         coefficients = tuple((k, c) for k, c in coefficients if k != CURVATURE)
+        g = [c * 2 for _, c in coefficients]  # grads of a q = 2 estimate (c_k = g_k / q)
         if name == "fzoo":
-            g = [c * 2 for _, c in coefficients]  # grads of a q = 2 estimate (c_k = g_k / q)
             spread = math.sqrt(sum((v - sum(g) / 2) ** 2 for v in g) / 2)
             coefficients = tuple((k, c / spread) for k, c in coefficients)
+        if name == "meazo":  # v <- b2 v + (1 - b2) mean g^2, bias-corrected by the t steps seen
+            second_moment = 0.999 * second_moment + 0.001 * (g[0] ** 2 + g[1] ** 2) / 2
+            v_hat = second_moment / (1 - 0.999 ** t)
+            coefficients = tuple((k, c / (math.sqrt(v_hat) + 1e-8)) for k, c in coefficients)
         zs = [[[float(v) for v in directions.generate(p.shape, p.key, step, k).view(-1)] for k, _ in coefficients]
               for p in params]
         for x, st, z, p in zip(xs, state, zs, params):
@@ -79,7 +86,7 @@ def reference(name: str, params, directions: Directions) -> tuple[list[list[floa
             t = step + 1
             for i in range(len(x)):
                 g = sum(c * z[j][i] for j, (_, c) in enumerate(coefficients))  # sum_k c_k z_k
-                if name in ("sgd", "fzoo"):
+                if name in ("sgd", "fzoo", "meazo"):
                     x[i] = x[i] * decay - lr * g
                 elif name == "momentum":
                     st[0][i] = 0.9 * st[0][i] + lr * g
@@ -108,8 +115,10 @@ def run_engine_updates(name: str, params, directions: Directions) -> tuple[list,
     opt = build_optimizer_by_name(name)
     state = {p.name: tuple(torch.full_like(p.tensor, opt.initial) for _ in opt.slots) for p in params}
     for step, coefficients, lr, wd in steps_of(name):
-        if name == "fzoo":
-            coefficients = opt.coefficients(StepResult(0.0, tuple(c * 2 for _, c in coefficients), coefficients))
+        if name in ("fzoo", "meazo"):
+            grads = tuple(c * 2 for _, c in coefficients)
+            opt.advance(grads)
+            coefficients = opt.coefficients(StepResult(0.0, grads, coefficients))
         u = PendingUpdate(step, coefficients, lr, wd, rule=opt.rule(step, lr, wd, coefficients))
         apply_pending(directions, [Target(p, p.tensor, state=state[p.name]) for p in params], u)
     return [p.tensor.view(-1).tolist() for p in params], [[t.view(-1).tolist() for t in state[p.name]] for p in params]
@@ -244,6 +253,68 @@ def test_fzoo_divides_by_the_spread_of_the_one_sided_losses():
     assert tied == ((0, 0.0), (1, 0.0), (2, 0.0), (3, 0.0))  # no spread: no step
 
 
+def test_meazo_divides_by_the_running_root_mean_square_of_the_projected_gradients():
+    """v <- b2 v + (1 - b2) mean_k g_k^2 over the steps advanced, bias-corrected by their count;
+    the coefficients divided by sqrt(v_hat) + eps. Its first step moves each direction by lr / q
+    (its coefficient c_k / |g| = +-1 / q for q = 1 up to eps); a skipped step advances nothing; the
+    numbers survive a snapshot's round trip."""
+    est = SPSA(eps=1e-3, q=2)
+    opt = MEAZO(MEAZO.Settings(name="meazo", beta2=0.9, eps=1e-8))
+    losses = [(0.70, 0.68, 0.71, 0.72), (0.69, 0.695, 0.70, 0.69), (0.71, 0.70, 0.69, 0.70)]
+    v, want = 0.0, []
+    for t, ls in enumerate(losses, start=1):
+        result = est.combine(torch.tensor(ls, dtype=torch.float64))
+        opt.advance(result.grads)
+        got = opt.coefficients(result)
+        v = 0.9 * v + 0.1 * sum(g * g for g in result.grads) / 2
+        s = 1 / (math.sqrt(v / (1 - 0.9 ** t)) + 1e-8)
+        assert [k for k, _ in got] == [0, 1]
+        assert all(abs(c - w * s) < 1e-12 * abs(w * s) for (_, c), (_, w) in zip(got, result.coefficients))
+        want.append(got)
+    assert opt.scalar == pytest.approx({"second_moment": v, "steps": 3.0}, rel=1e-15)
+    again = MEAZO(MEAZO.Settings(name="meazo", beta2=0.9, eps=1e-8))
+    again.load_scalar_state(opt.scalar_state())
+    assert again.scalar == opt.scalar
+    one = MEAZO()
+    first = SPSA(eps=1e-3, q=1).combine(torch.tensor([0.70, 0.68], dtype=torch.float64))
+    one.advance(first.grads)
+    assert one.coefficients(first)[0][1] == pytest.approx(1.0, rel=1e-6)  # g / |g|
+    with pytest.raises(ValueError, match="keeps the scalars"):
+        again.load_scalar_state({"second_moment": torch.zeros(1)})
+
+
+def test_meazo_resumes_from_its_snapshot_and_the_logged_steps_bitwise(tmp_path):
+    """MEAZO's numbers travel in the snapshot (optimizer.safetensors, `scalars/`), and resume advances
+    them through each logged step it re-applies: resumed from its step-2 snapshot with steps 3-5
+    logged after it, a run ends with the uninterrupted run's weights and numbers, bitwise. (Were
+    the re-applied steps not to advance them, step 6's coefficient would differ, and the weights.)"""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from distzo.state.snapshots import read_optimizer_state
+    from distzo.telemetry.jsonl import read_jsonl
+
+    settings = ["optim.name=meazo", "optim.beta2=0.9", "optim.lr=3e-3", "steps=6", "checkpoint.keep=3",
+                "estimator.q=2", "optim.weight_decay=0.1"]
+    tiny_run(tmp_path, "run", *settings)
+    run, cut = tmp_path / "run", tmp_path / "cut"
+    shutil.copytree(run, cut)
+    for name in ("step-00000004", "step-00000006"):
+        shutil.rmtree(cut / "checkpoints" / name)
+    shutil.rmtree(cut / "final")
+    records = [r for r in read_jsonl(run / "trajectory.jsonl") if r["step"] <= 5]
+    (cut / "trajectory.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    tiny_run(tmp_path, "cut", *settings, "resume=auto")
+    a, b = load_file(run / "final" / "model.safetensors"), load_file(cut / "final" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    (sixth,) = [r for r in read_jsonl(cut / "trajectory.jsonl") if r["step"] == 6]
+    assert sixth == [r for r in read_jsonl(run / "trajectory.jsonl") if r["step"] == 6][0]
+    want, got = (read_optimizer_state(d / "checkpoints" / "step-00000006") for d in (run, cut))
+    assert set(want) == {"scalars/second_moment", "scalars/steps"} and float(want["scalars/steps"]) == 6.0
+    assert all(torch.equal(want[k], got[k]) for k in want)
+
+
 def test_every_optimizer_is_documented_and_the_registry_is_the_one_list():
     """optim.name is checked against the registry (no list of its own elsewhere); docs/optimizers.md
     has a section for every built-in optimizer."""
@@ -254,7 +325,7 @@ def test_every_optimizer_is_documented_and_the_registry_is_the_one_list():
     text = (Path(__file__).resolve().parents[2] / "docs" / "optimizers.md").read_text()
     for name in (n for n in NAMES if n != "signum"):
         assert f"`{name}`" in text, name
-    with pytest.raises(distzo.ConfigError, match=r"use one of: sgd, momentum, adam, sign, fzoo, hizoo, signum"):
+    with pytest.raises(distzo.ConfigError, match=r"use one of: sgd, momentum, adam, sign, fzoo, hizoo, meazo, signum"):
         distzo.compose("optim.name=adamw")
 
 
@@ -277,7 +348,9 @@ def test_sgd_keeps_its_resume_fingerprint():
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["optim.name=adamw"], "optim.name=adamw is not an optimizer; use one of: sgd, momentum, adam, sign, fzoo, hizoo"),
+    (["optim.name=adamw"], "optim.name=adamw is not an optimizer; use one of: sgd, momentum, adam, sign, fzoo, hizoo, "
+                           "meazo"),
+    (["optim=meazo", "optim.beta2=1"], "optim.beta2=1.0 is out of range; it must be >= 0 and < 1"),
     (["optim.name=momentum", "optim.momentum.mu=1"], "optim.mu=1.0 is out of range; it must be >= 0 and < 1"),
     (["optim.name=adam", "optim.adam.beta1=1"], "optim.beta1=1.0 is out of range; it must be >= 0 and < 1"),
     (["optim=adam", "optim.beta1=1"], "optim.beta1=1.0 is out of range; it must be >= 0 and < 1"),

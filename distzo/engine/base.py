@@ -117,8 +117,9 @@ class Engine(ABC):
         return {}
 
     def optimizer_state(self) -> dict:
-        """The optimizer's per-element state by `<slot>/<parameter>` (read it inside `materialized`;
-        empty for sgd). Snapshots write it."""
+        """The optimizer's per-element state by `<slot>/<parameter>`, its host numbers by
+        `scalars/<name>` (MEAZO's) and the directions' state by `directions/<name>` (read it inside
+        `materialized`; empty for sgd). Snapshots write it."""
         return {}
 
     def load_optimizer_state(self, tensors) -> None:

@@ -192,7 +192,8 @@ class StageLoop(Engine):
         what the directions keep between steps (LOZO-M's factors, Sparse MeZO's thresholds) under
         `directions/`."""
         own = {f"{DIRECTIONS_STATE}{k}": v for k, v in self.directions.state().items()}
-        scalars = {f"{SCALAR_STATE}{k}": v for k, v in self.optimizer.scalar_state().items()}
+        scalars = ({f"{SCALAR_STATE}{k}": v for k, v in self.optimizer.scalar_state().items()}
+                   if self.optimizer.scalars else {})
         return {**self.store.optimizer_state(), **own, **scalars}
 
     def load_optimizer_state(self, tensors) -> None:

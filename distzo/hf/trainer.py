@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ..errors import DistzoError
+from ..registry import registry
 from .arguments import ZOArguments, setting_overrides
 from .data import TrainerDataTask
 
@@ -56,8 +57,9 @@ def _refuse_what_cannot_apply(args: Any, optimizers: Any, optimizer_cls_and_kwar
         raise ZOTrainerError("fp16 mixed precision scales gradients, which a ZO step has none of, and distzo's engine "
                              "computes in fp32, tf32 or bf16; use TrainingArguments(bf16=True) instead of fp16=True")
     if optimizers is not None and any(o is not None for o in optimizers) or optimizer_cls_and_kwargs is not None:
+        zo_optimizers = "|".join(registry("optimizer").names())
         raise ZOTrainerError("a torch optimizer or scheduler cannot apply to a ZO step, which has no gradients; drop "
-                             "optimizers=... and set ZOArguments(optimizer=sgd|momentum|adam|sign|fzoo) and "
+                             f"optimizers=... and set ZOArguments(optimizer={zo_optimizers}) and "
                              "TrainingArguments(lr_scheduler_type=...)")
 
 

@@ -307,7 +307,7 @@ def catch_up(engine: Engine, records: list[dict[str, Any]], nonfinite_in_a_row: 
             nonfinite_in_a_row += 1
         else:
             nonfinite_in_a_row = 0
-            if optimizer is not None and optimizer.scalars:
+            if optimizer is not None:
                 optimizer.advance(r["grads"])
             engine.apply(r["update"], [tuple(c) for c in r["coefficients"]], r["lr"], r["weight_decay"])
         progress.update(i + 1)

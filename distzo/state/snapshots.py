@@ -1,8 +1,9 @@
 """Run state on disk: snapshots, the trajectory log, and the final model. Nothing here unpickles.
 
 - A **snapshot** is `checkpoints/step-NNNNNNNN/` holding `weights.safetensors` (the trainable
-  parameters under their canonical names), with an optimizer that keeps state (momentum, adam)
-  `optimizer.safetensors` (its state tensors, `<slot>/<parameter>`), and `state.json` (step, seed,
+  parameters under their canonical names), with an optimizer or directions that keep state (momentum,
+  adam, hizoo, meazo; LOZO-M, Sparse MeZO) `optimizer.safetensors` (its state tensors,
+  `<slot>/<parameter>`, `scalars/<name>`, `directions/<name>`), and `state.json` (step, seed,
   direction scheme, mesh, the config fingerprint, which covers the optimizer and its settings, and the
   files' sha256). It is written as a hidden temporary folder, fsynced and
   renamed into place, so a crash leaves either a complete snapshot or an ignored temporary. Deferred

@@ -45,6 +45,7 @@ def train_steps(eng, steps=6, lr=1e-2, est=None):
         scores = eng.run_probes(b, est.plan(), step)
         sums = torch.stack([objective_sums(scores[i], b) for i in range(len(est.plan()))])
         result = est.combine(sums[:, 0] / sums[:, 1])
+        eng.optimizer.advance(result.grads)  # as zo_step: an optimizer's host numbers (MEAZO's) first
         eng.apply(step, eng.optimizer.coefficients(result), lr, 0.1)
         losses.append(result.grads)
     return losses

@@ -287,8 +287,9 @@ def test_meazo_divides_by_the_running_root_mean_square_of_the_projected_gradient
 def test_meazo_resumes_from_its_snapshot_and_the_logged_steps_bitwise(tmp_path):
     """MEAZO's numbers travel in the snapshot (optimizer.safetensors, `scalars/`), and resume advances
     them through each logged step it re-applies: resumed from its step-2 snapshot with steps 3-5
-    logged after it, a run ends with the uninterrupted run's weights and numbers, bitwise. (Were
-    the re-applied steps not to advance them, step 6's coefficient would differ, and the weights.)"""
+    logged after it, and from no snapshot at all (run.json, steps 1-5 re-applied from zeros), a run
+    ends with the uninterrupted run's weights and numbers, bitwise. (Were the re-applied steps not to
+    advance them, step 6's coefficient would differ, and the weights.)"""
     import shutil
 
     from safetensors.torch import load_file
@@ -299,21 +300,52 @@ def test_meazo_resumes_from_its_snapshot_and_the_logged_steps_bitwise(tmp_path):
     settings = ["optim.name=meazo", "optim.beta2=0.9", "optim.lr=3e-3", "steps=6", "checkpoint.keep=3",
                 "estimator.q=2", "optim.weight_decay=0.1"]
     tiny_run(tmp_path, "run", *settings)
-    run, cut = tmp_path / "run", tmp_path / "cut"
-    shutil.copytree(run, cut)
-    for name in ("step-00000004", "step-00000006"):
-        shutil.rmtree(cut / "checkpoints" / name)
-    shutil.rmtree(cut / "final")
-    records = [r for r in read_jsonl(run / "trajectory.jsonl") if r["step"] <= 5]
-    (cut / "trajectory.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    tiny_run(tmp_path, "cut", *settings, "resume=auto")
-    a, b = load_file(run / "final" / "model.safetensors"), load_file(cut / "final" / "model.safetensors")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    (sixth,) = [r for r in read_jsonl(cut / "trajectory.jsonl") if r["step"] == 6]
-    assert sixth == [r for r in read_jsonl(run / "trajectory.jsonl") if r["step"] == 6][0]
-    want, got = (read_optimizer_state(d / "checkpoints" / "step-00000006") for d in (run, cut))
+    run = tmp_path / "run"
+    want = read_optimizer_state(run / "checkpoints" / "step-00000006")
     assert set(want) == {"scalars/second_moment", "scalars/steps"} and float(want["scalars/steps"]) == 6.0
-    assert all(torch.equal(want[k], got[k]) for k in want)
+    sixth = [r for r in read_jsonl(run / "trajectory.jsonl") if r["step"] == 6]
+    for case, dropped in (("after-2", ("step-00000004", "step-00000006")),
+                          ("none", ("step-00000002", "step-00000004", "step-00000006"))):
+        cut = tmp_path / case
+        shutil.copytree(run, cut)
+        for name in dropped:
+            shutil.rmtree(cut / "checkpoints" / name)
+        shutil.rmtree(cut / "final")
+        records = [r for r in read_jsonl(run / "trajectory.jsonl") if r["step"] <= 5]
+        (cut / "trajectory.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        tiny_run(tmp_path, case, *settings, "resume=auto")
+        a, b = load_file(run / "final" / "model.safetensors"), load_file(cut / "final" / "model.safetensors")
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), case
+        assert [r for r in read_jsonl(cut / "trajectory.jsonl") if r["step"] == 6] == sixth, case
+        got = read_optimizer_state(cut / "checkpoints" / "step-00000006")
+        assert all(torch.equal(want[k], got[k]) for k in want), case
+
+
+def test_a_non_finite_step_does_not_advance_meazo(tmp_path, monkeypatch):
+    """A step whose losses are not finite applies nothing and advances nothing: after four steps, the
+    second one's losses poisoned, MEAZO's numbers are its recursion over the three steps applied
+    (their projected gradients) alone, with t = 3."""
+    import distzo
+
+    cfg = distzo.compose("model=tiny", "task=synthetic-cue", "steps=4", "eval_every=0", "task.val_size=8",
+                         "task.test_size=8", "batch_size=8", "threads=1", "log_every=1000", "checkpoint.every=0",
+                         "optim.name=meazo", "optim.beta2=0.9", "optim.lr=1e-3")
+    with distzo.Trainer(cfg, tmp_path / "run") as trainer:
+        task, real = trainer.task, trainer.task.objective_sums
+
+        def poisoned(*args, **kwargs):
+            sums = real(*args, **kwargs)
+            return sums * float("nan") if trainer.step_count == 1 else sums
+
+        monkeypatch.setattr(task, "objective_sums", poisoned)
+        records = [trainer.step() for _ in range(4)]
+        numbers = dict(trainer.components.optimizer.scalar)
+    assert [r.skipped for r in records] == [False, True, False, False]
+    v = 0.0
+    for r in records:
+        if not r.skipped:
+            v = 0.9 * v + 0.1 * sum(g * g for g in r.projected_grads) / len(r.projected_grads)
+    assert numbers["steps"] == 3.0 and numbers["second_moment"] == pytest.approx(v, rel=1e-12)
 
 
 def test_every_optimizer_is_documented_and_the_registry_is_the_one_list():

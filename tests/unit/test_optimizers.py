@@ -257,12 +257,12 @@ def test_fzoo_divides_by_the_spread_of_the_one_sided_losses():
 def test_meazo_divides_by_the_running_root_mean_square_of_the_projected_gradients():
     """v <- b2 v + (1 - b2) mean_k g_k^2 over the steps advanced, bias-corrected by their count;
     the coefficients divided by sqrt(v_hat) + eps. Its first step moves each direction by lr / q
-    (its coefficient c_k / |g| = +-1 / q for q = 1 up to eps); a skipped step advances nothing; the
-    numbers survive a snapshot's round trip."""
+    (its coefficient c_k / |g| = +-1 / q for q = 1 up to eps); the numbers survive a snapshot's round
+    trip. (A skipped step advances nothing: test_a_non_finite_step_does_not_advance_meazo.)"""
     est = SPSA(eps=1e-3, q=2)
     opt = MEAZO(MEAZO.Settings(name="meazo", beta2=0.9, eps=1e-8))
     losses = [(0.70, 0.68, 0.71, 0.72), (0.69, 0.695, 0.70, 0.69), (0.71, 0.70, 0.69, 0.70)]
-    v, want = 0.0, []
+    v = 0.0
     for t, ls in enumerate(losses, start=1):
         result = est.combine(torch.tensor(ls, dtype=torch.float64))
         opt.advance(result.grads)
@@ -271,7 +271,6 @@ def test_meazo_divides_by_the_running_root_mean_square_of_the_projected_gradient
         s = 1 / (math.sqrt(v / (1 - 0.9 ** t)) + 1e-8)
         assert [k for k, _ in got] == [0, 1]
         assert all(abs(c - w * s) < 1e-12 * abs(w * s) for (_, c), (_, w) in zip(got, result.coefficients))
-        want.append(got)
     assert opt.scalar == pytest.approx({"second_moment": v, "steps": 3.0}, rel=1e-15)
     again = MEAZO(MEAZO.Settings(name="meazo", beta2=0.9, eps=1e-8))
     again.load_scalar_state(opt.scalar_state())

@@ -69,8 +69,8 @@ def chunk_pass(directions: Directions, p: TrainableParam, ref: ChunkRef, master:
 
     part=(lo, hi): master holds only elements [lo, hi) of the chunk (a rank's slice of a block ends
     inside a chunk), and so do the copies. Every element receives exactly the operations it would
-    in a whole-chunk pass; a Gaussian z is still drawn for the whole chunk (its generator cannot be
-    entered in the middle), a Rademacher stream only where needed. state: the optimizer's state
+    in a whole-chunk pass; the fused kernels generate a counter stream only where needed, torch ops
+    and a low-rank rule's factors draw the whole chunk's z. state: the optimizer's state
     over the same elements as master (float32, one tensor per slot), read and written by the rule.
     shaper: the optimizer whose state shapes the copies' z (`Optimizer.shapes_directions`); its state
     is then given with or without a pending update."""
@@ -143,9 +143,10 @@ def _torch_ops(directions: Directions, p: TrainableParam, ref: ChunkRef, master:
 def _fused(kernels: Kernels, directions: Directions, p: TrainableParam, ref: ChunkRef, master: torch.Tensor,
            u: PendingUpdate | None, step: int, eps: float, copies: Copies, part: tuple[int, int] | None,
            state: Sequence[torch.Tensor], shaper: Optimizer | None = None) -> None:
-    """The same pass as `_torch_ops`, in as few kernel calls as the value slots allow: one for an
-    SPSA step, and always one for Rademacher z, whose streams need no slot. A rule that is not
-    separable gets all its terms in its first call (each Gaussian term holds a slot); a separable
+    """The same pass as `_torch_ops`, in as few kernel calls as the value slots allow: always one
+    where z is a counter stream (the CPU's Gaussian and Rademacher z), which needs no slot. A rule
+    that is not separable gets all its terms in its first call (each pre-drawn term, a low-rank
+    rule's, holds a slot); a separable
     one (sgd) may spread them over calls. Copies whose z no longer fits follow in calls that only
     write copies, reading the updated master: sgd's case with nothing to apply, or, for a shaper, its
     own case with no term (which shapes the copies by the state and changes nothing)."""

@@ -1,11 +1,12 @@
 """Fused CPU kernels (`kernels.c`): one pass over a chunk applies the pending update and writes every
 working copy of the step.
 
-torch runs each elementwise operation as its own pass over a chunk. For a Rademacher step that is
-about six passes (hash the stream, expand the signs, scale them, update, two copies), each reading
-and writing megabytes, where one pass would do. `kernels.c` does the whole chunk in one pass, and z never
-touches memory. It performs the same floating-point operations on every element as the torch path,
-so the two agree bitwise (`tests/unit/test_native.py`). The result of a run never depends on
+torch runs each elementwise operation as its own pass over a chunk. For a step that is about six
+passes (hash the stream, turn its words into z, scale it, update, two copies), each reading and
+writing megabytes, where one pass would do. `kernels.c` does the whole chunk in one pass, and z never
+touches memory (Gaussian and Rademacher z are counter streams, `distzo.zo.streams`, generated in
+the pass). It performs the same floating-point operations on every element as the torch path, so the
+two agree bitwise (`tests/unit/test_native.py`). The result of a run never depends on
 whether the kernels were used.
 
 The library is built on first use by torch's extension builder (`torch.utils.cpp_extension.load`:
@@ -42,9 +43,9 @@ from ..config.schema import SWITCH_VALUES, switch
 from ..errors import DistzoError
 from ..registry import registry  # the optimizers' update rules, which the kernels reproduce (their `kernel` cases)
 from ..zo.optimizers import CURVATURE  # the coefficient entry a HiZOO rule's constants read
-from ..zo.rademacher import (  # the stream's definition, which the kernels reproduce
+from ..zo.streams import (  # the streams' definitions, which the kernels reproduce
     Stream,
-    stream_signs,
+    stream_values,
 )
 from . import cuda
 from .cuda import CudaKernels
@@ -54,7 +55,8 @@ log = logging.getLogger("distzo")
 SOURCE = Path(__file__).with_name("kernels.c")
 NAME = "distzo_kernels"
 # -ffp-contract=off: no fused multiply-adds (they would round `x * decay - z` once, not twice).
-FLAGS = ("-O3", "-ffp-contract=off", "-fno-fast-math")
+# -fno-math-errno: sqrtf need not set errno, so its loops vectorise (the values are the same).
+FLAGS = ("-O3", "-ffp-contract=off", "-fno-fast-math", "-fno-math-errno")
 
 
 class NativeUnavailable(DistzoError):
@@ -67,7 +69,8 @@ Source = Stream | torch.Tensor
 
 
 class _CSource(ctypes.Structure):
-    _fields_ = [("values", ctypes.c_void_p), ("seed", ctypes.c_uint64), ("scale", ctypes.c_float)]
+    _fields_ = [("values", ctypes.c_void_p), ("seed", ctypes.c_uint64), ("scale", ctypes.c_float),
+                ("gaussian", ctypes.c_int32)]
 
 
 def _check_f32(t: torch.Tensor, what: str, min_numel: int) -> None:
@@ -84,30 +87,32 @@ class Kernels:
         self.path = path
         lib = ctypes.CDLL(str(path))
         i64, f32, i32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
-        lib.distzo_rademacher_fill.argtypes = [ptr, i64, ctypes.c_uint64, i64, f32]
-        lib.distzo_rademacher_rows.argtypes = [ptr, i64, i64, ptr, ptr, f32]
+        lib.distzo_stream_fill.argtypes = [ptr, i64, ctypes.c_uint64, i64, f32, i32]
+        lib.distzo_stream_rows.argtypes = [ptr, i64, i64, ptr, ptr, f32, i32]
         lib.distzo_chunk_rule.argtypes = [ptr, i64, i64, i32, ptr, ptr, ptr, i32, f32, i32, ptr, ptr, i32, ptr, i32,
                                           ptr, ptr, ptr, i32, f32]
-        for fn in (lib.distzo_rademacher_fill, lib.distzo_rademacher_rows, lib.distzo_chunk_rule):
+        for fn in (lib.distzo_stream_fill, lib.distzo_stream_rows, lib.distzo_chunk_rule):
             fn.restype = None
         self._lib = lib
 
-    def rademacher_fill(self, out: torch.Tensor, stream: Stream, offset: int = 0) -> torch.Tensor:
-        """out = elements [offset, offset + out.numel()) of the stream."""
+    def stream_fill(self, out: torch.Tensor, stream: Stream, offset: int = 0) -> torch.Tensor:
+        """out = elements [offset, offset + out.numel()) of the stream, times its scale."""
         _check_f32(out, "out", 0)
-        self._lib.distzo_rademacher_fill(out.data_ptr(), out.numel(), stream.seed, offset, stream.scale)
+        self._lib.distzo_stream_fill(out.data_ptr(), out.numel(), stream.seed, offset, stream.scale,
+                                     int(stream.gaussian))
         return out
 
-    def rademacher_rows(self, out: torch.Tensor, seeds: Sequence[int], offsets: Sequence[int],
-                        scale: float) -> torch.Tensor:
-        """Row r of out ([rows, row_numel]) = stream seeds[r] (unit magnitude times scale) from element offsets[r]."""
+    def stream_rows(self, out: torch.Tensor, seeds: Sequence[int], offsets: Sequence[int], scale: float,
+                    gaussian: bool = False) -> torch.Tensor:
+        """Row r of out ([rows, row_numel]) = the stream of seed seeds[r] (of unit scale, times `scale`)
+        from element offsets[r]."""
         rows = len(seeds)
         if out.dim() != 2 or out.shape[0] != rows or len(offsets) != rows:
-            raise ValueError(f"rademacher_rows: out {tuple(out.shape)} for {rows} seeds and {len(offsets)} offsets")
+            raise ValueError(f"stream_rows: out {tuple(out.shape)} for {rows} seeds and {len(offsets)} offsets")
         _check_f32(out, "out", 0)
         c_seeds = (ctypes.c_uint64 * rows)(*seeds)
         c_offsets = (ctypes.c_int64 * rows)(*offsets)
-        self._lib.distzo_rademacher_rows(out.data_ptr(), rows, out.shape[1], c_seeds, c_offsets, scale)
+        self._lib.distzo_stream_rows(out.data_ptr(), rows, out.shape[1], c_seeds, c_offsets, scale, int(gaussian))
         return out
 
     def chunk(self, master: torch.Tensor, rule: int, constants: Sequence[float], state: Sequence[torch.Tensor] = (),
@@ -147,10 +152,10 @@ class Kernels:
 
         def c_source(s: Source) -> _CSource:
             if isinstance(s, Stream):
-                return _CSource(None, s.seed, s.scale)
+                return _CSource(None, s.seed, s.scale, int(s.gaussian))
             _check_f32(s, "pre-drawn values", offset + n)
             keep.append(s)
-            return _CSource(s.data_ptr(), 0, 0.0)
+            return _CSource(s.data_ptr(), 0, 0.0, 0)
 
         c_terms = (_CSource * max(1, len(terms)))(*[c_source(s) for s, _ in terms])
         c_add = (ctypes.c_int * max(1, len(terms)))(*[int(add) for _, add in terms])
@@ -254,9 +259,10 @@ def self_check(kernels: Kernels) -> None:
     """Compare the library with the torch implementation on a few awkward ranges (a miscompiled or
     stale library must not silently change a run's directions)."""
     for seed, offset, n, scale in ((7, 0, 1000, 1.0), (2**64 - 5, 61, 300, 3.7e-4), (12345, 8, 77, 0.5)):
-        got = kernels.rademacher_fill(torch.empty(n), Stream(seed, scale), offset)
-        if not torch.equal(got, stream_signs(seed, offset, n, scale)):
-            raise NativeUnavailable(f"{kernels.path} disagrees with the torch reference; delete it to rebuild")
+        for gaussian in (False, True):
+            stream = Stream(seed, scale, gaussian)
+            if not torch.equal(kernels.stream_fill(torch.empty(n), stream, offset), stream_values(stream, offset, n)):
+                raise NativeUnavailable(f"{kernels.path} disagrees with the torch reference; delete it to rebuild")
     master = torch.linspace(-1, 1, 513)
     values = torch.linspace(0.5, -0.25, 520)
     plus = torch.empty(513)
@@ -269,12 +275,13 @@ def self_check(kernels: Kernels) -> None:
         rule = opt.rule(2, 1e-3, 0.0, ((0, 0.5), (1, -0.25), (CURVATURE, 3.0)))  # HiZOO's reads the curvature
         state = [torch.linspace(0.5, 1.5, 513) for _ in range(rule.slots)]
         got, got_state = master.clone(), [t.clone() for t in state]
-        terms = [(values, False), (Stream(3, 1e-3), True)][:opt.max_terms]
+        terms = [(Stream(5, 2e-3, True), False), (values, False), (Stream(3, 1e-3), True)][:opt.max_terms]
         kernels.chunk(got, rule.kernel, rule.constants, got_state, offset=7, decay=0.75, terms=terms,
-                      queries=[Stream(9, 0.25)], outs=[(plus, 0, 1)])
+                      queries=[Stream(9, 0.25, True)], outs=[(plus, 0, 1)])
         want = master.clone()
-        rule.apply(want, state, [(values[7:520], False), (stream_signs(3, 7, 513, 1e-3), True)][:opt.max_terms], 0.75)
-        z = stream_signs(9, 7, 513, 0.25)
+        rule.apply(want, state, [(stream_values(Stream(5, 2e-3, True), 7, 513), False), (values[7:520], False),
+                                 (stream_values(Stream(3, 1e-3), 7, 513), True)][:opt.max_terms], 0.75)
+        z = stream_values(Stream(9, 0.25, True), 7, 513)
         if opt.shapes_directions:
             z = opt.perturbation(z, state)
         if not (torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(got_state, state))

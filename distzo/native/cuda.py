@@ -42,7 +42,7 @@ import torch
 from ..zo import cuda_draws
 from ..zo.cuda_draws import split64
 from ..zo.optimizers import SGD
-from ..zo.rademacher import as_int64
+from ..zo.streams import as_int64
 from .rounding import CODES, as_kernel_arg, dtype_code
 
 if TYPE_CHECKING:

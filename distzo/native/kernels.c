@@ -5,12 +5,14 @@
  * element goes through exactly the floating-point operations of the torch path
  * (engine/chunkpass.py, the optimizers' `update`), one rounding per operation, so the two agree bitwise.
  * Build with -ffp-contract=off: a fused multiply-add would round `x * decay - z` once instead
- * of twice.
+ * of twice. (-fno-math-errno only lets sqrtf vectorise: it changes no value.)
  *
- * A noise source is either a buffer of pre-drawn, pre-scaled values (Gaussian z, drawn by torch)
- * or a Rademacher stream: element i of a chunk is +scale when bit (i % 64) of word (i / 64) of
- * the chunk's SplitMix64 stream is set, -scale otherwise, where word j = splitmix64 output j for
- * the chunk's seed (zo/directions.py implements the same stream with torch ops).
+ * A noise source is either a buffer of pre-drawn, pre-scaled values (a low-rank rule's z, drawn by
+ * torch) or a counter stream of the chunk's seed (distzo/zo/streams.py defines both, in torch ops),
+ * generated inside the pass: word j = splitmix64 output j for the chunk's seed;
+ *   Rademacher: element i is +scale when bit (i % 64) of word (i / 64) is set, -scale otherwise;
+ *   Gaussian: elements 2j and 2j + 1 are r cos t and r sin t of word j's Box-Muller transform,
+ *   times scale, with ln, cos and sin computed from float32 arithmetic alone (`gaussian_pairs`).
  */
 #include <stdint.h>
 #include <math.h>
@@ -29,13 +31,111 @@ typedef struct {
     const float *values; /* pre-drawn values of the chunk, indexed like the master; NULL: a stream */
     uint64_t seed;       /* the stream's chunk seed */
     float scale;         /* the stream's magnitude (|lr c_k| or eps) */
+    int32_t gaussian;    /* the stream's distribution: Gaussian (1) or Rademacher (0) */
 } distzo_source;
 
-static inline uint64_t stream_word(uint64_t seed, uint64_t j) {
+static inline __attribute__((always_inline)) uint64_t stream_word(uint64_t seed, uint64_t j) {
     uint64_t x = seed + (j + 1) * GAMMA;
     x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
     x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
     return x ^ (x >> 31);
+}
+
+/* float32 constants of the Gaussian stream, the same bits as zo/streams.py's: atanh's series 1/9 .. 1/3,
+ * sin's -1/3! .. 1/9! and cos's 1/4! .. -1/10! (highest power first), ln 2 in two parts (the high one
+ * exact in a product with an exponent), and (pi / 2) / 2^22, one step of the angle's 22-bit remainder. */
+#define LN_C9 0x1.c71c72p-4f
+#define LN_C7 0x1.24924ap-3f
+#define LN_C5 0x1.99999ap-3f
+#define LN_C3 0x1.555556p-2f
+#define SIN_C9 0x1.71de3ap-19f
+#define SIN_C7 -0x1.a01a02p-13f
+#define SIN_C5 0x1.111112p-7f
+#define SIN_C3 -0x1.555556p-3f
+#define COS_C10 -0x1.27e4fcp-22f
+#define COS_C8 0x1.a01a02p-16f
+#define COS_C6 -0x1.6c16c2p-10f
+#define COS_C4 0x1.555556p-5f
+#define LN2_HI 0x1.62e4p-1f
+#define LN2_LO 0x1.7f7d1cp-20f
+#define ANGLE_STEP 0x1.921fb6p-22f
+#define PAIRS (TILE / 2 + 1)
+/* The Gaussian tile is compiled for AVX-512, for AVX2 and for the baseline, and the loader picks the
+ * widest one the CPU runs (GCC's function multiversioning; x86-64 Linux). The clones give the same bits:
+ * every operation is an IEEE one, rounded once (no contraction into FMAs at any width), whatever the
+ * vector length. -DDISTZO_NO_CLONES compiles the baseline alone (tests/unit/test_native.py compares
+ * the widths). */
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(DISTZO_NO_CLONES)
+#define WIDEST_VECTORS __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define WIDEST_VECTORS
+#endif /* the words a tile of elements from any offset needs */
+
+static inline float bits_float(int32_t b) { float f; memcpy(&f, &b, sizeof f); return f; }
+static inline int32_t float_bits(float f) { int32_t b; memcpy(&b, &f, sizeof b); return b; }
+
+/* Box-Muller of n words, in the operations of zo/streams.py's `gaussian_pairs` and in its order:
+ * z[2t] = r cos t, z[2t + 1] = r sin t for word w[t]. Branch-free on 32-bit lanes, so it vectorises. */
+static inline __attribute__((always_inline)) void gaussian_pairs(const uint64_t *__restrict__ w, int n,
+                                                                 float *__restrict__ z) {
+    int32_t k[PAIRS], angle[PAIRS];
+    float cos_t[PAIRS], sin_t[PAIRS];
+    for (int t = 0; t < n; t++) {
+        k[t] = (int32_t)(w[t] >> 40) + 1;               /* u1 2^24 in [1, 2^24] */
+        angle[t] = (int32_t)((w[t] >> 16) & 0xFFFFFF);  /* t = pi (angle / 2^23 - 1) */
+    }
+    for (int t = 0; t < n; t++) {
+        const int32_t bits = float_bits((float)k[t]);
+        const int32_t mantissa = (bits & 0x007FFFFF) | 0x3F800000;
+        const int32_t big = mantissa > 0x3FB504F3; /* m above sqrt(2): halved */
+        const float m = bits_float(mantissa - (big << 23));
+        const float e = (float)((bits >> 23) - 127 + big - 24);
+        const float s = (m - 1.0f) / (m + 1.0f);
+        const float s2 = s * s;
+        float p = LN_C9;
+        p = p * s2 + LN_C7;
+        p = p * s2 + LN_C5;
+        p = p * s2 + LN_C3;
+        const float ln_m = (s + s) * (p * s2 + 1.0f);
+        const float r = sqrtf((e * LN2_HI + (e * LN2_LO + ln_m)) * -2.0f);
+        const int32_t quadrant = (angle[t] + (1 << 21)) >> 22;
+        const float x = (float)(angle[t] - (quadrant << 22)) * ANGLE_STEP;
+        const float x2 = x * x;
+        float sp = SIN_C9;
+        sp = sp * x2 + SIN_C7;
+        sp = sp * x2 + SIN_C5;
+        sp = sp * x2 + SIN_C3;
+        const float sin_x = x + x * (x2 * sp);
+        float cp = COS_C10;
+        cp = cp * x2 + COS_C8;
+        cp = cp * x2 + COS_C6;
+        cp = cp * x2 + COS_C4;
+        const float cos_x = (cp * x2 - 0.5f) * x2 + 1.0f;
+        /* cos and sin of t by quadrant mod 4: 0 (-cos x, -sin x), 1 (sin x, -cos x), 2 (cos x, sin x),
+         * 3 (-sin x, cos x); a sign flip of the bits is the negation torch performs */
+        const int32_t odd = -(quadrant & 1);
+        const int32_t c = (float_bits(sin_x) & odd) | (float_bits(cos_x) & ~odd);
+        const int32_t sn = (float_bits(cos_x) & odd) | (float_bits(sin_x) & ~odd);
+        cos_t[t] = r * bits_float(c ^ (int32_t)((uint32_t)(~(quadrant + 1) & 2) << 30));
+        sin_t[t] = r * bits_float(sn ^ (int32_t)((uint32_t)(~quadrant & 2) << 30));
+    }
+    for (int t = 0; t < n; t++) {
+        z[2 * t] = cos_t[t];
+        z[2 * t + 1] = sin_t[t];
+    }
+}
+
+/* Elements [start, start + n) of a Gaussian stream times its scale, n <= TILE. */
+WIDEST_VECTORS static void gaussian_tile(const distzo_source *s, int64_t start, int64_t n, float *buf) {
+    uint64_t w[PAIRS];
+    float z[2 * PAIRS];
+    const int64_t first = start >> 1;
+    const int words = (int)(((start + n + 1) >> 1) - first);
+    for (int t = 0; t < words; t++) w[t] = stream_word(s->seed, (uint64_t)(first + t));
+    gaussian_pairs(w, words, z);
+    const float *from = z + (start & 1);
+    const float scale = s->scale;
+    for (int64_t i = 0; i < n; i++) buf[i] = from[i] * scale;
 }
 
 /* +-1 for each bit of a byte, bit 0 first: the byte b of a stream word gives eight elements. */
@@ -46,17 +146,21 @@ __attribute__((constructor)) static void init_unit_signs(void) {
         for (int k = 0; k < 8; k++) unit_signs[b][k] = ((b >> k) & 1) ? 1.0f : -1.0f;
 }
 
-static inline float stream_element(const distzo_source *s, int64_t e) {
+static inline float sign_element(const distzo_source *s, int64_t e) {
     return ((stream_word(s->seed, (uint64_t)e >> 6) >> (e & 63)) & 1) ? s->scale : -s->scale;
 }
 
 /* z of a source for chunk elements [start, start + n), n <= TILE: the pre-drawn values in place,
- * or the stream's values written to buf (+-1 times the scale: exact). */
+ * or the stream's values written to buf (Rademacher: +-1 times the scale, exact). */
 static const float *source_tile(const distzo_source *s, int64_t start, int64_t n, float *buf) {
     if (s->values) return s->values + start;
+    if (s->gaussian) {
+        gaussian_tile(s, start, n, buf);
+        return buf;
+    }
     const float scale = s->scale;
     int64_t i = 0;
-    for (; i < n && ((start + i) & 7); i++) buf[i] = stream_element(s, start + i); /* to a byte boundary */
+    for (; i < n && ((start + i) & 7); i++) buf[i] = sign_element(s, start + i); /* to a byte boundary */
     while (n - i >= 8) {
         const int64_t e = start + i;
         const uint64_t w = stream_word(s->seed, (uint64_t)e >> 6);
@@ -65,25 +169,25 @@ static const float *source_tile(const distzo_source *s, int64_t start, int64_t n
             for (int k = 0; k < 8; k++) buf[i + k] = u[k] * scale;
         }
     }
-    for (; i < n; i++) buf[i] = stream_element(s, start + i);
+    for (; i < n; i++) buf[i] = sign_element(s, start + i);
     return buf;
 }
 
-/* out[i] = z of a Rademacher stream at chunk element offset + i, for i < n. */
-void distzo_rademacher_fill(float *out, int64_t n, uint64_t seed, int64_t offset, float scale) {
-    distzo_source s = {0, seed, scale};
+/* out[i] = z of a stream (Gaussian or Rademacher) at chunk element offset + i, for i < n. */
+void distzo_stream_fill(float *out, int64_t n, uint64_t seed, int64_t offset, float scale, int gaussian) {
+    distzo_source s = {0, seed, scale, gaussian};
     for (int64_t i = 0; i < n; i += TILE) {
         int64_t m = n - i < TILE ? n - i : TILE;
         source_tile(&s, offset + i, m, out + i);  /* writes into out directly */
     }
 }
 
-/* Rows of a parameter's Rademacher z: row r (row_numel elements) starts at element offsets[r] of
- * the chunk whose seed is seeds[r]; out holds n_rows * row_numel floats. */
-void distzo_rademacher_rows(float *out, int64_t n_rows, int64_t row_numel, const uint64_t *seeds,
-                            const int64_t *offsets, float scale) {
+/* Rows of a parameter's z: row r (row_numel elements) starts at element offsets[r] of the chunk
+ * whose seed is seeds[r]; out holds n_rows * row_numel floats. */
+void distzo_stream_rows(float *out, int64_t n_rows, int64_t row_numel, const uint64_t *seeds,
+                        const int64_t *offsets, float scale, int gaussian) {
     for (int64_t r = 0; r < n_rows; r++)
-        distzo_rademacher_fill(out + r * row_numel, row_numel, seeds[r], offsets[r], scale);
+        distzo_stream_fill(out + r * row_numel, row_numel, seeds[r], offsets[r], scale, gaussian);
 }
 
 /* A magnitude mask (Sparse MeZO): z reaches element i only where |x[i]| <= h; elsewhere it is +0,

@@ -65,16 +65,16 @@ def replay(run_dir: Path, step: int | None = None, out: Path | None = None, devi
     if state["distribution"] == "gaussian" and state.get("device_type", "cpu") != torch.device(device).type:
         raise ReplayError(f"the run drew its Gaussian directions on {state['device_type']}; replay with --device "
                           f"{state['device_type']} (Gaussian generators differ between device types)")
-    # Snapshots from before the generator was recorded name only the device type: on CUDA that no
-    # longer matches this distzo's generator (its CUDA Gaussian z changed with DIRECTIONS_VERSION 4).
+    # Snapshots from before the generator was recorded name only the device type, which no longer
+    # matches this distzo's generator (CUDA Gaussian z changed with DIRECTIONS_VERSION 4, CPU's with 6).
     drawn_by = state.get("gaussian_generator") or state.get("device_type", "cpu")
     if state["distribution"] == "gaussian" and drawn_by != gaussian_generator_id(torch.device(device)):
         raise ReplayError(f"the run drew its Gaussian directions by {drawn_by}, and this machine draws by "
-                          f"{gaussian_generator_id(torch.device(device))} (CUDA Gaussian z uses the GPU "
-                          "architecture's own ln, cos and sin, and its scheme changed in distzo's directions "
-                          "version 5); replay on a GPU of the recorded architecture with the distzo version that "
-                          "trained it, or train with estimator.distribution=rademacher, whose directions are the "
-                          "same everywhere")
+                          f"{gaussian_generator_id(torch.device(device))} (the CPU's Gaussian scheme changed in "
+                          "distzo's directions version 6, CUDA's in version 5, and CUDA's uses the GPU "
+                          "architecture's own ln, cos and sin); replay with the distzo version that trained it "
+                          "(on a GPU of the recorded architecture for a CUDA run), or train with "
+                          "estimator.distribution=rademacher, whose directions are the same everywhere")
     todo = [r for r in records if state["step"] < r["step"] <= target]
     missing = sorted(set(range(state["step"] + 1, target + 1)) - {r["step"] for r in todo})
     if missing:

@@ -10,7 +10,7 @@ function of (seed, step, query, parameter, element), whatever the launch grid.
 
 Both distributions are counter streams here:
 
-- Rademacher: the stream of `distzo.zo.rademacher` (bit e % 64 of SplitMix64 word e // 64), bitwise
+- Rademacher: the stream of `distzo.zo.streams` (bit e % 64 of SplitMix64 word e // 64), bitwise
   the same values as on the CPU.
 - Gaussian: elements 2j and 2j + 1 of a chunk are the two outputs of the Box-Muller transform of
   word j of the chunk's SplitMix64 stream: u1 = (top 24 bits + 1) / 2^24 in (0, 1], u2 = (next 24

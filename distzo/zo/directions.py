@@ -9,13 +9,13 @@ parameter sees, and any chunk can be regenerated on its own, on any rank, in any
 Chunks: a parameter is cut into chunks of whole rows (for tensors with two or more dimensions) of
 about `CHUNK_NUMEL` elements.
 
-On the CPU, Gaussian z is drawn with torch's `normal_` from a generator seeded with the chunk's
-seed, so a Gaussian chunk is always generated whole and its values never depend on how the caller
-slices the tensor. Rademacher z is a counter stream (`distzo.zo.rademacher`, the stream's one
+On the CPU both distributions are counter streams of the chunk's seed (`distzo.zo.streams`, their one
 definition), so any element range of a chunk can be drawn on its own (embedding rows, a rank's
-slice), the same on every device. On CUDA both are counter streams drawn by one Triton kernel
-(`distzo.zo.cuda_draws`) for a whole span of chunks per launch: the step's host work then grows with
-the number of parameters, not of chunks.
+slice), and the fused kernels generate z inside their pass over the weights. Rademacher z is the same
+on every device; Gaussian z is the same on every CPU (its ln, cos and sin are float32 arithmetic, not
+a maths library's). On CUDA both are counter streams drawn by one Triton kernel (`distzo.zo.cuda_draws`)
+for a whole span of chunks per launch: the step's host work then grows with the number of
+parameters, not of chunks.
 
 This module says which z a chunk has. Where the work runs (threads, scratch buffers, the bench's
 clock) is `distzo.zo.workers`, which `Directions` delegates to.
@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Protocol, Se
 import torch
 
 from . import cuda_draws
-from .rademacher import Stream, as_int64, mix64, stream_rows, stream_signs
+from .streams import GAUSSIAN_SCHEME, Stream, as_int64, mix64, stream_rows, stream_values
 from .workers import CHUNK_NUMEL, ChunkWorkers
 
 if TYPE_CHECKING:
@@ -40,14 +40,14 @@ if TYPE_CHECKING:
     from .params import TrainableParams as TrainableParams
 
 
-class RademacherKernels(Protocol):
+class StreamKernels(Protocol):
     """What directions ask of the fused CPU kernels (`distzo.native.Kernels`, a layer above): the
-    Rademacher stream drawn in C, bitwise its definition in `rademacher`."""
+    streams drawn in C, bitwise their definitions in `streams`."""
 
-    def rademacher_fill(self, out: torch.Tensor, stream: Stream, offset: int = 0) -> torch.Tensor: ...
+    def stream_fill(self, out: torch.Tensor, stream: Stream, offset: int = 0) -> torch.Tensor: ...
 
-    def rademacher_rows(self, out: torch.Tensor, seeds: Sequence[int], offsets: Sequence[int],
-                        scale: float) -> torch.Tensor: ...
+    def stream_rows(self, out: torch.Tensor, seeds: Sequence[int], offsets: Sequence[int], scale: float,
+                    gaussian: bool = False) -> torch.Tensor: ...
 
 # Bump when the seed -> z mapping changes; snapshots and run summaries record it.
 # 2: Rademacher signs unpacked from random bytes (8 per byte) instead of one draw per element.
@@ -56,7 +56,9 @@ class RademacherKernels(Protocol):
 #    torch's CUDA normal_; CPU z unchanged. Which GPU drew it is `gaussian_generator_id`'s business.
 # 5: CUDA Gaussian z takes both Box-Muller outputs of each word and the GPU's approximate ln, cos and
 #    sin (`cuda_draws.GAUSSIAN_SCHEME`, in `gaussian_generator_id`); CPU z unchanged.
-DIRECTIONS_VERSION = 5
+# 6: CPU Gaussian z is a counter stream (Box-Muller of SplitMix64 words, ln, cos and sin in float32
+#    arithmetic: `streams.GAUSSIAN_SCHEME`) instead of torch's CPU normal_; CUDA z unchanged.
+DIRECTIONS_VERSION = 6
 # The first scheme that drew each distribution's z as this distzo does (snapshots and run logs
 # record DIRECTIONS_VERSION; `same_directions` compares a recorded one with this distzo's).
 SCHEME_SINCE = {"gaussian": 1, "rademacher": 3}
@@ -184,22 +186,23 @@ class Directions:
         return out
 
     def stream(self, step: int, query: int, ref: ChunkRef, scale: float = 1.0) -> Stream | None:
-        """Chunk `ref`'s z times scale as a counter stream (Rademacher), or None where z has to be
-        drawn into memory (`fill_chunk`)."""
-        if self.distribution != "rademacher":
+        """Chunk `ref`'s z times scale as a counter stream that a fused pass generates itself, or
+        None where z has to be drawn into memory (`fill_chunk`: on CUDA, by the draw kernel)."""
+        gaussian = self.distribution == "gaussian"
+        if gaussian and self.counter_draws:
             return None
-        return Stream(self.chunk_seed(step, query, ref.key, ref.index), scale)
+        return Stream(self.chunk_seed(step, query, ref.key, ref.index), scale, gaussian)
 
     def fill_stream(self, out: torch.Tensor, stream: Stream, offset: int = 0) -> torch.Tensor:
-        """out = elements [offset, offset + out.numel()) of a counter stream."""
+        """out = elements [offset, offset + out.numel()) of a counter stream, times its scale."""
         if self._cpu_kernels is not None and out.dtype == torch.float32 and out.is_contiguous():
-            return self._cpu_kernels.rademacher_fill(out, stream, offset)
-        return out.copy_(stream_signs(stream.seed, offset, out.numel(), stream.scale, out.device))
+            return self._cpu_kernels.stream_fill(out, stream, offset)
+        return out.copy_(stream_values(stream, offset, out.numel(), out.device))
 
     def fill_chunk(self, out: torch.Tensor, step: int, query: int, ref: ChunkRef, scale: float = 1.0) -> torch.Tensor:
         """Write scale * chunk `ref`'s z into `out` (a float32 tensor of ref.stop - ref.start
-        elements). scale >= 0; on CPU it is folded into the draw, one pass instead of two, with the
-        value of z.mul_(scale) bitwise (`tests/unit/test_directions.py` checks that)."""
+        elements). scale >= 0, folded into the draw, one pass instead of two, with the value of
+        z.mul_(scale) bitwise (`tests/unit/test_directions.py` checks that)."""
         if scale < 0:
             raise ValueError(f"a draw's scale is a standard deviation; got {scale}")
         if self.clock is None:
@@ -214,18 +217,8 @@ class Directions:
         if self.counter_draws:
             return cuda_draws.fill_span(out, self.key_hash(step, query, ref.key), ref.index,
                                         ref.per_chunk, scale, self.distribution == "gaussian")
-        stream = self.stream(step, query, ref, scale)
-        if stream is not None:
-            return self.fill_stream(out, stream)  # +-scale is exact: the value of z.mul_(scale)
-        gen = torch.Generator(device=self.device)
-        gen.manual_seed(self.chunk_seed(step, query, ref.key, ref.index))
-        if self.device.type == "cpu" and out.numel() >= 16:
-            out.normal_(0.0, scale, generator=gen)  # the vectorised Box-Muller computes fl(z * std)
-        else:  # CUDA, and CPU under 16 elements (drawn in double there): z first, then the scale
-            out.normal_(generator=gen)
-            if scale != 1.0:
-                out.mul_(scale)
-        return out
+        return self.fill_stream(out, Stream(self.chunk_seed(step, query, ref.key, ref.index), scale,
+                                            self.distribution == "gaussian"))
 
     def generate(self, shape: Sequence[int], key: int, step: int, query: int) -> torch.Tensor:
         """The full z of one parameter (float32, contiguous)."""
@@ -236,42 +229,21 @@ class Directions:
         return z
 
     def rows(self, shape: Sequence[int], key: int, step: int, query: int, rows: torch.Tensor) -> torch.Tensor:
-        """z[rows] of a parameter (rows along dim 0): only those rows of a counter stream, otherwise
-        the chunks that hold those rows."""
+        """z[rows] of a parameter (rows along dim 0): only those rows of its counter streams."""
+        gaussian = self.distribution == "gaussian"
+        row = row_numel(shape)
+        rows_per_chunk = chunk_numel(shape) // row
         if self.counter_draws:  # one launch, and no wait for the host to see the row indices
-            out = torch.empty((rows.numel(), row_numel(shape)), dtype=torch.float32, device=self.device)
-            return cuda_draws.fill_rows(out, self.key_hash(step, query, key), rows, row_numel(shape),
-                                        chunk_numel(shape) // row_numel(shape), 1.0, self.distribution == "gaussian")
-        if self.distribution == "rademacher":
-            return self._stream_rows(shape, key, step, query, rows)
-        row = row_numel(shape)
-        rows_per_chunk = chunk_numel(shape) // row
-        out = torch.empty((rows.numel(), row), dtype=torch.float32, device=self.device)
-        chunk_of_row = torch.div(rows, rows_per_chunk, rounding_mode="floor")
-        refs = {r.index: r for r in chunks_of(key, shape)}
-        needed = sorted(set(chunk_of_row.tolist()))
-
-        def one(index: int) -> None:
-            ref = refs[index]
-            z = self.fill_chunk(self.scratch(ref.stop - ref.start), step, query, ref)
-            sel = (chunk_of_row == index).nonzero().view(-1)
-            local = rows[sel] - index * rows_per_chunk
-            out[sel] = z.view(-1, row)[local]
-
-        self.map(one, needed)
-        return out
-
-    def _stream_rows(self, shape: Sequence[int], key: int, step: int, query: int, rows: torch.Tensor) -> torch.Tensor:
-        row = row_numel(shape)
-        rows_per_chunk = chunk_numel(shape) // row
+            out = torch.empty((rows.numel(), row), dtype=torch.float32, device=self.device)
+            return cuda_draws.fill_rows(out, self.key_hash(step, query, key), rows, row, rows_per_chunk, 1.0, gaussian)
         refs = chunks_of(key, shape)
         rows_cpu = rows.tolist()
         seeds = [self.chunk_seed(step, query, key, refs[r // rows_per_chunk].index) for r in rows_cpu]
         offsets = [(r % rows_per_chunk) * row for r in rows_cpu]
         if self._cpu_kernels is not None:
-            return self._cpu_kernels.rademacher_rows(torch.empty(len(rows_cpu), row), seeds, offsets, 1.0)
+            return self._cpu_kernels.stream_rows(torch.empty(len(rows_cpu), row), seeds, offsets, 1.0, gaussian)
         return stream_rows(torch.tensor([as_int64(s) for s in seeds], dtype=torch.int64, device=self.device),
-                           torch.tensor(offsets, dtype=torch.int64, device=self.device), row)
+                           torch.tensor(offsets, dtype=torch.int64, device=self.device), row, 1.0, gaussian)
 
     # --- what a direction rule may add (low-rank factors, a magnitude mask) ------------------------
 
@@ -319,13 +291,17 @@ class Directions:
 
 
 def gaussian_generator_id(device: torch.device) -> str:
-    """What a device's Gaussian draws depend on besides the seed: the device type, and on CUDA the
-    stream's scheme and the GPU architecture. CUDA Gaussian z is a counter stream (`cuda_draws`),
+    """What a device's Gaussian draws depend on besides the seed: the device type and the stream's
+    scheme, and on CUDA the GPU architecture. CUDA Gaussian z is a counter stream (`cuda_draws`),
     independent of the launch grid and so of the SM count (H100 SXM, H100 PCIe and MIG slices draw the
     same z), but its ln, cos and sin are the architecture's own approximate instructions, so another
-    compute capability may round differently. Runs of the earlier CUDA scheme recorded
-    "cuda:counter-gaussian:sm_XY". Rademacher z is a counter stream of signs: the same everywhere."""
+    compute capability may round differently. CPU Gaussian z (`streams`) is float32 arithmetic alone:
+    the same on every CPU. Runs of earlier schemes recorded "cpu" (torch's normal_, before
+    DIRECTIONS_VERSION 6) and "cuda:counter-gaussian:sm_XY". Rademacher z is a counter stream of signs:
+    the same everywhere."""
     device = torch.device(device)
+    if device.type == "cpu":
+        return f"cpu:{GAUSSIAN_SCHEME}"
     if device.type != "cuda":
         return device.type
     major, minor = torch.cuda.get_device_capability(device)

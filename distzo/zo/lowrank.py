@@ -39,7 +39,7 @@ import torch
 
 from .directions import ChunkRef, Directions, row_numel
 from .params import TrainableParams
-from .rademacher import Stream, mix64
+from .streams import Stream, mix64
 
 _A_SALT, _B_SALT, _U_SALT = 0x10_20A, 0x10_20B, 0x10_20C  # keep the factors' streams apart
 UPDATE_QUERY = -5  # the update of a step with factor momentum: M_t B^T, in place of the step's terms

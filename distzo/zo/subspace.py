@@ -23,7 +23,7 @@ from torch import nn
 
 from .directions import ChunkRef, Directions
 from .params import TrainableParams
-from .rademacher import Stream, mix64
+from .streams import Stream, mix64
 
 _R_SALT = 0x5A67D0_A620  # keeps R's stream apart from a dense z of the same parameter
 _OMEGA_QUERY = -2  # the power iteration's test matrix: its own coordinate in the seed hash

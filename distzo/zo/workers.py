@@ -1,7 +1,7 @@
 """Where chunk work runs: a thread pool, per-thread scratch buffers and an optional work clock.
 
-On CPU, torch's RNG kernels are single-threaded, so independent chunks run on several threads (the
-ops and the fused kernels release the GIL); on CUDA the kernels are asynchronous already and work
+On CPU, independent chunks run on several threads (the fused kernels and torch's ops release the
+GIL), each chunk's work on one core while it is in cache; on CUDA the kernels are asynchronous already and work
 runs on the calling thread. This is execution machinery only: which z a chunk has is defined in
 `distzo.zo.directions` and does not depend on it.
 """

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from distzo.run.training import train
 from distzo.telemetry.jsonl import read_jsonl
 from distzo.zo.directions import Directions, chunks_of, param_key
-from distzo.zo.rademacher import as_int64, stream_signs, stream_words
+from distzo.zo.streams import as_int64, stream_signs, stream_words
 from tests.conftest import make_config
 from tests.distributed.launch import ENV
 

@@ -237,7 +237,7 @@ DRAW_CHECK = textwrap.dedent("""
     import numpy as np
     import torch
     from distzo.zo import cuda_draws
-    from distzo.zo.rademacher import mix64, stream_signs
+    from distzo.zo.streams import mix64, stream_signs
 
     def gaussian(seed, n):  # the module docstring's Box-Muller pairs of SplitMix64 words, in numpy float32
         words = [mix64((seed + j * 0x9E3779B97F4A7C15) & (2**64 - 1)) for j in range((n + 1) // 2)]
@@ -270,7 +270,7 @@ DRAW_CHECK = textwrap.dedent("""
 
 def test_the_draw_kernel_is_the_counter_streams_under_the_interpreter():
     """`cuda_draws`' kernel, run by Triton's interpreter, draws the streams its docstring defines
-    (Rademacher: `distzo.zo.rademacher`'s; Gaussian: both Box-Muller outputs of each of the same
+    (Rademacher: `distzo.zo.streams`'s; Gaussian: both Box-Muller outputs of each of the same
     SplitMix64 words, in float32 numpy here as in the interpreter, whose ln, cos and sin stand in for
     the GPU's approximate instructions) for hashes on either side of 2^31 and 2^63, which the launch
     splits into halves and the kernel joins; and an embedding's rows, drawn element by element from

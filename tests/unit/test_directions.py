@@ -57,8 +57,8 @@ def test_distributions():
 @pytest.mark.parametrize("distribution", ["gaussian", "rademacher"])
 @pytest.mark.parametrize("numel", [5, 17, 65536 + 5, 1 << 20])
 def test_a_scaled_draw_is_the_draw_times_the_scale(distribution, numel):
-    """The engine folds eps (and |lr c_k|) into the draw; that must be bitwise z.mul_(scale), with the
-    installed torch (its vectorised Box-Muller, and its per-element path under 16 elements)."""
+    """The engine folds eps (and |lr c_k|) into the draw; that must be bitwise z.mul_(scale), on the
+    torch path and the kernels' alike (tests/unit/test_native.py checks that the two draw the same)."""
     d = Directions(11, distribution)
     ref = chunks_of(param_key("w"), (numel,))[0]
     for scale in (3.7e-4, 1.0, 0.0):
@@ -107,3 +107,40 @@ def test_spans_of_whole_chunks_cover_exactly_the_wanted_elements(monkeypatch, wi
         a, b = (ref.start, ref.stop) if part is None else (ref.start + part[0], ref.start + part[1])
         covered += range(a, b)
     assert covered == list(range(lo, hi))
+
+
+def test_a_run_drawn_by_the_earlier_cpu_gaussian_scheme_continues_from_its_snapshot(tmp_path, caplog):
+    """Before directions version 6 the CPU drew Gaussian z with torch's normal_, and runs recorded the
+    generator "cpu". This distzo cannot re-apply the steps such a run logged after its snapshot (their z
+    is not the z it draws): `resume=auto` continues from the snapshot, with a warning that names both
+    generators, and `replay` refuses, naming them too."""
+    import json
+    import shutil
+
+    import distzo
+    from distzo.run.replay import ReplayError
+    from distzo.telemetry.jsonl import read_jsonl
+
+    def run(*overrides):
+        cfg = distzo.compose("model=tiny", "task=synthetic-cue", "steps=5", "eval_every=0", "task.val_size=8",
+                             "task.test_size=8", "batch_size=8", "optim.lr=1e-3", "checkpoint.every=2",
+                             "threads=1", "log_every=1000", *overrides)
+        return distzo.train(cfg, tmp_path / "run")
+
+    run()
+    old = tmp_path / "run"
+    shutil.rmtree(old / "checkpoints" / "step-00000005")  # the newest snapshot is step 4's, step 5 logged after it
+    shutil.rmtree(old / "final")
+    for recorded in [old / "run.json", *old.glob("checkpoints/*/state.json")]:
+        state = json.loads(recorded.read_text())
+        assert state["gaussian_generator"] == "cpu:gaussian-pairs-series"  # this distzo's, recorded
+        recorded.write_text(json.dumps({**state, "gaussian_generator": "cpu", "directions_version": 5}))
+    with pytest.raises(ReplayError, match=r"drew its Gaussian directions by cpu, and this machine draws by "
+                                          r"cpu:gaussian-pairs-series \(the CPU's Gaussian scheme changed"):
+        distzo.replay(old, step=5)
+    with caplog.at_level("WARNING", logger="distzo"):
+        run("steps=6", "resume=auto")
+    assert ("cannot be re-applied (its Gaussian directions were drawn by cpu, this run draws by "
+            "cpu:gaussian-pairs-series); continuing from the snapshot") in caplog.text
+    assert json.loads((old / "summary.json").read_text())["resumed_from_step"] == 4  # step 5 not re-applied
+    assert [r["step"] for r in read_jsonl(old / "trajectory.jsonl")] == [1, 2, 3, 4, 5, 6]

@@ -1,7 +1,9 @@
-"""The fused CPU kernels (distzo/native) against the torch ops they replace, bitwise; the Rademacher
-counter stream against its definition; building, loading and the ways that fails."""
+"""The fused CPU kernels (distzo/native) against the torch ops they replace, bitwise; the counter
+streams (Rademacher and Gaussian) against their definitions; building, loading and the ways that fails."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -14,10 +16,10 @@ from distzo.zo.directions import (
     chunks_of,
     param_key,
     stream_rows,
-    stream_signs,
 )
 from distzo.zo.optimizers import SGD
 from distzo.zo.params import TrainableParam
+from distzo.zo.streams import gaussian_pairs, stream_gaussians, stream_signs, stream_values
 
 MASK = (1 << 64) - 1
 
@@ -43,28 +45,96 @@ def test_stream_is_its_definition_in_torch_and_in_the_kernels(kernels, seed, off
     bits = [(splitmix_word(seed, (offset + i) >> 6) >> ((offset + i) & 63)) & 1 for i in range(n)]
     expected = torch.tensor([0.25 if b else -0.25 for b in bits])
     assert torch.equal(stream_signs(seed, offset, n, 0.25), expected)
-    assert torch.equal(kernels.rademacher_fill(torch.empty(n), native.Stream(seed, 0.25), offset), expected)
+    assert torch.equal(kernels.stream_fill(torch.empty(n), native.Stream(seed, 0.25), offset), expected)
 
 
-def test_any_range_of_a_rademacher_chunk_is_the_slice_of_the_whole(kernels):
-    for d in (Directions(3, "rademacher"), Directions(3, "rademacher", kernels=kernels)):
+def exact_box_muller(seed: int, offset: int, n: int) -> list[float]:
+    """Elements [offset, offset + n) of the Gaussian stream's transform in float64 (math's ln, cos and
+    sin), from the words in Python integers: the definition the float32 stream approximates."""
+    out = []
+    for e in range(offset, offset + n):
+        word = splitmix_word(seed, e >> 1)
+        u1, u2 = ((word >> 40) + 1) / 2**24, ((word >> 16) & 0xFFFFFF) / 2**24
+        r, t = math.sqrt(-2 * math.log(u1)), math.pi * (2 * u2 - 1)
+        out.append(r * (math.sin(t) if e & 1 else math.cos(t)))
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2**63 + 17, MASK])
+@pytest.mark.parametrize("offset,n", [(0, 200), (5, 130), (64, 64), (127, 3), (8, 1), (255, 258)])
+def test_gaussian_stream_is_the_box_muller_transform_in_torch_and_in_the_kernels(kernels, seed, offset, n):
+    """Torch's and the kernels' Gaussian stream are bitwise one another (from odd and even offsets,
+    across the kernels' 256-element tiles) and within 1.5e-6 of the exact transform of the same words.
+    The bound: |r - r_exact| <= 4.6e-7 over every u1 (all 2^24), |cos, sin - exact| <= 1.4e-7 over
+    every angle (all 2^24), r <= 5.77, and the product's rounding (half an ulp, <= 2.4e-7):
+    4.6e-7 + 5.77 x 1.4e-7 + 2.4e-7 < 1.5e-6 (`distzo.zo.streams`)."""
+    stream = native.Stream(seed, 1.0, True)
+    got = stream_gaussians(seed, offset, n)
+    assert torch.equal(kernels.stream_fill(torch.empty(n), stream, offset), got)
+    assert torch.equal(stream_values(stream, offset, n), got)
+    exact = torch.tensor(exact_box_muller(seed, offset, n), dtype=torch.float64)
+    assert (got.double() - exact).abs().max() <= 1.5e-6
+    scaled = kernels.stream_fill(torch.empty(n), native.Stream(seed, 3.7e-4, True), offset)
+    assert torch.equal(scaled, got * torch.tensor(3.7e-4))  # fl(z x fl32(scale)), as z.mul_(scale)
+
+
+def test_the_gaussian_stream_is_standard_normal_and_reaches_its_extremes():
+    """2^22 values: mean, variance and kurtosis of N(0, 1) to their sampling error (4-5 standard
+    errors: 0.0025, 0.0035, 0.012); and the words at u1's ends: u1 = 2^-24 gives r = sqrt(48 ln 2) =
+    5.768 (the largest |z|), u1 = 1 gives r = 0, exactly (a word whose top 24 bits are all set)."""
+    z = stream_gaussians(12345, 0, 1 << 22).double()
+    assert abs(z.mean()) < 0.0025 and abs(z.var() - 1) < 0.0035
+    assert abs((z**4).mean() / z.var() ** 2 - 3) < 0.012
+    lowest, highest = torch.tensor([0]), torch.tensor([-1])  # words 0 and 2^64 - 1 (int64 bit patterns)
+    assert abs(gaussian_pairs(lowest)[0].item() + math.sqrt(48 * math.log(2))) < 1e-6  # cos(-pi) = -1
+    assert gaussian_pairs(highest)[0].item() == 0 and gaussian_pairs(highest)[1].item() == 0
+
+
+def test_every_vector_width_draws_the_same_gaussian_bits(tmp_path):
+    """kernels.c compiles the Gaussian tile for AVX-512, AVX2 and the x86-64 baseline and runs the widest
+    the CPU has; each width, built alone (-DDISTZO_NO_CLONES -march=...), draws the torch definition's
+    bits. Every width this CPU runs is checked (the suite's machines run all three; elsewhere the
+    self-check at load still vouches for the one chosen)."""
+    import platform
+    import subprocess
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the clones are x86-64 only")
+    flags = open("/proc/cpuinfo").read().split()
+    widths = ["x86-64"] + ["x86-64-v3"] * ("avx2" in flags and "fma" in flags) + ["x86-64-v4"] * ("avx512f" in flags)
+    want = stream_values(native.Stream(77, 0.3, True), 5, 70001)
+    for march in widths:
+        lib = tmp_path / f"kernels-{march}.so"
+        command = [native.compiler(), "-x", "c++", "-shared", "-fPIC", *native.FLAGS, f"-march={march}",
+                   "-DDISTZO_NO_CLONES", str(native.SOURCE), "-o", str(lib)]
+        build = subprocess.run(command, capture_output=True, text=True)
+        assert build.returncode == 0, build.stderr[-2000:]
+        got = native.Kernels(lib).stream_fill(torch.empty(70001), native.Stream(77, 0.3, True), 5)
+        assert torch.equal(got, want), march
+
+
+@pytest.mark.parametrize("distribution", ["gaussian", "rademacher"])
+def test_any_range_of_a_chunk_is_the_slice_of_the_whole(kernels, distribution):
+    for d in (Directions(3, distribution), Directions(3, distribution, kernels=kernels)):
         ref = chunks_of(param_key("w"), (1000, 37))[0]
         whole = d.fill_chunk(torch.empty(ref.stop), 2, 1, ref)
         stream = d.stream(2, 1, ref)
-        for lo, hi in ((0, 1), (1, 100), (63, 65), (777, ref.stop)):
+        for lo, hi in ((0, 1), (1, 100), (63, 65), (255, 513), (777, ref.stop)):
             assert torch.equal(d.fill_stream(torch.empty(hi - lo), stream, lo), whole[lo:hi])
 
 
-def test_rows_of_a_stream(kernels):
-    seeds, offsets = [3, MASK, 2**63], [0, 70, 1000]
+@pytest.mark.parametrize("gaussian", [False, True])
+def test_rows_of_a_stream(kernels, gaussian):
+    seeds, offsets = [3, MASK, 2**63], [0, 71, 1000]
     as_int64 = torch.tensor([s - (1 << 64) if s >= 1 << 63 else s for s in seeds])
-    rows = stream_rows(as_int64, torch.tensor(offsets), 50, 0.5)
+    rows = stream_rows(as_int64, torch.tensor(offsets), 50, 0.5, gaussian)
     for r, (s, o) in enumerate(zip(seeds, offsets)):
-        assert torch.equal(rows[r], stream_signs(s, o, 50, 0.5))
-    assert torch.equal(kernels.rademacher_rows(torch.empty(3, 50), seeds, offsets, 0.5), rows)
+        assert torch.equal(rows[r], stream_values(native.Stream(s, 0.5, gaussian), o, 50))
+    assert torch.equal(kernels.stream_rows(torch.empty(3, 50), seeds, offsets, 0.5, gaussian), rows)
     shape, key = (9000, 130), param_key("table")  # Directions.rows: only the rows asked for
     index = torch.tensor([8999, 0, 4500, 17, 8064])
-    for d in (Directions(4, "rademacher"), Directions(4, "rademacher", kernels=kernels)):
+    distribution = "gaussian" if gaussian else "rademacher"
+    for d in (Directions(4, distribution), Directions(4, distribution, kernels=kernels)):
         assert torch.equal(d.rows(shape, key, 2, 3, index), d.generate(shape, key, 2, 3)[index])
 
 
@@ -113,8 +183,16 @@ def test_fused_pass_is_bitwise_the_torch_ops(kernels, distribution, case, monkey
     assert all(not torch.equal(out, master[lo:hi]) for out in outs)  # every copy is perturbed
 
 
-def test_a_gaussian_step_with_many_terms_spans_several_calls(kernels, monkeypatch):
-    """More drawn values than VALUE_SLOTS: the pass is split into calls, terms before copies."""
+class _PreDrawn(Directions):
+    """Directions whose z is drawn into memory, as a low-rank rule's factors are (no stream)."""
+
+    def stream(self, step, query, ref, scale=1.0):
+        return None
+
+
+def test_a_step_with_more_pre_drawn_terms_than_slots_spans_several_calls(kernels, monkeypatch):
+    """More drawn values than VALUE_SLOTS: the pass is split into calls, terms before copies, and the
+    result is the one call's (counter streams need no slot)."""
     calls = []
     original = kernels.chunk
 
@@ -123,12 +201,17 @@ def test_a_gaussian_step_with_many_terms_spans_several_calls(kernels, monkeypatc
         return original(master, rule, constants, state, offset, decay, terms, queries, outs)
 
     monkeypatch.setattr(kernels, "chunk", counting)
-    d = Directions(2, "gaussian", threads=1, kernels=kernels)
-    p = _param(3000, True, 0)
-    chunk_pass(d, p, chunks_of(p.key, p.shape)[0], p.tensor,
-               PendingUpdate(1, ((0, 1.0), (1, 2.0), (2, -1.0)), 1e-3, 0.1, SGD().rule(1, 1e-3, 0.1)),
-               step=2, eps=1e-3, copies={0: [(1, torch.empty(3000))], 1: [(-1, torch.empty(3000))]})
-    assert calls == [(2, 0, 0, True), (1, 1, 1, False), (0, 1, 1, False)]
+    results = []
+    for cls in (_PreDrawn, Directions):
+        d = cls(2, "gaussian", threads=1, kernels=kernels)
+        p = _param(3000, True, 0)
+        copies = {0: [(1, torch.empty(3000))], 1: [(-1, torch.empty(3000))]}
+        chunk_pass(d, p, chunks_of(p.key, p.shape)[0], p.tensor,
+                   PendingUpdate(1, ((0, 1.0), (1, 2.0), (2, -1.0)), 1e-3, 0.1, SGD().rule(1, 1e-3, 0.1)),
+                   step=2, eps=1e-3, copies=copies)
+        results.append([p.tensor, copies[0][0][1], copies[1][0][1]])
+    assert calls == [(2, 0, 0, True), (1, 1, 1, False), (0, 1, 1, False), (3, 2, 2, True)]
+    assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
 def test_subspace_chunks_are_not_streams():
@@ -230,10 +313,15 @@ def test_an_unusable_cache_falls_back_or_says_which_key_to_set(fresh, monkeypatc
         native.load("true")
 
 
-def test_a_library_that_disagrees_with_torch_is_refused(fresh, monkeypatch, tmp_path):
-    """The self-check at load: a library whose stream differs (here: signs flipped) must not be used."""
+@pytest.mark.parametrize("change", [("? 1.0f : -1.0f", "? -1.0f : 1.0f"),  # Rademacher signs flipped
+                                    ("#define ANGLE_STEP 0x1.921fb6p-22f", "#define ANGLE_STEP 0x1.921fb8p-22f")])
+def test_a_library_that_disagrees_with_torch_is_refused(fresh, monkeypatch, tmp_path, change):
+    """The self-check at load: a library whose streams differ (Rademacher signs flipped; the Gaussian
+    angle's step one unit in its last place off, which moves many z by an ulp) is not used."""
+    source = native.SOURCE.read_text()
+    assert change[0] in source
     tampered = tmp_path / "kernels.c"
-    tampered.write_text(native.SOURCE.read_text().replace("? 1.0f : -1.0f", "? -1.0f : 1.0f"))
+    tampered.write_text(source.replace(*change))
     monkeypatch.setattr(native, "SOURCE", tampered)
     with pytest.raises(native.NativeUnavailable, match="disagrees with the torch reference"):
         native.load("true")

@@ -1,0 +1,192 @@
+"""Counter streams: the one definition, in torch ops, of the z the CPU draws (Rademacher and Gaussian).
+
+Word j of a chunk's stream is output j of SplitMix64 started at the chunk's seed: the splitmix64
+finaliser of seed + (j + 1) * golden gamma, all modulo 2^64. z is a pure function of (seed, element),
+so any element range of a chunk can be drawn on its own, and the fused CPU kernels (`distzo/native`,
+which import `Stream` from here and are checked against `stream_values` when they load) generate the
+same values inside their pass without writing z to memory.
+
+- Rademacher: element e is +1 when bit e % 64 of word e // 64 is set, -1 otherwise. Exact, so the
+  same on every device.
+- Gaussian: elements 2j and 2j + 1 are the two outputs of the Box-Muller transform of word j, with the
+  bit layout of the CUDA stream (`distzo.zo.cuda_draws`): u1 = (top 24 bits + 1) / 2^24 in (0, 1],
+  u2 = (next 24 bits) / 2^24, r = sqrt(-2 ln u1), t = pi (2 u2 - 1), z_2j = r cos t, z_2j+1 = r sin t.
+  ln, cos and sin are computed here, not by a maths library, from float32 additions, multiplications,
+  one division and one square root, each rounded once (IEEE 754), so every CPU and every compiler
+  gives the same bits (libm's and torch's vectorised functions differ between instruction sets). ln
+  u1 = (e - 24) ln 2 + ln m with u1 2^24 = m 2^e, m in [sqrt(1/2), sqrt(2)), ln m = 2 atanh(s),
+  s = (m - 1) / (m + 1), by its series to s^9; t's quadrant comes from the angle's integer bits, and
+  cos and sin of the remainder in [-pi/4, pi/4] by their Taylor series to x^10 and x^9. Against the
+  exact transform of the same u1 and u2, z is off by at most 4e-6 (a relative 1e-6 of r, from
+  float32 rounding; the series' own errors are below 2e-9). The CUDA stream computes the same
+  transform with the GPU's approximate functions: the two agree to about 1e-5, not bitwise.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+
+_MASK64 = (1 << 64) - 1
+_GAMMA, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+
+
+def mix64(x: int) -> int:
+    """splitmix64 finaliser: a bijective 64-bit mix with good avalanche."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+
+@dataclass(frozen=True)
+class Stream:
+    """A chunk's z times scale as a counter stream: its seed, the scale, and the distribution
+    (Rademacher, or Gaussian when `gaussian`)."""
+
+    seed: int
+    scale: float
+    gaussian: bool = False
+
+
+def as_int64(c: int) -> int:
+    """A 64-bit pattern as the signed integer torch's int64 arithmetic (which wraps) works on."""
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns (torch's >> is arithmetic on int64)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def stream_words(seeds: torch.Tensor | int, words: torch.Tensor) -> torch.Tensor:
+    """SplitMix64 output `words` (int64 word indices) of the streams started at `seeds`, as int64
+    bit patterns: the splitmix64 finaliser of seed + (word + 1) * golden gamma, all modulo 2^64."""
+    seeds = as_int64(seeds) if isinstance(seeds, int) else seeds
+    x = (words + 1) * as_int64(_GAMMA) + seeds
+    x = (x ^ _shr(x, 30)) * as_int64(_MIX1)
+    x = (x ^ _shr(x, 27)) * as_int64(_MIX2)
+    return x ^ _shr(x, 31)
+
+
+_UNIT_SIGNS: dict[torch.device, torch.Tensor] = {}
+
+
+def _unit_signs(device: torch.device) -> torch.Tensor:
+    """[256, 8] float32: row b holds +-1 for bits 0..7 of byte b (bit set: +1)."""
+    table = _UNIT_SIGNS.get(device)
+    if table is None:
+        bits = (torch.arange(256)[:, None] >> torch.arange(8)[None, :]) & 1
+        with torch.inference_mode(False):
+            table = _UNIT_SIGNS[device] = (bits.float() * 2 - 1).to(device)
+    return table
+
+
+def stream_signs(seed: int, offset: int, n: int, scale: float = 1.0,
+                 device: torch.device | str = "cpu") -> torch.Tensor:
+    """Elements [offset, offset + n) of the Rademacher stream of a chunk with this seed, times scale
+    (float32; +-fl32(scale), exact), in torch ops: the definition the fused kernels reproduce."""
+    device = torch.device(device)
+    first, stop = offset >> 6, (offset + n + 63) >> 6
+    words = stream_words(seed, torch.arange(first, stop, dtype=torch.int64, device=device))
+    if sys.byteorder == "little":  # byte b of a word holds its bits 8b .. 8b + 7
+        unit = _unit_signs(device)[words.view(torch.uint8).long()].view(-1)
+    else:
+        unit = (((words[:, None] >> torch.arange(64, device=device)) & 1) * 2 - 1).float().view(-1)
+    start = offset - 64 * first
+    return unit[start:start + n].mul_(torch.tensor(scale, dtype=torch.float32))
+
+
+# The Gaussian stream's scheme, recorded with the CPU's Gaussian draws (`gaussian_generator_id`).
+GAUSSIAN_SCHEME = "gaussian-pairs-series"
+# Its constants, each a float32 value (written in hex here and in kernels.c, so both read the same bits):
+# 1/3 .. 1/9 of atanh's series; sin's Taylor coefficients -1/3! .. 1/9!, cos's 1/4! .. -1/10!; ln 2 in
+# two parts (the high one has 15 significant bits, so its product with an exponent is exact); the
+# angle of one step of the 22-bit remainder, (pi / 2) / 2^22.
+_LN_SERIES = tuple(float.fromhex(h) for h in ("0x1.c71c72p-4", "0x1.24924ap-3", "0x1.99999ap-3", "0x1.555556p-2"))
+_SIN_SERIES = tuple(float.fromhex(h) for h in ("0x1.71de3ap-19", "-0x1.a01a02p-13", "0x1.111112p-7",
+                                               "-0x1.555556p-3"))
+_COS_SERIES = tuple(float.fromhex(h) for h in ("-0x1.27e4fcp-22", "0x1.a01a02p-16", "-0x1.6c16c2p-10",
+                                               "0x1.555556p-5"))
+_LN2_HI, _LN2_LO = float.fromhex("0x1.62e4p-1"), float.fromhex("0x1.7f7d1cp-20")
+_ANGLE_STEP = float.fromhex("0x1.921fb6p-22")
+
+
+def _horner(x2: torch.Tensor, coefficients: tuple[float, ...]) -> torch.Tensor:
+    """((c0 x2 + c1) x2 + c2) ... : one rounding per operation, as kernels.c's loops do."""
+    p = torch.full_like(x2, coefficients[0])
+    for c in coefficients[1:]:
+        p = p * x2 + c
+    return p
+
+
+# The float32 division and square root, correctly rounded as C's `/` and sqrtf are: torch's vectorised
+# float32 sqrt is not (it may come out one unit in the last place off). Computed in float64 and rounded
+# once to float32, which gives the correctly rounded float32 result (53 >= 2 x 24 + 2 bits).
+def _divide(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (a.double() / b.double()).float()
+
+
+def _sqrt(a: torch.Tensor) -> torch.Tensor:
+    return a.double().sqrt().float()
+
+
+def gaussian_pairs(words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(r cos t, r sin t) of each word (int64 bit patterns): elements 2j and 2j + 1 of the Gaussian
+    stream for word j, float32, in the operations kernels.c performs (the module docstring)."""
+    k = (_shr(words, 40) + 1).to(torch.int32)  # u1 2^24, in [1, 2^24]: exact in float32
+    bits = k.to(torch.float32).view(torch.int32)
+    mantissa = (bits & 0x007FFFFF) | 0x3F800000  # m in [1, 2) ...
+    big = (mantissa > 0x3FB504F3).to(torch.int32)  # ... halved where above sqrt(2)
+    m = (mantissa - (big << 23)).view(torch.float32)
+    e = ((bits >> 23) - 127 + big - 24).to(torch.float32)  # ln u1 = e ln 2 + ln m
+    s = _divide(m - 1.0, m + 1.0)
+    s2 = s * s
+    ln_m = (s + s) * (_horner(s2, _LN_SERIES) * s2 + 1.0)
+    r = _sqrt((e * _LN2_HI + (e * _LN2_LO + ln_m)) * -2.0)
+    angle = (_shr(words, 16) & 0xFFFFFF).to(torch.int32)  # t = pi (angle / 2^23 - 1)
+    quadrant = (angle + (1 << 21)) >> 22  # t + pi = quadrant pi/2 + x
+    x = (angle - (quadrant << 22)).to(torch.float32) * _ANGLE_STEP  # x in [-pi/4, pi/4)
+    x2 = x * x
+    sin_x = x + x * (x2 * _horner(x2, _SIN_SERIES))
+    cos_x = (_horner(x2, _COS_SERIES) * x2 - 0.5) * x2 + 1.0
+    odd = (quadrant & 1).bool()
+    cos_t = torch.where(odd, sin_x, cos_x)  # cos and sin of t from those of x, by quadrant mod 4:
+    sin_t = torch.where(odd, cos_x, sin_x)  # 0: (-cos, -sin), 1: (sin, -cos), 2: (cos, sin), 3: (-sin, cos)
+    cos_t = torch.where((~(quadrant + 1) & 2).bool(), -cos_t, cos_t)
+    sin_t = torch.where((~quadrant & 2).bool(), -sin_t, sin_t)
+    return r * cos_t, r * sin_t
+
+
+def stream_gaussians(seed: int, offset: int, n: int, scale: float = 1.0,
+                     device: torch.device | str = "cpu") -> torch.Tensor:
+    """Elements [offset, offset + n) of the Gaussian stream of a chunk with this seed, times scale
+    (float32, fl(z * fl32(scale))), in torch ops: the definition the fused kernels reproduce."""
+    device = torch.device(device)
+    first, stop = offset >> 1, (offset + n + 1) >> 1
+    even, odd = gaussian_pairs(stream_words(seed, torch.arange(first, stop, dtype=torch.int64, device=device)))
+    z = torch.stack((even, odd), dim=1).view(-1)
+    start = offset - 2 * first
+    return z[start:start + n].mul_(torch.tensor(scale, dtype=torch.float32))
+
+
+def stream_values(stream: Stream, offset: int, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Elements [offset, offset + n) of a chunk's stream, times its scale."""
+    draw = stream_gaussians if stream.gaussian else stream_signs
+    return draw(stream.seed, offset, n, stream.scale, device)
+
+
+def stream_rows(seeds: torch.Tensor, offsets: torch.Tensor, row: int, scale: float = 1.0,
+                gaussian: bool = False) -> torch.Tensor:
+    """[len(seeds), row] float32: row r = elements [offsets[r], offsets[r] + row) of stream seeds[r]
+    (int64 bit patterns), times scale: `stream_values` for many short ranges at once."""
+    elements = offsets[:, None] + torch.arange(row, dtype=torch.int64, device=offsets.device)
+    magnitude = torch.tensor(scale, dtype=torch.float32, device=offsets.device)
+    if gaussian:
+        even, odd = gaussian_pairs(stream_words(seeds[:, None], elements >> 1))
+        return torch.where((elements & 1).bool(), odd, even) * magnitude
+    bits = (stream_words(seeds[:, None], elements >> 6) >> (elements & 63)) & 1
+    return torch.where(bits.bool(), magnitude, -magnitude)

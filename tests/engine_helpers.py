@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from distzo.data.batches import Batch, label_word_batch
+from distzo.zo.directions import Directions
 
 
 def label_batch(sequences, labels, label_ids) -> Batch:
@@ -29,3 +30,11 @@ def materialize(engine) -> None:
     """Apply whatever update the engine still awaits."""
     with engine.materialized():
         pass
+
+
+class PreDrawnDirections(Directions):
+    """The same z, drawn into memory as a low-rank rule's is (no stream for the fused pass), so a pass
+    takes value slots: the kernels' multi-call path."""
+
+    def stream(self, step, query, ref, scale=1.0):
+        return None

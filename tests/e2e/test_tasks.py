@@ -31,16 +31,18 @@ def test_training_runs_on_a_file_of_every_format(tmp_path, fmt):
     assert tested["accuracy"] * 3 == pytest.approx(round(tested["accuracy"] * 3), abs=1e-9)  # k of 3 right
 
 
-def quiz(tmp_path, n=400):
-    """A multiple-choice file a tiny model can learn: the right option repeats the question's last word."""
+def quiz(tmp_path, n=400, learnable=False):
+    """A multiple-choice file: the right option repeats the question's last word. learnable: the right
+    option is also always one of five words and the wrong ones of five others, a cue a randomly
+    initialised tiny model learns in a hundred ZO steps (repeating the question's word, it does not)."""
     import random
 
     rng = random.Random(0)
     words = ["apple", "river", "stone", "cloud", "green", "tiger", "piano", "lemon", "north", "glass"]
     rows = []
     for _ in range(n):
-        target = rng.choice(words)
-        options = rng.sample([w for w in words if w != target], 3)
+        target = rng.choice(words[:5] if learnable else words)
+        options = rng.sample([w for w in (words[5:] if learnable else words) if w != target], 3)
         answer = rng.randrange(4)
         options.insert(answer, target)
         rows.append({"question": f"say {target}", "options": options, "answer": answer})
@@ -53,21 +55,22 @@ MC = ("task=custom", "task.kind=multiple_choice", "task.template='Question: {que
 
 @pytest.mark.parametrize("loss,lr", [("teacher_forcing", 3e-4), ("classification", 1e-3)])
 def test_multiple_choice_training_learns(tmp_path, loss, lr):
-    """Both of MeZO's losses train on a learnable four-option file (the right option repeats the
-    question's last word): teacher forcing lowers the right option's token loss (a full-vocabulary
-    loss near ln 49152 = 10.8 at the start, moving slowly: 150 steps take it down by about 0.3);
-    the classification loss lifts validation accuracy well above chance (0.25)."""
+    """Both of MeZO's losses train on a learnable four-option file (`quiz(learnable=True)`): teacher
+    forcing lowers the right option's token loss (a full-vocabulary loss near ln 49152 = 10.8 at the
+    start: 100 steps took it down by 0.39-0.54 over seeds 0-3), and the classification loss lifts
+    validation accuracy from 0 to far above chance (0.25): 1.0 after 100 steps for seeds 0-5. (On
+    the plain quiz, whose cue needs the question's word copied, 150 steps left it at 0.2-0.475.)"""
     out = tmp_path / loss
-    summary = train(make_config(*FAST, *MC, f"task.path={quiz(tmp_path)}", f"task.loss={loss}", "steps=150",
-                                "batch_size=8", f"optim.lr={lr}", "save_final=false"), out)
+    summary = train(make_config(*FAST, *MC, f"task.path={quiz(tmp_path, learnable=True)}", f"task.loss={loss}",
+                                "steps=100", "batch_size=8", f"optim.lr={lr}", "save_final=false"), out)
     records = read_jsonl(out / "metrics.jsonl")
     losses = [r["loss"] for r in records if r["type"] == "train"]
     evals = [r for r in records if r["type"] == "eval" and r["split"] == "validation"]
     assert summary["validation_accuracy_after"] == evals[-1]["accuracy"]
     if loss == "teacher_forcing":
-        assert sum(losses[-30:]) / 30 < sum(losses[:30]) / 30 - 0.15, (losses[:30], losses[-30:])
+        assert sum(losses[-30:]) / 30 < sum(losses[:30]) / 30 - 0.2, (losses[:30], losses[-30:])
     else:
-        assert evals[-1]["accuracy"] >= max(0.4, evals[0]["accuracy"] + 0.1), evals
+        assert evals[-1]["accuracy"] >= 0.75 and evals[0]["accuracy"] <= 0.25, evals
 
 
 def trained(tmp_path, name: str, *args: str):

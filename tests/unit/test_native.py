@@ -20,6 +20,7 @@ from distzo.zo.directions import (
 from distzo.zo.optimizers import SGD
 from distzo.zo.params import TrainableParam
 from distzo.zo.streams import gaussian_pairs, stream_gaussians, stream_signs, stream_values
+from tests.engine_helpers import PreDrawnDirections
 
 MASK = (1 << 64) - 1
 
@@ -183,13 +184,6 @@ def test_fused_pass_is_bitwise_the_torch_ops(kernels, distribution, case, monkey
     assert all(not torch.equal(out, master[lo:hi]) for out in outs)  # every copy is perturbed
 
 
-class _PreDrawn(Directions):
-    """Directions whose z is drawn into memory, as a low-rank rule's factors are (no stream)."""
-
-    def stream(self, step, query, ref, scale=1.0):
-        return None
-
-
 def test_a_step_with_more_pre_drawn_terms_than_slots_spans_several_calls(kernels, monkeypatch):
     """More drawn values than VALUE_SLOTS: the pass is split into calls, terms before copies, and the
     result is the one call's (counter streams need no slot)."""
@@ -202,7 +196,7 @@ def test_a_step_with_more_pre_drawn_terms_than_slots_spans_several_calls(kernels
 
     monkeypatch.setattr(kernels, "chunk", counting)
     results = []
-    for cls in (_PreDrawn, Directions):
+    for cls in (PreDrawnDirections, Directions):
         d = cls(2, "gaussian", threads=1, kernels=kernels)
         p = _param(3000, True, 0)
         copies = {0: [(1, torch.empty(3000))], 1: [(-1, torch.empty(3000))]}

@@ -28,6 +28,7 @@ from distzo.zo.directions import Directions, chunks_of, param_key
 from distzo.zo.estimators import SPSA, StepResult
 from distzo.zo.optimizers import CURVATURE, FZOO, MEAZO, SGD, Adam, HiZOO, build_optimizer
 from distzo.zo.params import TrainableParam
+from tests.engine_helpers import PreDrawnDirections
 from tests.unit.test_offload import batches, train_steps
 
 SIGNUM = str(Path(__file__).resolve().parents[2] / "examples" / "plugins" / "signum.py")
@@ -201,19 +202,24 @@ def test_every_kernel_case_is_bitwise_its_rules_torch_form(kernels, name, distri
         assert torch.equal(torch_ops, fused)
 
 
-def test_a_gaussian_rule_step_with_many_copies_spans_two_calls(kernels, monkeypatch):
-    """The rule's call holds every term; copies whose z no longer fits in the value slots follow in
-    a call that writes copies only (sgd's case with nothing to apply), reading the updated master."""
+def test_a_rule_step_with_more_pre_drawn_copies_than_slots_spans_two_calls(kernels, monkeypatch):
+    """The rule's call holds every term; copies whose pre-drawn z (a low-rank rule's) no longer fits in
+    the value slots follow in a call that writes copies only (sgd's case with nothing to apply),
+    reading the updated master: the one call of counter streams, bitwise."""
     calls = []
     original = kernels.chunk
     monkeypatch.setattr(kernels, "chunk", lambda *a, **kw: (calls.append(a[1]), original(*a, **kw))[1])
-    d = Directions(2, "gaussian", threads=1, kernels=kernels)
-    p = TrainableParam("w", torch.randn(3000), param_key("w"), True)
-    u = PendingUpdate(1, ((0, 1.0), (1, 2.0)), 1e-3, 0.0, rule=Adam().rule(1, 1e-3, 0.0))
-    state = [torch.zeros(3000), torch.zeros(3000)]
-    chunk_pass(d, p, chunks_of(p.key, p.shape)[0], p.tensor, u, step=2, eps=1e-3, state=state,
-               copies={0: [(1, torch.empty(3000))], 1: [(-1, torch.empty(3000))], 2: [(1, torch.empty(3000))]})
-    assert calls == [Adam.kernel, SGD.kernel]
+    results = []
+    for cls in (PreDrawnDirections, Directions):
+        d = cls(2, "gaussian", threads=1, kernels=kernels)
+        p = TrainableParam("w", torch.randn(3000, generator=torch.Generator().manual_seed(0)), param_key("w"), True)
+        u = PendingUpdate(1, ((0, 1.0), (1, 2.0)), 1e-3, 0.0, rule=Adam().rule(1, 1e-3, 0.0))
+        state = [torch.zeros(3000), torch.zeros(3000)]
+        copies = {0: [(1, torch.empty(3000))], 1: [(-1, torch.empty(3000))], 2: [(1, torch.empty(3000))]}
+        chunk_pass(d, p, chunks_of(p.key, p.shape)[0], p.tensor, u, step=2, eps=1e-3, state=state, copies=copies)
+        results.append([p.tensor, *state, *(out for outs in copies.values() for _, out in outs)])
+    assert calls == [Adam.kernel, SGD.kernel, Adam.kernel]
+    assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
 def tiny_run(tmp_path, name, *overrides):

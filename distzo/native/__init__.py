@@ -347,5 +347,6 @@ def load(mode: str = "auto", device: torch.device | str = "cpu") -> Kernels | Cu
         if not _warned:
             _warned.append(exc)
             log.warning("engine.native=auto: the fused kernels are unavailable (%s); the step runs on torch ops "
-                        "(same results, slower)", exc)
+                        "(same results, slower): drawing Gaussian z there costs more than the forward passes on a "
+                        "CPU, so install a C++ compiler, or use estimator.distribution=rademacher", exc)
         return None

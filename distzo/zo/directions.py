@@ -238,7 +238,9 @@ class Directions:
             return cuda_draws.fill_rows(out, self.key_hash(step, query, key), rows, row, rows_per_chunk, 1.0, gaussian)
         refs = chunks_of(key, shape)
         rows_cpu = rows.tolist()
-        seeds = [self.chunk_seed(step, query, key, refs[r // rows_per_chunk].index) for r in rows_cpu]
+        key_hash = self.key_hash(step, query, key)  # chunk_seed's, hashed once for all the rows
+        chunk_seeds = {i: mix64(key_hash ^ (refs[i].index & _MASK64)) for i in {r // rows_per_chunk for r in rows_cpu}}
+        seeds = [chunk_seeds[r // rows_per_chunk] for r in rows_cpu]
         offsets = [(r % rows_per_chunk) * row for r in rows_cpu]
         if self._cpu_kernels is not None:
             return self._cpu_kernels.stream_rows(torch.empty(len(rows_cpu), row), seeds, offsets, 1.0, gaussian)

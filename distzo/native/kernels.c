@@ -65,7 +65,8 @@ static inline __attribute__((always_inline)) uint64_t stream_word(uint64_t seed,
  * every operation is an IEEE one, rounded once (no contraction into FMAs at any width), whatever the
  * vector length. -DDISTZO_NO_CLONES compiles the baseline alone (tests/unit/test_native.py compares
  * the widths). */
-#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(DISTZO_NO_CLONES)
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11 && \
+    !defined(DISTZO_NO_CLONES) /* GCC 11 named the x86-64-v3 and v4 levels */
 #define WIDEST_VECTORS __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define WIDEST_VECTORS

@@ -60,7 +60,9 @@ class StreamKernels(Protocol):
 #    arithmetic: `streams.GAUSSIAN_SCHEME`) instead of torch's CPU normal_; CUDA z unchanged.
 DIRECTIONS_VERSION = 6
 # The first scheme that drew each distribution's z as this distzo does (snapshots and run logs
-# record DIRECTIONS_VERSION; `same_directions` compares a recorded one with this distzo's).
+# record DIRECTIONS_VERSION; `same_directions` compares a recorded one with this distzo's). Gaussian
+# schemes differ by device (versions 4 and 5 changed CUDA's, 6 the CPU's): those changes are told
+# apart by the recorded generator (`gaussian_generator_id`), which resume and replay compare.
 SCHEME_SINCE = {"gaussian": 1, "rademacher": 3}
 _MASK64 = (1 << 64) - 1
 # The most elements one CUDA draw covers (whole chunks; a single chunk may be larger where one row is):

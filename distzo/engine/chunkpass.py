@@ -146,10 +146,10 @@ def _fused(kernels: Kernels, directions: Directions, p: TrainableParam, ref: Chu
     """The same pass as `_torch_ops`, in as few kernel calls as the value slots allow: always one
     where z is a counter stream (the CPU's Gaussian and Rademacher z), which needs no slot. A rule
     that is not separable gets all its terms in its first call (each pre-drawn term, a low-rank
-    rule's, holds a slot); a separable
-    one (sgd) may spread them over calls. Copies whose z no longer fits follow in calls that only
-    write copies, reading the updated master: sgd's case with nothing to apply, or, for a shaper, its
-    own case with no term (which shapes the copies by the state and changes nothing)."""
+    rule's, holds a slot); a separable one (sgd) may spread them over calls. Copies whose z no
+    longer fits follow in calls that only write copies, reading the updated master: sgd's case with
+    nothing to apply, or, for a shaper, its own case with no term (which shapes the copies by the
+    state and changes nothing)."""
     copies_only = (shaper.rule(0, 0.0, 0.0), state) if shaper is not None else (NO_UPDATE, ())
     rule = u.rule if u is not None else copies_only[0]
     mask = directions.magnitude_threshold(p.key)

@@ -30,10 +30,11 @@ class Target(NamedTuple):
     parameter, an offloaded block's device slot).
 
     window: only flat elements [lo, hi) are updated (a rank's slice of an offloaded block); where it
-    cuts a chunk whose z is drawn into memory, the whole chunk is drawn. delta: a float32 tensor shaped like the master
-    that receives the change made to each element (an update transferred at reduced precision to a
-    full-precision master). state: the optimizer's state tensors of the parameter where they are
-    now (float32, shaped like the master; one per slot of the optimizer, none for sgd)."""
+    cuts a chunk whose z is drawn into memory, the whole chunk is drawn. delta: a float32 tensor
+    shaped like the master that receives the change made to each element (an update transferred at
+    reduced precision to a full-precision master). state: the optimizer's state tensors of the
+    parameter where they are now (float32, shaped like the master; one per slot of the optimizer,
+    none for sgd)."""
 
     param: TrainableParam
     tensor: torch.Tensor

@@ -59,7 +59,7 @@ static inline __attribute__((always_inline)) uint64_t stream_word(uint64_t seed,
 #define LN2_HI 0x1.62e4p-1f
 #define LN2_LO 0x1.7f7d1cp-20f
 #define ANGLE_STEP 0x1.921fb6p-22f
-#define PAIRS (TILE / 2 + 1)
+#define PAIRS (TILE / 2 + 1) /* the words a tile of elements from any offset needs */
 /* The Gaussian tile is compiled for AVX-512, for AVX2 and for the baseline, and the loader picks the
  * widest one the CPU runs (GCC's function multiversioning; x86-64 Linux). The clones give the same bits:
  * every operation is an IEEE one, rounded once (no contraction into FMAs at any width), whatever the
@@ -70,7 +70,7 @@ static inline __attribute__((always_inline)) uint64_t stream_word(uint64_t seed,
 #define WIDEST_VECTORS __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define WIDEST_VECTORS
-#endif /* the words a tile of elements from any offset needs */
+#endif
 
 static inline float bits_float(int32_t b) { float f; memcpy(&f, &b, sizeof f); return f; }
 static inline int32_t float_bits(float f) { int32_t b; memcpy(&b, &f, sizeof b); return b; }

@@ -190,10 +190,12 @@ class Directions:
     def stream(self, step: int, query: int, ref: ChunkRef, scale: float = 1.0) -> Stream | None:
         """Chunk `ref`'s z times scale as a counter stream that a fused pass generates itself, or
         None where z has to be drawn into memory (`fill_chunk`: on CUDA, by the draw kernel)."""
-        gaussian = self.distribution == "gaussian"
-        if gaussian and self.counter_draws:
+        if self.distribution == "gaussian" and self.counter_draws:
             return None
-        return Stream(self.chunk_seed(step, query, ref.key, ref.index), scale, gaussian)
+        return self._chunk_stream(step, query, ref, scale)
+
+    def _chunk_stream(self, step: int, query: int, ref: ChunkRef, scale: float) -> Stream:
+        return Stream(self.chunk_seed(step, query, ref.key, ref.index), scale, self.distribution == "gaussian")
 
     def fill_stream(self, out: torch.Tensor, stream: Stream, offset: int = 0) -> torch.Tensor:
         """out = elements [offset, offset + out.numel()) of a counter stream, times its scale."""
@@ -219,8 +221,7 @@ class Directions:
         if self.counter_draws:
             return cuda_draws.fill_span(out, self.key_hash(step, query, ref.key), ref.index,
                                         ref.per_chunk, scale, self.distribution == "gaussian")
-        return self.fill_stream(out, Stream(self.chunk_seed(step, query, ref.key, ref.index), scale,
-                                            self.distribution == "gaussian"))
+        return self.fill_stream(out, self._chunk_stream(step, query, ref, scale))
 
     def generate(self, shape: Sequence[int], key: int, step: int, query: int) -> torch.Tensor:
         """The full z of one parameter (float32, contiguous)."""
@@ -238,11 +239,9 @@ class Directions:
         if self.counter_draws:  # one launch, and no wait for the host to see the row indices
             out = torch.empty((rows.numel(), row), dtype=torch.float32, device=self.device)
             return cuda_draws.fill_rows(out, self.key_hash(step, query, key), rows, row, rows_per_chunk, 1.0, gaussian)
-        refs = chunks_of(key, shape)
         rows_cpu = rows.tolist()
-        key_hash = self.key_hash(step, query, key)  # chunk_seed's, hashed once for all the rows
-        chunk_seeds = {i: mix64(key_hash ^ (refs[i].index & _MASK64)) for i in {r // rows_per_chunk for r in rows_cpu}}
-        seeds = [chunk_seeds[r // rows_per_chunk] for r in rows_cpu]
+        seed_of = {c: self.chunk_seed(step, query, key, c) for c in {r // rows_per_chunk for r in rows_cpu}}
+        seeds = [seed_of[r // rows_per_chunk] for r in rows_cpu]  # each chunk's seed hashed once
         offsets = [(r % rows_per_chunk) * row for r in rows_cpu]
         if self._cpu_kernels is not None:
             return self._cpu_kernels.stream_rows(torch.empty(len(rows_cpu), row), seeds, offsets, 1.0, gaussian)

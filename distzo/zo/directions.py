@@ -201,7 +201,7 @@ class Directions:
         """out = elements [offset, offset + out.numel()) of a counter stream, times its scale."""
         if self._cpu_kernels is not None and out.dtype == torch.float32 and out.is_contiguous():
             return self._cpu_kernels.stream_fill(out, stream, offset)
-        return out.copy_(stream_values(stream, offset, out.numel(), out.device))
+        return stream_values(stream, offset, out.numel(), out=out)
 
     def fill_chunk(self, out: torch.Tensor, step: int, query: int, ref: ChunkRef, scale: float = 1.0) -> torch.Tensor:
         """Write scale * chunk `ref`'s z into `out` (a float32 tensor of ref.stop - ref.start

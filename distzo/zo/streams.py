@@ -61,18 +61,18 @@ def as_int64(c: int) -> int:
 
 
 def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
-    """Logical right shift of int64 bit patterns (torch's >> is arithmetic on int64)."""
-    return (x >> k) & ((1 << (64 - k)) - 1)
+    """Logical right shift of int64 bit patterns (torch's >> is arithmetic on int64, and it has no
+    uint64 shifts), as a new tensor."""
+    return (x >> k).bitwise_and_((1 << (64 - k)) - 1)
 
 
 def stream_words(seeds: torch.Tensor | int, words: torch.Tensor) -> torch.Tensor:
     """SplitMix64 output `words` (int64 word indices) of the streams started at `seeds`, as int64
     bit patterns: the splitmix64 finaliser of seed + (word + 1) * golden gamma, all modulo 2^64."""
     seeds = as_int64(seeds) if isinstance(seeds, int) else seeds
-    x = (words + 1) * as_int64(_GAMMA) + seeds
-    x = (x ^ _shr(x, 30)) * as_int64(_MIX1)
-    x = (x ^ _shr(x, 27)) * as_int64(_MIX2)
-    return x ^ _shr(x, 31)
+    x = (words + 1).mul_(as_int64(_GAMMA)) + seeds  # seeds may broadcast words (stream_rows)
+    x.bitwise_xor_(_shr(x, 30)).mul_(as_int64(_MIX1))  # in place from here: each op one pass, no new tensor
+    return x.bitwise_xor_(_shr(x, 27)).mul_(as_int64(_MIX2)).bitwise_xor_(_shr(x, 31))
 
 
 _UNIT_SIGNS: dict[torch.device, torch.Tensor] = {}
@@ -88,11 +88,23 @@ def _unit_signs(device: torch.device) -> torch.Tensor:
     return table
 
 
-def stream_signs(seed: int, offset: int, n: int, scale: float = 1.0,
-                 device: torch.device | str = "cpu") -> torch.Tensor:
+def _scaled_into(out: torch.Tensor | None, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """values * fl32(scale) (one rounding: exact for signs), written into `out` when given (one pass,
+    no tensor of the result's size allocated and copied)."""
+    magnitude = torch.tensor(scale, dtype=torch.float32)
+    if out is None:
+        return values.mul_(magnitude)
+    if out.shape != values.shape:
+        raise ValueError(f"out: needs {values.numel()} elements in one dimension, got shape {tuple(out.shape)}")
+    return torch.mul(values, magnitude, out=out)
+
+
+def stream_signs(seed: int, offset: int, n: int, scale: float = 1.0, device: torch.device | str = "cpu",
+                 out: torch.Tensor | None = None) -> torch.Tensor:
     """Elements [offset, offset + n) of the Rademacher stream of a chunk with this seed, times scale
-    (float32; +-fl32(scale), exact), in torch ops: the definition the fused kernels reproduce."""
-    device = torch.device(device)
+    (float32; +-fl32(scale), exact), in torch ops: the definition the fused kernels reproduce.
+    Written into `out` (n elements, one dimension; its device is used) when given."""
+    device = out.device if out is not None else torch.device(device)
     first, stop = offset >> 6, (offset + n + 63) >> 6
     words = stream_words(seed, torch.arange(first, stop, dtype=torch.int64, device=device))
     if sys.byteorder == "little":  # byte b of a word holds its bits 8b .. 8b + 7
@@ -100,7 +112,7 @@ def stream_signs(seed: int, offset: int, n: int, scale: float = 1.0,
     else:
         unit = (((words[:, None] >> torch.arange(64, device=device)) & 1) * 2 - 1).float().view(-1)
     start = offset - 64 * first
-    return unit[start:start + n].mul_(torch.tensor(scale, dtype=torch.float32))
+    return _scaled_into(out, unit[start:start + n], scale)
 
 
 # The Gaussian stream's scheme, recorded with the CPU's Gaussian draws (`gaussian_generator_id`).
@@ -116,76 +128,87 @@ _COS_SERIES = tuple(float.fromhex(h) for h in ("-0x1.27e4fcp-22", "0x1.a01a02p-1
                                                "0x1.555556p-5"))
 _LN2_HI, _LN2_LO = float.fromhex("0x1.62e4p-1"), float.fromhex("0x1.7f7d1cp-20")
 _ANGLE_STEP = float.fromhex("0x1.921fb6p-22")
-# Words per block of the torch path: each of its ~45 elementwise passes then works on 128 KiB tensors
-# that stay in the cache (measured 1.2x faster than whole 2^20-element chunks; the kernels need none of it).
-_WORDS_PER_BLOCK = 1 << 15
+# Words per block of the torch path: each of its ~100 elementwise passes then works on tensors of 256
+# to 512 KiB that stay in a core's L2 cache (measured faster than 2^15 or 2^17 words, and than whole
+# 2^20-element chunks; the kernels need none of it).
+_WORDS_PER_BLOCK = 1 << 16
 
 
 def _horner(x2: torch.Tensor, coefficients: tuple[float, ...]) -> torch.Tensor:
     """((c0 x2 + c1) x2 + c2) ... : one rounding per operation, as kernels.c's loops do."""
-    p = torch.full_like(x2, coefficients[0])
-    for c in coefficients[1:]:
-        p = p * x2 + c
+    p = (x2 * coefficients[0]).add_(coefficients[1])
+    for c in coefficients[2:]:
+        p.mul_(x2).add_(c)
     return p
 
 
-# The float32 division and square root, correctly rounded as C's `/` and sqrtf are: torch's vectorised
-# float32 sqrt is not (it may come out one unit in the last place off). Computed in float64 and rounded
-# once to float32, which gives the correctly rounded float32 result (53 >= 2 x 24 + 2 bits).
-def _divide(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return (a.double() / b.double()).float()
-
-
-def _sqrt(a: torch.Tensor) -> torch.Tensor:
-    return a.double().sqrt().float()
+# A float32 sign bit, as an int32 (the negation torch performs is this bit flipped).
+_SIGN_BIT = -(1 << 31)
 
 
 def gaussian_pairs(words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(r cos t, r sin t) of each word (int64 bit patterns): elements 2j and 2j + 1 of the Gaussian
-    stream for word j, float32, in the operations kernels.c performs (the module docstring)."""
-    k = (_shr(words, 40) + 1).to(torch.int32)  # u1 2^24, in [1, 2^24]: exact in float32
+    stream for word j, float32, in the operations kernels.c performs (the module docstring).
+
+    Fast on torch ops too (no kernels, no compiler): each operation is one elementwise pass, in place
+    where its input is not needed again; the quadrant's swap and signs are bit operations on the
+    float32 patterns, as in kernels.c (torch.where with boolean masks took twice as long). Division and square root
+    are taken in float64 and rounded once to float32, which gives C's correctly rounded `/` and
+    sqrtf: torch's vectorised float32 sqrt is not (it may come out one unit in the last place off;
+    53 >= 2 x 24 + 2 bits makes the double rounding innocuous)."""
+    k = (words >> 40).bitwise_and_(0xFFFFFF).to(torch.int32).add_(1)  # u1 2^24, in [1, 2^24]: exact in float32
     bits = k.to(torch.float32).view(torch.int32)
-    mantissa = (bits & 0x007FFFFF) | 0x3F800000  # m in [1, 2) ...
-    big = (mantissa > 0x3FB504F3).to(torch.int32)  # ... halved where above sqrt(2)
-    m = (mantissa - (big << 23)).view(torch.float32)
-    e = ((bits >> 23) - 127 + big - 24).to(torch.float32)  # ln u1 = e ln 2 + ln m
-    s = _divide(m - 1.0, m + 1.0)
+    mantissa = bits.bitwise_and(0x007FFFFF).bitwise_or_(0x3F800000)  # m in [1, 2) ...
+    halve = torch.sub(0x3FB504F3, mantissa).bitwise_right_shift_(31)  # ... -1 where above sqrt(2), else 0:
+    m = mantissa.add_(halve << 23).view(torch.float32)  # there m is halved (its exponent lowered by one)
+    e = bits.bitwise_right_shift_(23).sub_(halve).sub_(127 + 24).to(torch.float32)  # ln u1 = e ln 2 + ln m
+    s = (m - 1.0).double().div_((m + 1.0).double()).to(torch.float32)
     s2 = s * s
-    ln_m = (s + s) * (_horner(s2, _LN_SERIES) * s2 + 1.0)
-    r = _sqrt((e * _LN2_HI + (e * _LN2_LO + ln_m)) * -2.0)
-    angle = (_shr(words, 16) & 0xFFFFFF).to(torch.int32)  # t = pi (angle / 2^23 - 1)
-    quadrant = (angle + (1 << 21)) >> 22  # t + pi = quadrant pi/2 + x
-    x = (angle - (quadrant << 22)).to(torch.float32) * _ANGLE_STEP  # x in [-pi/4, pi/4)
+    ln_m = s.add_(s).mul_(_horner(s2, _LN_SERIES).mul_(s2).add_(1.0))
+    ln_u1 = (e * _LN2_HI).add_(e.mul_(_LN2_LO).add_(ln_m))  # e ln2_hi first: e is reused in place after it
+    r = ln_u1.mul_(-2.0).double().sqrt_().to(torch.float32)
+    angle = (words >> 16).bitwise_and_(0xFFFFFF).to(torch.int32)  # t = pi (angle / 2^23 - 1)
+    quadrant = (angle + (1 << 21)).bitwise_right_shift_(22)  # t + pi = quadrant pi/2 + x
+    x = angle.sub_(quadrant << 22).to(torch.float32).mul_(_ANGLE_STEP)  # x in [-pi/4, pi/4)
     x2 = x * x
-    sin_x = x + x * (x2 * _horner(x2, _SIN_SERIES))
-    cos_x = (_horner(x2, _COS_SERIES) * x2 - 0.5) * x2 + 1.0
-    odd = (quadrant & 1).bool()
-    cos_t = torch.where(odd, sin_x, cos_x)  # cos and sin of t from those of x, by quadrant mod 4:
-    sin_t = torch.where(odd, cos_x, sin_x)  # 0: (-cos, -sin), 1: (sin, -cos), 2: (cos, sin), 3: (-sin, cos)
-    cos_t = torch.where((~(quadrant + 1) & 2).bool(), -cos_t, cos_t)
-    sin_t = torch.where((~quadrant & 2).bool(), -sin_t, sin_t)
-    return r * cos_t, r * sin_t
+    sin_x = (x2 * _horner(x2, _SIN_SERIES)).mul_(x).add_(x)
+    cos_x = _horner(x2, _COS_SERIES).mul_(x2).sub_(0.5).mul_(x2).add_(1.0)
+    # cos and sin of t by quadrant mod 4: 0 (-cos x, -sin x), 1 (sin x, -cos x), 2 (cos x, sin x),
+    # 3 (-sin x, cos x): swap the two where the quadrant is odd, then flip the sign bits
+    cos_t, sin_t = cos_x.view(torch.int32), sin_x.view(torch.int32)
+    swap = (cos_t ^ sin_t).bitwise_and_((quadrant & 1).neg_())
+    flip_cos = (quadrant + 1).bitwise_not_().bitwise_left_shift_(30).bitwise_and_(_SIGN_BIT)  # bit 1 clear
+    flip_sin = quadrant.bitwise_not_().bitwise_left_shift_(30).bitwise_and_(_SIGN_BIT)
+    cos_t.bitwise_xor_(swap).bitwise_xor_(flip_cos)
+    sin_t.bitwise_xor_(swap).bitwise_xor_(flip_sin)
+    return cos_x.mul_(r), sin_x.mul_(r)
 
 
-def stream_gaussians(seed: int, offset: int, n: int, scale: float = 1.0,
-                     device: torch.device | str = "cpu") -> torch.Tensor:
+def stream_gaussians(seed: int, offset: int, n: int, scale: float = 1.0, device: torch.device | str = "cpu",
+                     out: torch.Tensor | None = None) -> torch.Tensor:
     """Elements [offset, offset + n) of the Gaussian stream of a chunk with this seed, times scale
-    (float32, fl(z * fl32(scale))), in torch ops: the definition the fused kernels reproduce."""
-    device = torch.device(device)
+    (float32, fl(z * fl32(scale))), in torch ops: the definition the fused kernels reproduce.
+    Written into `out` (n elements, one dimension; its device is used) when given."""
+    device = out.device if out is not None else torch.device(device)
+    if out is None:
+        out = torch.empty(n, dtype=torch.float32, device=device)
+    elif out.shape != (n,):
+        raise ValueError(f"out: needs {n} elements in one dimension, got shape {tuple(out.shape)}")
     first, stop = offset >> 1, (offset + n + 1) >> 1
-    z = torch.empty((stop - first, 2), dtype=torch.float32, device=device)
-    for lo in range(first, stop, _WORDS_PER_BLOCK):  # blocks whose ~45 passes stay in the cache
+    for lo in range(first, stop, _WORDS_PER_BLOCK):  # blocks whose passes stay in the cache
         hi = min(lo + _WORDS_PER_BLOCK, stop)
         even, odd = gaussian_pairs(stream_words(seed, torch.arange(lo, hi, dtype=torch.int64, device=device)))
-        z[lo - first:hi - first, 0], z[lo - first:hi - first, 1] = even, odd
-    start = offset - 2 * first
-    return z.view(-1)[start:start + n].mul_(torch.tensor(scale, dtype=torch.float32))
+        pairs = torch.view_as_real(torch.complex(even, odd)).view(-1)  # elements 2 lo .. 2 hi, interleaved bitwise
+        start, stop_ = max(2 * lo, offset), min(2 * hi, offset + n)
+        _scaled_into(out[start - offset:stop_ - offset], pairs[start - 2 * lo:stop_ - 2 * lo], scale)
+    return out
 
 
-def stream_values(stream: Stream, offset: int, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Elements [offset, offset + n) of a chunk's stream, times its scale."""
+def stream_values(stream: Stream, offset: int, n: int, device: torch.device | str = "cpu",
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """Elements [offset, offset + n) of a chunk's stream, times its scale (into `out` when given)."""
     draw = stream_gaussians if stream.gaussian else stream_signs
-    return draw(stream.seed, offset, n, stream.scale, device)
+    return draw(stream.seed, offset, n, stream.scale, device, out)
 
 
 def stream_rows(seeds: torch.Tensor, offsets: torch.Tensor, row: int, scale: float = 1.0,

@@ -11,6 +11,7 @@ import torch
 from distzo import native
 from distzo.engine.chunkpass import chunk_pass
 from distzo.engine.pending import PendingUpdate
+from distzo.zo import streams
 from distzo.zo.directions import (
     Directions,
     chunks_of,
@@ -77,6 +78,28 @@ def test_gaussian_stream_is_the_box_muller_transform_in_torch_and_in_the_kernels
     assert (got.double() - exact).abs().max() <= 1.6e-6
     scaled = kernels.stream_fill(torch.empty(n), native.Stream(seed, 3.7e-4, True), offset)
     assert torch.equal(scaled, got * torch.tensor(3.7e-4))  # fl(z x fl32(scale)), as z.mul_(scale)
+
+
+@pytest.mark.parametrize("gaussian", [True, False])
+def test_the_torch_definition_in_blocks_and_into_a_given_tensor_is_the_kernels_stream(kernels, monkeypatch, gaussian):
+    """The torch path writes into a given tensor (the engine's scratch buffer) when asked, and draws a
+    Gaussian range in cache-sized blocks of words: the same bits as the kernels, whatever the blocks'
+    boundaries (two blocks and part of a third; then blocks of 7 words from odd and even offsets), in
+    place, and rounded once into a narrower `out` (as a copy would). A tensor of another shape is refused."""
+    stream = native.Stream(2**63 + 5, 0.3, gaussian)
+    n = 4 * streams._WORDS_PER_BLOCK + 1001  # Gaussian: two elements a word, so two blocks and part of a third
+    want = kernels.stream_fill(torch.empty(n), stream, 3)
+    assert torch.equal(stream_values(stream, 3, n), want)
+    out = torch.full((n,), float("nan"))
+    assert stream_values(stream, 3, n, out=out) is out and torch.equal(out, want)
+    narrow = stream_values(stream, 3, n, out=torch.empty(n, dtype=torch.bfloat16))
+    assert torch.equal(narrow, want.bfloat16())
+    monkeypatch.setattr(streams, "_WORDS_PER_BLOCK", 7)
+    for lo, hi in ((0, 1), (1, 14), (13, 29), (14, 42), (101, 1000)):
+        assert torch.equal(stream_values(stream, 3 + lo, hi - lo), want[lo:hi])
+        assert torch.equal(stream_values(stream, 3 + lo, hi - lo, out=torch.empty(hi - lo)), want[lo:hi])
+    with pytest.raises(ValueError, match="needs 10 elements in one dimension"):
+        stream_values(stream, 0, 10, out=torch.empty(2, 5))
 
 
 def test_the_gaussian_transform_is_within_its_bound_at_every_u1_and_every_angle():

@@ -25,7 +25,7 @@ GPU and under Triton's interpreter (TRITON_INTERPRET=1, a CPU: tests/unit/test_d
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 from torch import nn
@@ -162,31 +162,82 @@ class ReferenceDecode:
         return decode_reference(self.weight, self.out)
 
 
-def decoder(weight: torch.Tensor, out: torch.Tensor) -> KernelDecode | ReferenceDecode:
-    """`weight`'s decode into `out`: the kernel on CUDA, torchao's dequantization elsewhere (the same
-    values), or for an NF4 block size the kernel does not take."""
+class NativeDecode:
+    """The C kernels' decode (distzo.native, on a CPU) of one torchao int8 or NF4 weight into one
+    float32 output, called like `KernelDecode`: one pass, the same values as torchao's dequantization.
+    Float32 weights only (what `model.quantize` makes of a float32 model); others take torchao's."""
+
+    def __init__(self, kernels: Any, weight: torch.Tensor, out: torch.Tensor):
+        self.kernels, self.weight, self.out = kernels, weight, out
+        if is_int8(weight):
+            own = [weight.qdata, weight.scale]
+            self._args = [t.contiguous() for t in own]
+        else:
+            own = [weight.quantized_data, weight.nf4, weight.quantized_scalers, weight.quantization_factor]
+            self._args = [t.contiguous() for t in own]
+            self._groups = (int(weight.block_size), int(weight.scaler_block_size))
+        self.reusable = all(a.data_ptr() == t.data_ptr() for a, t in zip(self._args, own))
+
+    @staticmethod
+    def supports(weight: torch.Tensor, out: torch.Tensor) -> bool:
+        """Whether the C kernels decode `weight` into `out`: float32 throughout, on a CPU; int8 with a
+        scale a row and no zero point (torchao's weight-only int8), NF4 of whole blocks."""
+        if out.device.type != "cpu" or out.dtype != torch.float32 or not out.is_contiguous():
+            return False
+        if weight.dtype != torch.float32:
+            return False
+        if is_int8(weight):
+            zero = getattr(weight, "zero_point", None)
+            return (weight.qdata.dim() == 2 and weight.scale.dtype == torch.float32
+                    and weight.scale.numel() == weight.qdata.shape[0] and (zero is None or not zero.any()))
+        return (is_nf4(weight) and weight.nf4.dtype == weight.quantization_factor.dtype == torch.float32
+                and weight.block_size % 2 == 0 and weight.numel() % weight.block_size == 0
+                and (weight.numel() // weight.block_size) % weight.scaler_block_size == 0)
+
+    def __call__(self) -> torch.Tensor:
+        if is_int8(self.weight):
+            return self.kernels.decode_int8(*self._args, self.out.view(-1)).view(self.out.shape)
+        mean = self.weight.scaler_mean.item()  # read at each call, as the codes are (a streamed slot is refilled)
+        self.kernels.decode_nf4(*self._args, mean, *self._groups, self.out.view(-1))
+        return self.out
+
+
+def decoder(weight: torch.Tensor, out: torch.Tensor,
+            kernels: Any = None) -> KernelDecode | NativeDecode | ReferenceDecode:
+    """`weight`'s decode into `out`: the Triton kernel on CUDA, the C kernels on a CPU where `kernels`
+    (distzo.native's, None: not loaded) take the weight, torchao's dequantization elsewhere (the same
+    values), or for an NF4 block size the Triton kernel does not take."""
     if out.device.type == "cuda":
         if triton is None:
             raise RuntimeError("engine.quantized_matmul=decoded decodes with a Triton kernel on CUDA, and Triton is "
                                "not installed; torch's CUDA wheels bring it")
         if KernelDecode.supports(weight):
             return KernelDecode(weight, out)
+    elif kernels is not None and NativeDecode.supports(weight, out):
+        return NativeDecode(kernels, weight, out)
     return ReferenceDecode(weight, out)
 
 
 class DecodedLinears:
     """Hooks on a model's quantized linear layers: for each call the layer's weight is decoded into
     the shared scratch buffer (the largest layer's size, per device and dtype) and put in place of
-    the quantized one; the forward hook puts the quantized weight back."""
+    the quantized one; the forward hook puts the quantized weight back.
 
-    def __init__(self, layers: Iterable[nn.Linear]):
+    kernels: distzo.native's CPU kernels, which decode in one pass on a CPU (None: torchao's
+    dequantization there). only_same: decode only the calls whose result is torchao's own forward
+    bitwise, and leave the others to it (`engine.quantized_matmul=torchao` on a CPU): an NF4 weight
+    multiplied in float32, which torchao computes as F.linear on its dequantized weight, as decoded
+    here in one pass instead of about fifteen."""
+
+    def __init__(self, layers: Iterable[nn.Linear], kernels: Any = None, only_same: bool = False):
         self.layers = list(layers)
+        self.kernels, self.only_same = kernels, only_same
         self.largest = max((m.weight.numel() for m in self.layers), default=0)
         self.scratch: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
         self.held: dict[nn.Module, torch.Tensor] = {}
         # Each layer's prepared decode (a kernel launch with its arguments ready), kept while the layer
         # holds the same weight object: a resident base prepares once, a streamed slot per walk.
-        self.prepared: dict[nn.Module, KernelDecode | ReferenceDecode] = {}
+        self.prepared: dict[nn.Module, KernelDecode | NativeDecode | ReferenceDecode] = {}
         self.handles = [h for m in self.layers for h in (m.register_forward_pre_hook(self._decode),
                                                           m.register_forward_hook(self._restore))]
 
@@ -201,9 +252,12 @@ class DecodedLinears:
         x = args[0]
         kind = x.device.type
         dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+        if self.only_same and not (is_nf4(weight) and dtype == torch.float32 == x.dtype and self.kernels is not None
+                                   and NativeDecode.supports(weight, self._buffer(x.device, dtype))):
+            return  # torchao's forward, as without the hooks
         run = self.prepared.get(module)
         if run is None or run.weight is not weight or run.out.dtype != dtype or run.out.device != x.device:
-            run = decoder(weight, self._buffer(x.device, dtype)[:weight.numel()].view(weight.shape))
+            run = decoder(weight, self._buffer(x.device, dtype)[:weight.numel()].view(weight.shape), self.kernels)
             if run.reusable:
                 self.prepared[module] = run
             else:
@@ -212,7 +266,8 @@ class DecodedLinears:
         module._parameters["weight"] = run()
 
     def _restore(self, module: nn.Module, args, output):
-        module._parameters["weight"] = self.held.pop(module)
+        if module in self.held:
+            module._parameters["weight"] = self.held.pop(module)
         return output
 
     def remove(self) -> None:

@@ -76,8 +76,12 @@ def build_model_stack(cfg: Config, mesh: Mesh, seed: int, weights: Mapping[str, 
     estimator = build_estimator(cfg.estimator)
     optimizer = build_optimizer(cfg.optim)
     quantized = quantize_base(model, cfg.model.quantize)  # the frozen base's linear weights, before the adapters
-    if base_matmul(cfg.model.quantize, cfg.engine.quantized_matmul, mesh.device.type) == "decoded":
-        DecodedLinears(quantized.modules(model))  # each call decodes into one shared buffer (models/decode.py)
+    matmul = base_matmul(cfg.model.quantize, cfg.engine.quantized_matmul, mesh.device.type)
+    cpu_kernels = kernels if isinstance(kernels, native.Kernels) else None
+    if matmul == "decoded":
+        DecodedLinears(quantized.modules(model), cpu_kernels)  # each call decodes into one shared buffer
+    elif matmul == "torchao" and cpu_kernels is not None:  # NF4 decoded in one pass, torchao's result bitwise
+        DecodedLinears(quantized.modules(model), cpu_kernels, only_same=True)  # (models/decode.py)
     apply_peft(model, cfg.peft)  # freezes the model and adds the adapter's parameters (peft != none)
     estimator.prepare_model(model)
     params = TrainableParams.from_model(model)

@@ -32,6 +32,18 @@ def test_lora_on_a_quantized_base_trains_reports_its_bytes_and_exports_to_peft(t
     peft_adapter_gives_distzos_logits(run_dir, *settings)
 
 
+def test_an_nf4_base_trains_the_same_with_the_cpu_kernels_decoding_it(tmp_path):
+    """With the C kernels (engine.native=auto, the default), torchao's NF4 linears on a CPU decode
+    their weights in one pass into a shared buffer and run F.linear on it (models/decode.py); without
+    them (engine.native=false) torchao's own forward runs. The two runs are one run, bitwise: the same
+    trained weights (the replicas' checksums) and the same test evaluation."""
+    settings = (*CUE, "peft=lora", "model.quantize=int4", "steps=6", "optim.lr=1e-2", "estimator.eps=1e-2")
+    _, kernels, tested = trained(tmp_path, "kernels", *settings)
+    _, torch_ops, tested_torch = trained(tmp_path, "torch", *settings, "engine.native=false")
+    assert kernels["replica_checksums"] == torch_ops["replica_checksums"]
+    assert tested["loss"] == tested_torch["loss"] and tested["accuracy"] == tested_torch["accuracy"]
+
+
 def test_the_quantized_weights_are_torchaos_and_the_rest_stays_float():
     from distzo.config.compose import typed
     from distzo.models.loading import load_model

@@ -60,12 +60,81 @@ def test_the_kernels_equal_torchaos_dequantization_under_the_interpreter():
     assert "mismatches []" in r.stdout, r.stdout[-2000:]
 
 
+@pytest.fixture(scope="module")
+def kernels():
+    from distzo import native
+
+    k = native.load("true")  # the suite's machines have a C compiler: the kernels must build here
+    assert k is not None
+    return k
+
+
+def test_the_c_kernels_equal_torchaos_dequantization(kernels):
+    """On a CPU the C kernels decode float32 int8 and NF4 weights to torchao's `dequantize` /
+    `get_original_weight` bitwise (the same float32 operations, each rounded once): int8 a scale a
+    row; NF4 in blocks of 64 with scalers in groups of 256 (distzo's setting, one factor for several
+    rows) and of 2 (a factor every 128 weights). A prepared decode reads the weight's own tensors, so
+    it decodes what they hold at each call (a streamed slot refilled in place). Weights or outputs
+    the kernels do not take (bfloat16) go to torchao's dequantization."""
+    from torch import nn
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_, to_nf4
+
+    from distzo.models.decode import NativeDecode, ReferenceDecode, decode_reference, decoder
+
+    torch.manual_seed(0)
+    lin = nn.Linear(520, 37)
+    lin.weight.data.mul_(40)
+    quantize_(lin, Int8WeightOnlyConfig(), filter_fn=lambda m, fqn: fqn == "")
+    weights = (lin.weight, to_nf4(torch.randn(96, 512) * 0.02, 64, 256), to_nf4(torch.randn(20, 96) * 0.02, 64, 2))
+    for weight in weights:
+        run = decoder(weight, torch.empty(weight.shape), kernels)
+        assert isinstance(run, NativeDecode) and run.reusable
+        assert torch.equal(run(), decode_reference(weight, torch.empty(weight.shape)))
+        narrow = decoder(weight, torch.empty(weight.shape, dtype=torch.bfloat16), kernels)
+        assert isinstance(narrow, ReferenceDecode)
+    first = run().clone()
+    weights[2].quantized_data.copy_(weights[1].quantized_data[:weights[2].quantized_data.numel()])
+    weights[2].scaler_mean.mul_(-3)
+    assert not torch.equal(run(), first) and torch.equal(run(), decode_reference(weights[2], torch.empty(20, 96)))
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_on_a_cpu_torchaos_nf4_linears_decode_in_one_pass_with_torchaos_result(kernels, method):
+    """engine.quantized_matmul=torchao on a CPU with the kernels: an NF4 layer's float32 call decodes
+    its weight with the C kernel and runs F.linear on it, which is what torchao's NF4 linear computes
+    (F.linear on get_original_weight), so the logits are torchao's bitwise; int8 calls (torchao scales
+    the product, not the weight) and bfloat16-autocast calls are left to torchao's forward."""
+    from distzo.models.decode import NativeDecode
+
+    model = random_model("llama", 400, {}, 0, torch.float32)
+    layers = quantize_base(model, method).modules(model)
+    ids = torch.randint(3, 400, (2, 9))
+    with torch.no_grad():
+        want = model(ids).logits
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            want_bf16 = model(ids).logits
+    hooks = DecodedLinears(layers, kernels=kernels, only_same=True)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, want)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert torch.equal(model(ids).logits, want_bf16)
+    decoded = set(hooks.prepared.values())
+    if method == "int4":
+        assert len(decoded) == len(layers) and all(isinstance(run, NativeDecode) for run in decoded)
+    else:
+        assert not decoded
+    assert all(type(layer.weight).__name__ in ("Int8Tensor", "NF4Tensor") for layer in layers)
+    hooks.remove()
+
+
 @pytest.mark.parametrize("method", ["int8", "int4"])
 @pytest.mark.parametrize("autocast", [False, True])
-def test_the_hooks_run_the_float_layer_on_the_decoded_weight(method, autocast):
+@pytest.mark.parametrize("native", [False, True])
+def test_the_hooks_run_the_float_layer_on_the_decoded_weight(method, autocast, native, request):
     """A quantized tiny model with the hooks gives the logits of a float model whose linear weights
-    are torchao's dequantization, bitwise (the same F.linear on the same values), under bfloat16
-    autocast too (the buffer is then bfloat16, as autocast would cast). Outside a call each layer
+    are torchao's dequantization, bitwise (the same F.linear on the same values), decoded by the C
+    kernels or by torchao, under bfloat16 autocast too (the buffer is then bfloat16, as autocast
+    would cast). Outside a call each layer
     holds its quantized weight again, and the buffer is the largest layer's size, shared."""
     model = random_model("llama", 400, {}, 0, torch.float32)
     float_model = random_model("llama", 400, {}, 0, torch.float32)
@@ -74,7 +143,7 @@ def test_the_hooks_run_the_float_layer_on_the_decoded_weight(method, autocast):
     for layer in layers:  # the float twin: torchao's dequantization in place of each quantized weight
         deq = layer.weight.dequantize() if method == "int8" else layer.weight.get_original_weight()
         float_model.get_submodule(next(n for n, m in model.named_modules() if m is layer)).weight.data = deq
-    hooks = DecodedLinears(layers)
+    hooks = DecodedLinears(layers, kernels=request.getfixturevalue("kernels") if native else None)
     ids = torch.randint(3, 400, (2, 9))
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), torch.no_grad():
         got, want = model(ids).logits, float_model(ids).logits

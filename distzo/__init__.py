@@ -67,7 +67,7 @@ def compose(*overrides: str, config_dirs: Sequence[str | os.PathLike] = (), vali
     """A run configuration: the packaged presets with command-line style `overrides`
     ("model=tiny", "optim.lr=1e-5"), then `values` set by key (`steps=50`, a preset `task="rte"`, a
     nested key by unpacking `**{"optim.lr": 1e-5}`). config_dirs: your own config directories,
-    searched before the presets (also $DISTZO_CONFIG_PATH). validate: check it as a run would
+    which add presets of new names (also $DISTZO_CONFIG_PATH). validate: check it as a run would
     (values, the model and data it names; not yet the mesh against the processes, which the run
     checks). Raises ConfigError with one line naming the mistake and the fix."""
     from omegaconf import OmegaConf

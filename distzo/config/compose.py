@@ -18,7 +18,7 @@ from ..registry import registry
 from .legacy import upgrade_overrides, upgrade_saved
 from .schema import Config, EstimatorSettings, OptimSettings
 
-CONFIG_PATH_ENV = "DISTZO_CONFIG_PATH"  # your own config directories, searched before the presets
+CONFIG_PATH_ENV = "DISTZO_CONFIG_PATH"  # your own config directories, searched after the presets
 GROUPS = ("model", "task", "estimator", "optim", "offload", "logger", "peft")
 # Hydra presets that plugins bring (distzo's own hydra/launcher=distzo_slurm builds on submitit's).
 PLUGINS = {("hydra/launcher", "submitit_slurm"): "hydra-submitit-launcher",
@@ -147,7 +147,25 @@ def user_config_dirs(extra: Sequence[str | os.PathLike] = ()) -> list[Path]:
         if not d.is_dir():
             raise ConfigError(f"config directory {d} does not exist; create it with your presets in group folders "
                               f"(e.g. {d}/task/mytask.yaml), or fix {CONFIG_PATH_ENV}")
+        check_no_shadowed_presets(d)
     return [d.resolve() for d in dirs]
+
+
+def check_no_shadowed_presets(directory: Path) -> None:
+    """Refuse a file of your config directory that has the path of a packaged preset: Hydra searches
+    the packaged presets (its primary config directory) before `hydra.searchpath`, so such a file
+    would never be read, silently."""
+    presets = Path(config_dir())
+    for packaged in sorted(presets.rglob("*.yaml")):
+        rel = packaged.relative_to(presets)
+        if (directory / rel).is_file():
+            if rel.parent == Path("."):
+                raise ConfigError(f"{directory / rel} would never be read: distzo's own {rel.name} is Hydra's primary "
+                                  "config; move its settings into presets of your own (group folders) or overrides")
+            group, name = rel.parent.as_posix(), rel.stem
+            raise ConfigError(f"{directory / rel} would never be read: distzo's packaged preset {group}={name} has "
+                              f"its name, and Hydra searches the packaged presets first; rename yours (e.g. "
+                              f"{group}/{name}-ours.yaml) and select it with {group}={name}-ours")
 
 
 def search_path_override(dirs: Sequence[Path]) -> list[str]:

@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 import distzo
+from distzo.config.compose import config_dir
 from tests.distributed.launch import run_forked, torchrun_script
 
 BASE = ["model=tiny", "task=synthetic-cue", "eval_every=0", "task.val_size=16", "task.test_size=16", "optim.lr=1e-3",
@@ -160,6 +161,24 @@ def test_your_own_config_directory(tmp_path):
                    cwd=tmp_path, timeout=600, env={"DISTZO_CONFIG_PATH": str(tmp_path / "presets")})
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads((tmp_path / "r" / "summary.json").read_text())["steps"] == 1
+
+
+def test_a_preset_of_yours_with_a_packaged_presets_name_is_refused(tmp_path):
+    """Hydra searches distzo's packaged presets before your directories, so a file of yours with a
+    packaged preset's path would never be read: refused with the fix, from the API and the CLI, and
+    before a run directory is made."""
+    (tmp_path / "presets" / "task").mkdir(parents=True)
+    mine = (Path(config_dir()) / "task" / "mr-polarity.yaml").read_text().replace("It was", "Seen as")  # changed copy
+    (tmp_path / "presets" / "task" / "mr-polarity.yaml").write_text(mine)
+    with pytest.raises(distzo.ConfigError, match=r"task/mr-polarity.yaml would never be read: distzo's packaged "
+                                                 r"preset task=mr-polarity .* select it with task=mr-polarity-ours"):
+        distzo.compose("model=tiny", config_dirs=[tmp_path / "presets"])
+    r = run_forked(1, ["train", "model=tiny", f"hydra.run.dir={tmp_path / 'r'}"], cwd=tmp_path, timeout=600,
+                   env={"DISTZO_CONFIG_PATH": str(tmp_path / "presets")})
+    assert r.returncode != 0 and "select it with task=mr-polarity-ours" in r.stderr and not (tmp_path / "r").exists()
+    (tmp_path / "presets" / "task" / "mr-polarity.yaml").rename(tmp_path / "presets" / "task" / "mr-ours.yaml")
+    assert distzo.compose("model=tiny", "task=mr-ours", config_dirs=[tmp_path / "presets"]).task.template == \
+        "{sentence} Seen as"  # renamed as told, it is read
 
 
 SCRIPT = textwrap.dedent("""

@@ -152,19 +152,17 @@ def user_config_dirs(extra: Sequence[str | os.PathLike] = ()) -> list[Path]:
 
 
 def check_no_shadowed_presets(directory: Path) -> None:
-    """Refuse a file of your config directory that has the path of a packaged preset: Hydra searches
+    """Refuse a preset of your config directory that has the path of a packaged one: Hydra searches
     the packaged presets (its primary config directory) before `hydra.searchpath`, so such a file
-    would never be read, silently."""
-    presets = Path(config_dir())
-    for packaged in sorted(presets.rglob("*.yaml")):
+    would never be read, silently. (The packaged directory itself, or links to its files, pass.)"""
+    presets = Path(config_dir()).resolve()
+    for packaged in sorted(presets.glob("*/**/*.yaml")):  # group folders' presets, not config.yaml
         rel = packaged.relative_to(presets)
-        if (directory / rel).is_file():
-            if rel.parent == Path("."):
-                raise ConfigError(f"{directory / rel} would never be read: distzo's own {rel.name} is Hydra's primary "
-                                  "config; move its settings into presets of your own (group folders) or overrides")
+        mine = directory / rel
+        if mine.is_file() and not mine.samefile(packaged):
             group, name = rel.parent.as_posix(), rel.stem
-            raise ConfigError(f"{directory / rel} would never be read: distzo's packaged preset {group}={name} has "
-                              f"its name, and Hydra searches the packaged presets first; rename yours (e.g. "
+            raise ConfigError(f"{mine} would never be read: distzo's packaged preset {group}={name} has its name, "
+                              f"and Hydra searches the packaged presets first; rename yours (e.g. "
                               f"{group}/{name}-ours.yaml) and select it with {group}={name}-ours")
 
 

@@ -5,19 +5,26 @@ torchao's weight-only linears decode on every call, with several kernels and fre
 converts the whole int8 weight to the activation's dtype and scales the product; NF4 rebuilds the
 weight with about fifteen elementwise kernels. On an H100 a LoRA step on an int8 base of `llama-1b`
 took 1.6x the float32 base's, 2.0x on NF4. Here each quantized linear decodes its weight with one
-kernel (Triton on CUDA; torchao's own dequantization elsewhere, where speed is not the point) into a
-scratch buffer that every quantized layer of the model shares, in the dtype the product runs in
-(bfloat16 under `engine.compute=bf16`), and then runs the float base's `F.linear` on it. The stock
+kernel (Triton on CUDA; on a CPU the C kernels of distzo.native for float32 weights, torchao's own
+dequantization for the rest) into a scratch buffer that every quantized layer of the model shares,
+in the dtype the product runs in (bfloat16 under `engine.compute=bf16`), and then runs the float
+base's `F.linear` on it. The stock
 layer is untouched: a forward pre-hook puts the decoded weight in place for the call and a forward
 hook puts the quantized one back. Each layer's launch is prepared once (`KernelDecode`) and reused
 while the layer holds the same weight, so the host's work per call is the launch.
+
+On a CPU the same hooks serve `engine.quantized_matmul=torchao` too, for NF4 weights multiplied in
+float32 only (`only_same`): torchao's NF4 linear is F.linear on its dequantized weight, then the bias
+added to the product, so decoding that weight with the C kernel (one pass, where torchao takes about
+fifteen) and adding the bias the same way changes no bit.
 
 Exactness: the decoded weight is torchao's `dequantize()` bitwise (int8: q times its row's scale;
 NF4: the code's table value times its block's scaler, each scaler rebuilt in the kernel with the
 operations of torchao's `dequantize_scalers`, IEEE division included),
 rounded once to the product's dtype, as autocast would round it. The product is then the float
-path's on that weight. torchao's int8 forward scales the product instead of the weight, so the two
-settings differ by rounding; every engine path decodes the same way, so streamed and resident runs
+path's on that weight (the bias inside the matmul). torchao's int8 forward scales the product instead
+of the weight, and its NF4 forward adds a bias after the product, so the two settings differ by
+rounding (NF4: only in a layer with a bias); every engine path decodes the same way, so streamed and resident runs
 and any mesh agree within a setting as before. The Triton kernels round to bfloat16 with integer
 arithmetic (to nearest, ties to even; distzo/native/rounding.py), so they compute the same bits on a
 GPU and under Triton's interpreter (TRITON_INTERPRET=1, a CPU: tests/unit/test_decode.py).
@@ -188,9 +195,12 @@ class NativeDecode:
             return False
         if is_int8(weight):
             zero = getattr(weight, "zero_point", None)
-            return (weight.qdata.dim() == 2 and weight.scale.dtype == torch.float32
-                    and weight.scale.numel() == weight.qdata.shape[0] and (zero is None or not zero.any()))
-        return (is_nf4(weight) and weight.nf4.dtype == weight.quantization_factor.dtype == torch.float32
+            rows, cols = weight.qdata.shape if weight.qdata.dim() == 2 else (0, 0)
+            return (rows > 0 and list(getattr(weight, "block_size", [1, cols])) == [1, cols]
+                    and weight.scale.dtype == torch.float32 and weight.scale.numel() == rows
+                    and (zero is None or not zero.any()))
+        return (is_nf4(weight) and weight.is_contiguous()
+                and weight.nf4.dtype == weight.quantization_factor.dtype == torch.float32
                 and weight.block_size % 2 == 0 and weight.numel() % weight.block_size == 0
                 and (weight.numel() // weight.block_size) % weight.scaler_block_size == 0)
 
@@ -226,20 +236,21 @@ class DecodedLinears:
     kernels: distzo.native's CPU kernels, which decode in one pass on a CPU (None: torchao's
     dequantization there). only_same: decode only the calls whose result is torchao's own forward
     bitwise, and leave the others to it (`engine.quantized_matmul=torchao` on a CPU): an NF4 weight
-    multiplied in float32, which torchao computes as F.linear on its dequantized weight, as decoded
-    here in one pass instead of about fifteen."""
+    multiplied in float32, which torchao computes as F.linear on its dequantized weight and then adds
+    the bias, as done here (the weight decoded in one pass instead of about fifteen)."""
 
     def __init__(self, layers: Iterable[nn.Linear], kernels: Any = None, only_same: bool = False):
         self.layers = list(layers)
         self.kernels, self.only_same = kernels, only_same
         self.largest = max((m.weight.numel() for m in self.layers), default=0)
         self.scratch: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
-        self.held: dict[nn.Module, torch.Tensor] = {}
+        self.held: dict[nn.Module, tuple[torch.Tensor, torch.Tensor | None]] = {}  # (weight, bias added after)
         # Each layer's prepared decode (a kernel launch with its arguments ready), kept while the layer
         # holds the same weight object: a resident base prepares once, a streamed slot per walk.
         self.prepared: dict[nn.Module, KernelDecode | NativeDecode | ReferenceDecode] = {}
+        # always_call: a call that raises gives the layer its quantized weight back all the same
         self.handles = [h for m in self.layers for h in (m.register_forward_pre_hook(self._decode),
-                                                          m.register_forward_hook(self._restore))]
+                                                          m.register_forward_hook(self._restore, always_call=True))]
 
     def _buffer(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         key = (device, dtype)
@@ -262,13 +273,22 @@ class DecodedLinears:
                 self.prepared[module] = run
             else:
                 self.prepared.pop(module, None)
-        self.held[module] = weight
+        bias = module._parameters.get("bias") if self.only_same else None
+        if bias is not None:  # torchao's NF4 linear adds it after the product (out + bias), not inside it
+            module._parameters["bias"] = None
+        self.held[module] = (weight, bias)
         module._parameters["weight"] = run()
 
     def _restore(self, module: nn.Module, args, output):
-        if module in self.held:
-            module._parameters["weight"] = self.held.pop(module)
-        return output
+        held = self.held.pop(module, None)
+        if held is None:  # a call the pre-hook left to torchao
+            return output
+        weight, bias = held
+        module._parameters["weight"] = weight
+        if bias is None:
+            return output
+        module._parameters["bias"] = bias
+        return output + bias if output is not None else output
 
     def remove(self) -> None:
         for h in self.handles:

@@ -7,7 +7,8 @@ How the forward multiplies by a quantized weight is `engine.quantized_matmul` (`
   dequantizes each weight back to float on every call (int8: `qdata.to(float)`, the row scales applied
   to the product; NF4: a dozen elementwise kernels) and then runs the float matmul. Measured on an
   H100 at DistZO2's workload (OPT-1.3B float16, 4 x 2,048 tokens): 1.39x the float base's LoRA step
-  for int8, 1.52x for int4.
+  for int8, 1.52x for int4. On a CPU its NF4 weights are decoded by distzo's C kernels in one pass
+  instead (the same bits, so torchao's product; `distzo.models.decode`).
 - `decoded` (auto's choice on CUDA): one kernel per layer decodes the weight into a scratch buffer
   shared by the model, in the product's dtype, and the float base's `F.linear` runs on it
   (`distzo.models.decode`). The same workload: 1.02x (int8) and 1.01x (int4) the float base's step.
@@ -44,8 +45,9 @@ log = logging.getLogger("distzo")
 
 def matmul_mode(setting: str, device_type: str) -> str:
     """What `engine.quantized_matmul` means on a device: "auto" is "decoded" on CUDA (one decode kernel
-    per layer, then the float matmul) and "torchao" elsewhere (on a CPU the decode is torchao's own
-    dequantization, so the decoded path adds a copy and saves nothing)."""
+    per layer, then the float matmul) and "torchao" elsewhere (torchao's int8 product; its NF4 weights
+    are decoded by the C kernels all the same where they load, which gives torchao's product bitwise:
+    models/decode.py)."""
     setting = str(setting)
     if setting == "auto":
         return "decoded" if device_type == "cuda" else "torchao"

@@ -98,15 +98,21 @@ def test_the_c_kernels_equal_torchaos_dequantization(kernels):
     assert not torch.equal(run(), first) and torch.equal(run(), decode_reference(weights[2], torch.empty(20, 96)))
 
 
-@pytest.mark.parametrize("method", ["int8", "int4"])
-def test_on_a_cpu_torchaos_nf4_linears_decode_in_one_pass_with_torchaos_result(kernels, method):
+@pytest.mark.parametrize("arch,method", [("llama", "int8"), ("llama", "int4"), ("opt", "int4")])
+def test_on_a_cpu_torchaos_nf4_linears_decode_in_one_pass_with_torchaos_result(kernels, arch, method):
     """engine.quantized_matmul=torchao on a CPU with the kernels: an NF4 layer's float32 call decodes
-    its weight with the C kernel and runs F.linear on it, which is what torchao's NF4 linear computes
-    (F.linear on get_original_weight), so the logits are torchao's bitwise; int8 calls (torchao scales
-    the product, not the weight) and bfloat16-autocast calls are left to torchao's forward."""
+    its weight with the C kernel, runs F.linear on it and adds the bias after, which is what torchao's
+    NF4 linear computes (F.linear on get_original_weight, then + bias), so the logits are torchao's
+    bitwise (OPT: 512 wide, every linear with a random bias, which F.linear's fused bias would round
+    differently); int8 calls (torchao scales the product, not the weight) and bfloat16-autocast calls
+    are left to torchao's forward. A call that raises leaves the layer its quantized weight and bias."""
     from distzo.models.decode import NativeDecode
 
-    model = random_model("llama", 400, {}, 0, torch.float32)
+    wide = {"hidden_size": 512, "ffn_dim": 1024, "num_hidden_layers": 1, "word_embed_proj_dim": 512}
+    model = random_model(arch, 400, wide if arch == "opt" else {}, 0, torch.float32)
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear) and m.bias is not None:
+            torch.nn.init.normal_(m.bias, std=0.5)
     layers = quantize_base(model, method).modules(model)
     ids = torch.randint(3, 400, (2, 9))
     with torch.no_grad():
@@ -124,6 +130,12 @@ def test_on_a_cpu_torchaos_nf4_linears_decode_in_one_pass_with_torchaos_result(k
     else:
         assert not decoded
     assert all(type(layer.weight).__name__ in ("Int8Tensor", "NF4Tensor") for layer in layers)
+    layer, biases = layers[0], [layer.bias for layer in layers]
+    with pytest.raises(RuntimeError), torch.no_grad():
+        layer(torch.randn(3, layer.in_features + 1))
+    assert type(layer.weight).__name__ in ("Int8Tensor", "NF4Tensor") and [m.bias for m in layers] == biases
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, want)
     hooks.remove()
 
 

@@ -8,10 +8,10 @@ took 1.6x the float32 base's, 2.0x on NF4. Here each quantized linear decodes it
 kernel (Triton on CUDA; on a CPU the C kernels of distzo.native for float32 weights, torchao's own
 dequantization for the rest) into a scratch buffer that every quantized layer of the model shares,
 in the dtype the product runs in (bfloat16 under `engine.compute=bf16`), and then runs the float
-base's `F.linear` on it. The stock
-layer is untouched: a forward pre-hook puts the decoded weight in place for the call and a forward
-hook puts the quantized one back. Each layer's launch is prepared once (`KernelDecode`) and reused
-while the layer holds the same weight, so the host's work per call is the launch.
+base's `F.linear` on it. The stock layer is untouched: a forward pre-hook puts the decoded weight in
+place for the call and a forward hook puts the quantized one back. Each layer's launch is prepared
+once (`KernelDecode`) and reused while the layer holds the same weight, so the host's work per call
+is the launch.
 
 On a CPU the same hooks serve `engine.quantized_matmul=torchao` too, for NF4 weights multiplied in
 float32 only (`only_same`): torchao's NF4 linear is F.linear on its dequantized weight, then the bias
@@ -24,8 +24,8 @@ operations of torchao's `dequantize_scalers`, IEEE division included),
 rounded once to the product's dtype, as autocast would round it. The product is then the float
 path's on that weight (the bias inside the matmul). torchao's int8 forward scales the product instead
 of the weight, and its NF4 forward adds a bias after the product, so the two settings differ by
-rounding (NF4: only in a layer with a bias); every engine path decodes the same way, so streamed and resident runs
-and any mesh agree within a setting as before. The Triton kernels round to bfloat16 with integer
+rounding (NF4: only in a layer with a bias); every engine path decodes the same way, so streamed and
+resident runs and any mesh agree within a setting as before. The Triton kernels round to bfloat16 with integer
 arithmetic (to nearest, ties to even; distzo/native/rounding.py), so they compute the same bits on a
 GPU and under Triton's interpreter (TRITON_INTERPRET=1, a CPU: tests/unit/test_decode.py).
 """

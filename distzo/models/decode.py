@@ -14,9 +14,9 @@ once (`KernelDecode`) and reused while the layer holds the same weight, so the h
 is the launch.
 
 On a CPU the same hooks serve `engine.quantized_matmul=torchao` too, for NF4 weights multiplied in
-float32 only (`only_same`): torchao's NF4 linear is F.linear on its dequantized weight, then the bias
-added to the product, so decoding that weight with the C kernel (one pass, where torchao takes about
-fifteen) and adding the bias the same way changes no bit.
+float32 or bfloat16 (`only_same`): torchao's NF4 linear is F.linear on its dequantized weight (rounded
+to the product's dtype), then the bias added to the product, so decoding that weight with the C kernel
+(one pass, where torchao takes about fifteen) and adding the bias the same way changes no bit.
 
 Exactness: the decoded weight is torchao's `dequantize()` bitwise (int8: q times its row's scale;
 NF4: the code's table value times its block's scaler, each scaler rebuilt in the kernel with the
@@ -47,6 +47,7 @@ except ImportError:  # CPU-only installs decode with torch ops
 else:
     from ..native.rounding import round_to, store_as
 
+_DECODED = {torch.float32, torch.bfloat16}  # the dtypes the C kernels decode to
 _INT8_ROWS, _INT8_COLS = 4, 256  # an int8 program's tile (1,024 elements, each row's scale loaded once)
 _NF4_BLOCK = 1024  # an NF4 program's elements (whole blocks of the format)
 
@@ -171,8 +172,9 @@ class ReferenceDecode:
 
 class NativeDecode:
     """The C kernels' decode (distzo.native, on a CPU) of one torchao int8 or NF4 weight into one
-    float32 output, called like `KernelDecode`: one pass, the same values as torchao's dequantization.
-    Float32 weights only (what `model.quantize` makes of a float32 model); others take torchao's."""
+    float32 or bfloat16 output, called like `KernelDecode`: one pass, the same values as torchao's
+    dequantization (rounded to bfloat16 as torch converts). Float32 weights only (what `model.quantize`
+    makes of a float32 model); others take torchao's."""
 
     def __init__(self, kernels: Any, weight: torch.Tensor, out: torch.Tensor):
         self.kernels, self.weight, self.out = kernels, weight, out
@@ -187,9 +189,10 @@ class NativeDecode:
 
     @staticmethod
     def supports(weight: torch.Tensor, out: torch.Tensor) -> bool:
-        """Whether the C kernels decode `weight` into `out`: float32 throughout, on a CPU; int8 with a
-        scale a row and no zero point (torchao's weight-only int8), NF4 of whole blocks."""
-        if out.device.type != "cpu" or out.dtype != torch.float32 or not out.is_contiguous():
+        """Whether the C kernels decode `weight` into `out`: a float32 weight, a float32 or bfloat16
+        output, on a CPU; int8 with a scale a row and no zero point (torchao's weight-only int8), NF4 of
+        whole blocks."""
+        if out.device.type != "cpu" or out.dtype not in _DECODED or not out.is_contiguous():
             return False
         if weight.dtype != torch.float32:
             return False
@@ -236,8 +239,9 @@ class DecodedLinears:
     kernels: distzo.native's CPU kernels, which decode in one pass on a CPU (None: torchao's
     dequantization there). only_same: decode only the calls whose result is torchao's own forward
     bitwise, and leave the others to it (`engine.quantized_matmul=torchao` on a CPU): an NF4 weight
-    multiplied in float32, which torchao computes as F.linear on its dequantized weight and then adds
-    the bias, as done here (the weight decoded in one pass instead of about fifteen)."""
+    multiplied in float32 or bfloat16 (autocast's or the input's), which torchao computes as F.linear
+    on its dequantized weight rounded to that dtype and then adds the bias, as done here (the weight
+    decoded in one pass instead of about fifteen)."""
 
     def __init__(self, layers: Iterable[nn.Linear], kernels: Any = None, only_same: bool = False):
         self.layers = list(layers)
@@ -263,7 +267,8 @@ class DecodedLinears:
         x = args[0]
         kind = x.device.type
         dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
-        if self.only_same and not (is_nf4(weight) and dtype == torch.float32 == x.dtype and self.kernels is not None
+        # torchao's NF4 product: F.linear(x, weight.to(x.dtype)), which autocast casts to its dtype
+        if self.only_same and not (is_nf4(weight) and self.kernels is not None and {x.dtype, dtype} <= _DECODED
                                    and NativeDecode.supports(weight, self._buffer(x.device, dtype))):
             return  # torchao's forward, as without the hooks
         run = self.prepared.get(module)

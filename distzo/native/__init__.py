@@ -86,6 +86,12 @@ def _check(t: torch.Tensor, dtype: torch.dtype, numel: int, what: str) -> None:
                          f"{t.device}, {t.numel()} elements, contiguous={t.is_contiguous()}")
 
 
+def _check_decoded(out: torch.Tensor) -> None:
+    if out.dtype not in (torch.float32, torch.bfloat16) or out.device.type != "cpu" or not out.is_contiguous():
+        raise ValueError(f"out: needs a contiguous float32 or bfloat16 CPU tensor, got {out.dtype} on {out.device}, "
+                         f"contiguous={out.is_contiguous()}")
+
+
 class Kernels:
     """Typed entry points of the loaded library. Arguments are checked before any pointer is passed."""
 
@@ -97,31 +103,34 @@ class Kernels:
         lib.distzo_stream_rows.argtypes = [ptr, i64, i64, ptr, ptr, f32, i32]
         lib.distzo_chunk_rule.argtypes = [ptr, i64, i64, i32, ptr, ptr, ptr, i32, f32, i32, ptr, ptr, i32, ptr, i32,
                                           ptr, ptr, ptr, i32, f32]
-        lib.distzo_decode_int8.argtypes = [ptr, ptr, i64, i64, ptr]
-        lib.distzo_decode_nf4.argtypes = [ptr, ptr, ptr, ptr, f32, i64, i64, i64, ptr]
+        lib.distzo_decode_int8.argtypes = [ptr, ptr, i64, i64, ptr, i32]
+        lib.distzo_decode_nf4.argtypes = [ptr, ptr, ptr, ptr, f32, i64, i64, i64, ptr, i32]
         for fn in (lib.distzo_stream_fill, lib.distzo_stream_rows, lib.distzo_chunk_rule, lib.distzo_decode_int8,
                    lib.distzo_decode_nf4):
             fn.restype = None
         self._lib = lib
 
     def decode_int8(self, q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """out[r, c] = q[r, c] * scale[r] in float32 (a symmetric per-row int8 weight's dequantization):
-        q int8 [rows, cols], scale float32 with one value a row, out float32 of q's elements."""
-        _check_f32(out, "out", 0)
+        """out[r, c] = q[r, c] * scale[r] in float32 (a symmetric per-row int8 weight's dequantization),
+        rounded to bfloat16 for a bfloat16 `out`: q int8 [rows, cols], scale float32 with one value a
+        row, out float32 or bfloat16 of q's elements."""
+        _check_decoded(out)
         rows = scale.numel()
         _check(q, torch.int8, out.numel(), "int8 values")
         _check(scale, torch.float32, rows, "int8 scales")
         if rows == 0 or q.numel() % rows:
             raise ValueError(f"decode_int8: {q.numel()} values do not make {rows} rows")
-        self._lib.distzo_decode_int8(q.data_ptr(), scale.data_ptr(), rows, q.numel() // rows, out.data_ptr())
+        self._lib.distzo_decode_int8(q.data_ptr(), scale.data_ptr(), rows, q.numel() // rows, out.data_ptr(),
+                                     int(out.dtype == torch.bfloat16))
         return out
 
     def decode_nf4(self, packed: torch.Tensor, lut: torch.Tensor, qscaler: torch.Tensor, factor: torch.Tensor,
                    mean: float, group: int, scaler_group: int, out: torch.Tensor) -> torch.Tensor:
         """An NF4 weight in float32 (torchao's get_original_weight): block b of `group` weights has the
         scaler qscaler[b] / factor[b // scaler_group] + mean, and its element 2j is lut[high nibble of
-        byte j] times it, element 2j + 1 lut[low nibble] times it."""
-        _check_f32(out, "out", 0)
+        byte j] times it, element 2j + 1 lut[low nibble] times it; float32, or rounded to bfloat16 for a
+        bfloat16 `out`."""
+        _check_decoded(out)
         n = out.numel()
         if group <= 0 or group % 2 or n % group or scaler_group <= 0 or (n // group) % scaler_group:
             raise ValueError(f"decode_nf4: {n} weights in blocks of {group}, scalers in groups of {scaler_group}")
@@ -130,7 +139,7 @@ class Kernels:
         _check(qscaler, torch.int8, n // group, "NF4 quantized scalers")
         _check(factor, torch.float32, n // group // scaler_group, "NF4 scaler factors")
         self._lib.distzo_decode_nf4(packed.data_ptr(), lut.data_ptr(), qscaler.data_ptr(), factor.data_ptr(), mean,
-                                    n, group, scaler_group, out.data_ptr())
+                                    n, group, scaler_group, out.data_ptr(), int(out.dtype == torch.bfloat16))
         return out
 
     def stream_fill(self, out: torch.Tensor, stream: Stream, offset: int = 0) -> torch.Tensor:
@@ -334,10 +343,12 @@ def self_check(kernels: Kernels) -> None:
     factor, mean = torch.tensor([3.3, 0.7, 12.0, 0.01]), 0.015625  # 4 scalers a factor
     codes = torch.stack([packed >> 4, packed & 15], dim=1).view(-1).long()
     scaler = (qscaler.float().view(4, 4) / factor[:, None]).view(-1) + mean
-    if not (torch.equal(kernels.decode_int8(q, scale, torch.empty(768)), (q.float() * scale[:, None]).view(-1))
-            and torch.equal(kernels.decode_nf4(packed, lut, qscaler, factor, mean, 64, 4, torch.empty(1024)),
-                            (lut[codes].view(16, 64) * scaler[:, None]).view(-1))):
-        raise NativeUnavailable(f"{kernels.path} disagrees with the torch reference; delete it to rebuild")
+    int8_want, nf4_want = (q.float() * scale[:, None]).view(-1), (lut[codes].view(16, 64) * scaler[:, None]).view(-1)
+    for dtype in (torch.float32, torch.bfloat16):
+        if not (torch.equal(kernels.decode_int8(q, scale, torch.empty(768, dtype=dtype)), int8_want.to(dtype))
+                and torch.equal(kernels.decode_nf4(packed, lut, qscaler, factor, mean, 64, 4,
+                                                   torch.empty(1024, dtype=dtype)), nf4_want.to(dtype))):
+            raise NativeUnavailable(f"{kernels.path} disagrees with the torch reference; delete it to rebuild")
 
 
 _loaded: dict[str, Kernels | NativeUnavailable] = {}  # "kernels": this process's outcome of loading them

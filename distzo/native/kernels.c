@@ -338,34 +338,57 @@ void distzo_chunk_rule(float *master, int64_t n, int64_t offset, int rule, const
     }
 }
 
-/* A quantized base's weights decoded to float32 for the forward (models/decode.py, on a CPU), in the
- * operations of torchao's own dequantization, so the result is its bitwise:
+/* A quantized base's weights decoded for the forward (models/decode.py, on a CPU), in the operations
+ * of torchao's own dequantization, so the result is its bitwise:
  *   int8 (dequantize_affine, symmetric): out[r, c] = (float)q[r, c] * scale[r];
  *   NF4 (get_original_weight): block b of `group` weights has the scaler
  *   qscaler[b] / factor[b / scaler_group] + mean (dequantize_scalers), and element 2j of the block is
  *   lut[high nibble of byte j] * scaler, element 2j + 1 lut[low nibble] * scaler.
- * One pass, reading the quantized bytes and writing the float weight once, where torchao's NF4 takes
- * about fifteen elementwise passes. */
+ * Written as float32, or (out_bf16) rounded once more to bfloat16 as torch converts (what autocast's
+ * cast of the float32 weight gives). One pass, reading the quantized bytes and writing the weight
+ * once, where torchao's NF4 takes about fifteen elementwise passes. */
+
+/* float32 -> bfloat16 bits, to nearest, ties to even, as torch's conversion (a NaN as its 0x7FC0). */
+static inline uint16_t bf16_bits(float f) {
+    const uint32_t b = (uint32_t)float_bits(f);
+    if ((b & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+    return (uint16_t)((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+}
+
 WIDEST_VECTORS void distzo_decode_int8(const int8_t *__restrict__ q, const float *__restrict__ scale, int64_t rows,
-                                       int64_t cols, float *__restrict__ out) {
+                                       int64_t cols, void *__restrict__ out, int32_t out_bf16) {
     for (int64_t r = 0; r < rows; r++) {
         const float s = scale[r];
         const int8_t *qr = q + r * cols;
-        float *o = out + r * cols;
-        for (int64_t c = 0; c < cols; c++) o[c] = (float)qr[c] * s;
+        if (out_bf16) {
+            uint16_t *o = (uint16_t *)out + r * cols;
+            for (int64_t c = 0; c < cols; c++) o[c] = bf16_bits((float)qr[c] * s);
+        } else {
+            float *o = (float *)out + r * cols;
+            for (int64_t c = 0; c < cols; c++) o[c] = (float)qr[c] * s;
+        }
     }
 }
 
 WIDEST_VECTORS void distzo_decode_nf4(const uint8_t *__restrict__ packed, const float *__restrict__ lut,
                                       const int8_t *__restrict__ qscaler, const float *__restrict__ factor, float mean,
-                                      int64_t n, int64_t group, int64_t scaler_group, float *__restrict__ out) {
+                                      int64_t n, int64_t group, int64_t scaler_group, void *__restrict__ out,
+                                      int32_t out_bf16) {
     for (int64_t b = 0; b < n / group; b++) {
         const float scaler = (float)qscaler[b] / factor[b / scaler_group] + mean;
         const uint8_t *bytes = packed + b * (group / 2);
-        float *o = out + b * group;
-        for (int64_t j = 0; j < group / 2; j++) {
-            o[2 * j] = lut[bytes[j] >> 4] * scaler;
-            o[2 * j + 1] = lut[bytes[j] & 15] * scaler;
+        if (out_bf16) {
+            uint16_t *o = (uint16_t *)out + b * group;
+            for (int64_t j = 0; j < group / 2; j++) {
+                o[2 * j] = bf16_bits(lut[bytes[j] >> 4] * scaler);
+                o[2 * j + 1] = bf16_bits(lut[bytes[j] & 15] * scaler);
+            }
+        } else {
+            float *o = (float *)out + b * group;
+            for (int64_t j = 0; j < group / 2; j++) {
+                o[2 * j] = lut[bytes[j] >> 4] * scaler;
+                o[2 * j + 1] = lut[bytes[j] & 15] * scaler;
+            }
         }
     }
 }

@@ -32,12 +32,15 @@ def test_lora_on_a_quantized_base_trains_reports_its_bytes_and_exports_to_peft(t
     peft_adapter_gives_distzos_logits(run_dir, *settings)
 
 
-def test_an_nf4_base_trains_the_same_with_the_cpu_kernels_decoding_it(tmp_path):
+@pytest.mark.parametrize("compute", ["fp32", "bf16"])
+def test_an_nf4_base_trains_the_same_with_the_cpu_kernels_decoding_it(tmp_path, compute):
     """With the C kernels (engine.native=auto, the default), torchao's NF4 linears on a CPU decode
     their weights in one pass into a shared buffer and run F.linear on it (models/decode.py); without
     them (engine.native=false) torchao's own forward runs. The two runs are one run, bitwise: the same
-    trained weights (the replicas' checksums) and the same test evaluation."""
-    settings = (*CUE, "peft=lora", "model.quantize=int4", "steps=6", "optim.lr=1e-2", "estimator.eps=1e-2")
+    trained weights (the replicas' checksums) and the same test evaluation, in float32 and in bfloat16
+    compute (autocast: the weight decoded to bfloat16, as autocast casts torchao's)."""
+    settings = (*CUE, "peft=lora", "model.quantize=int4", "steps=6", "optim.lr=1e-2", "estimator.eps=1e-2",
+                f"engine.compute={compute}")
     _, kernels, tested = trained(tmp_path, "kernels", *settings)
     _, torch_ops, tested_torch = trained(tmp_path, "torch", *settings, "engine.native=false")
     assert kernels["replica_checksums"] == torch_ops["replica_checksums"]

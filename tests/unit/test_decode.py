@@ -73,9 +73,10 @@ def test_the_c_kernels_equal_torchaos_dequantization(kernels):
     """On a CPU the C kernels decode float32 int8 and NF4 weights to torchao's `dequantize` /
     `get_original_weight` bitwise (the same float32 operations, each rounded once): int8 a scale a
     row; NF4 in blocks of 64 with scalers in groups of 256 (distzo's setting, one factor for several
-    rows) and of 2 (a factor every 128 weights). A prepared decode reads the weight's own tensors, so
-    it decodes what they hold at each call (a streamed slot refilled in place). Weights or outputs
-    the kernels do not take (bfloat16) go to torchao's dequantization."""
+    rows) and of 2 (a factor every 128 weights), into float32 and into bfloat16 (rounded as torch
+    converts: to nearest, ties to even, subnormals kept; crafted values check the ties). A prepared
+    decode reads the weight's own tensors, so it decodes what they hold at each call (a streamed slot
+    refilled in place). Outputs the kernels do not write (float16) go to torchao's dequantization."""
     from torch import nn
     from torchao.quantization import Int8WeightOnlyConfig, quantize_, to_nf4
 
@@ -87,15 +88,24 @@ def test_the_c_kernels_equal_torchaos_dequantization(kernels):
     quantize_(lin, Int8WeightOnlyConfig(), filter_fn=lambda m, fqn: fqn == "")
     weights = (lin.weight, to_nf4(torch.randn(96, 512) * 0.02, 64, 256), to_nf4(torch.randn(20, 96) * 0.02, 64, 2))
     for weight in weights:
-        run = decoder(weight, torch.empty(weight.shape), kernels)
-        assert isinstance(run, NativeDecode) and run.reusable
-        assert torch.equal(run(), decode_reference(weight, torch.empty(weight.shape)))
-        narrow = decoder(weight, torch.empty(weight.shape, dtype=torch.bfloat16), kernels)
-        assert isinstance(narrow, ReferenceDecode)
+        for dtype in (torch.bfloat16, torch.float32):
+            run = decoder(weight, torch.empty(weight.shape, dtype=dtype), kernels)
+            assert isinstance(run, NativeDecode) and run.reusable
+            assert torch.equal(run(), decode_reference(weight, torch.empty(weight.shape, dtype=dtype)))
+        assert isinstance(decoder(weight, torch.empty(weight.shape, dtype=torch.float16), kernels), ReferenceDecode)
     first = run().clone()
     weights[2].quantized_data.copy_(weights[1].quantized_data[:weights[2].quantized_data.numel()])
     weights[2].scaler_mean.mul_(-3)
     assert not torch.equal(run(), first) and torch.equal(run(), decode_reference(weights[2], torch.empty(20, 96)))
+    # bfloat16 rounding of chosen float32 patterns (ties to even either way, the largest float, a
+    # subnormal, infinities, zeros): as NF4 table values times a scaler of exactly 0 / 1 + 1
+    patterns = [0x3F808000, 0x3F818000, 0x3F807FFF, 0x7F7FFFFF, 0x00000001, 0x80008000, 0x7F800000, 0xFF800000,
+                0x3F800001, 0x00400000, 0x80400000, 0x3FFF8000, 0x477FE000, 0x7F7F8000, 0x0, 0x80000000]
+    lut = torch.tensor(patterns, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    packed = torch.tensor([0x01, 0x23, 0x45, 0x67, 0x89, 0xAB, 0xCD, 0xEF], dtype=torch.uint8)
+    got = kernels.decode_nf4(packed, lut, torch.zeros(1, dtype=torch.int8), torch.ones(1), 1.0, 16, 1,
+                             torch.empty(16, dtype=torch.bfloat16))
+    assert torch.equal(got.view(torch.int16), lut.bfloat16().view(torch.int16))
 
 
 @pytest.mark.parametrize("arch,method", [("llama", "int8"), ("llama", "int4"), ("opt", "int4")])
@@ -104,8 +114,9 @@ def test_on_a_cpu_torchaos_nf4_linears_decode_in_one_pass_with_torchaos_result(k
     its weight with the C kernel, runs F.linear on it and adds the bias after, which is what torchao's
     NF4 linear computes (F.linear on get_original_weight, then + bias), so the logits are torchao's
     bitwise (OPT: 512 wide, every linear with a random bias, which F.linear's fused bias would round
-    differently); int8 calls (torchao scales the product, not the weight) and bfloat16-autocast calls
-    are left to torchao's forward. A call that raises leaves the layer its quantized weight and bias."""
+    differently), under bfloat16 autocast too (decoded to bfloat16, as torchao's weight is cast); int8
+    calls (torchao scales the product, not the weight) are left to torchao's forward. A call that
+    raises leaves the layer its quantized weight and bias."""
     from distzo.models.decode import NativeDecode
 
     wide = {"hidden_size": 512, "ffn_dim": 1024, "num_hidden_layers": 1, "word_embed_proj_dim": 512}
@@ -127,6 +138,7 @@ def test_on_a_cpu_torchaos_nf4_linears_decode_in_one_pass_with_torchaos_result(k
     decoded = set(hooks.prepared.values())
     if method == "int4":
         assert len(decoded) == len(layers) and all(isinstance(run, NativeDecode) for run in decoded)
+        assert all(run.out.dtype == torch.bfloat16 for run in decoded)  # the last calls, under autocast
     else:
         assert not decoded
     assert all(type(layer.weight).__name__ in ("Int8Tensor", "NF4Tensor") for layer in layers)

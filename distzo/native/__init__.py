@@ -1,5 +1,6 @@
 """Fused CPU kernels (`kernels.c`): one pass over a chunk applies the pending update and writes every
-working copy of the step.
+working copy of the step. (The same library decodes a quantized base's int8 and NF4 weights in one
+pass, `decode_int8` / `decode_nf4`, for distzo.models.decode.)
 
 torch runs each elementwise operation as its own pass over a chunk. For a step that is about six
 passes (hash the stream, turn its words into z, scale it, update, two copies), each reading and

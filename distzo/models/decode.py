@@ -252,9 +252,11 @@ class DecodedLinears:
         # Each layer's prepared decode (a kernel launch with its arguments ready), kept while the layer
         # holds the same weight object: a resident base prepares once, a streamed slot per walk.
         self.prepared: dict[nn.Module, KernelDecode | NativeDecode | ReferenceDecode] = {}
-        # always_call: a call that raises gives the layer its quantized weight back all the same
-        self.handles = [h for m in self.layers for h in (m.register_forward_pre_hook(self._decode),
-                                                          m.register_forward_hook(self._restore, always_call=True))]
+        # always_call: a call that raises gives the layer its quantized weight back all the same;
+        # prepend: the bias torchao adds after the product comes before other hooks' terms (LoRA's)
+        self.handles = [h for m in self.layers
+                        for h in (m.register_forward_pre_hook(self._decode),
+                                  m.register_forward_hook(self._restore, always_call=True, prepend=True))]
 
     def _buffer(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         key = (device, dtype)

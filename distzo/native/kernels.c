@@ -348,10 +348,11 @@ void distzo_chunk_rule(float *master, int64_t n, int64_t offset, int rule, const
  * cast of the float32 weight gives). One pass, reading the quantized bytes and writing the weight
  * once, where torchao's NF4 takes about fifteen elementwise passes. */
 
-/* float32 -> bfloat16 bits, to nearest, ties to even, as torch's conversion (a NaN as its 0x7FC0). */
+/* float32 -> bfloat16 bits, to nearest, ties to even, as torch's conversion; a NaN as torch's vectorised
+ * (AVX2, AVX-512) conversion writes it, 0xFFFF (its scalar one writes 0x7FC0: a NaN either way). */
 static inline uint16_t bf16_bits(float f) {
     const uint32_t b = (uint32_t)float_bits(f);
-    if ((b & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+    if ((b & 0x7FFFFFFFu) > 0x7F800000u) return 0xFFFF;
     return (uint16_t)((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
 }
 

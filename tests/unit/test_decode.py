@@ -106,6 +106,9 @@ def test_the_c_kernels_equal_torchaos_dequantization(kernels):
     got = kernels.decode_nf4(packed, lut, torch.zeros(1, dtype=torch.int8), torch.ones(1), 1.0, 16, 1,
                              torch.empty(16, dtype=torch.bfloat16))
     assert torch.equal(got.view(torch.int16), lut.bfloat16().view(torch.int16))
+    nan = torch.full((16,), float("nan"))  # a NaN stays one (its bits follow torch's vectorised conversion)
+    assert kernels.decode_nf4(packed, nan, torch.zeros(1, dtype=torch.int8), torch.ones(1), 1.0, 16, 1,
+                              torch.empty(16, dtype=torch.bfloat16)).isnan().all()
 
 
 @pytest.mark.parametrize("arch,method", [("llama", "int8"), ("llama", "int4"), ("opt", "int4")])
@@ -115,8 +118,9 @@ def test_on_a_cpu_torchaos_nf4_linears_decode_in_one_pass_with_torchaos_result(k
     NF4 linear computes (F.linear on get_original_weight, then + bias), so the logits are torchao's
     bitwise (OPT: 512 wide, every linear with a random bias, which F.linear's fused bias would round
     differently), under bfloat16 autocast too (decoded to bfloat16, as torchao's weight is cast); int8
-    calls (torchao scales the product, not the weight) are left to torchao's forward. A call that
-    raises leaves the layer its quantized weight and bias."""
+    calls (torchao scales the product, not the weight) are left to torchao's forward. The bias is
+    added before any other forward hook's term (here one registered first), as torchao adds it inside
+    the layer. A call that raises leaves the layer its quantized weight and bias."""
     from distzo.models.decode import NativeDecode
 
     wide = {"hidden_size": 512, "ffn_dim": 1024, "num_hidden_layers": 1, "word_embed_proj_dim": 512}
@@ -125,6 +129,8 @@ def test_on_a_cpu_torchaos_nf4_linears_decode_in_one_pass_with_torchaos_result(k
         if isinstance(m, torch.nn.Linear) and m.bias is not None:
             torch.nn.init.normal_(m.bias, std=0.5)
     layers = quantize_base(model, method).modules(model)
+    for layer in layers:  # a hook registered before the decode's (as an adapter's could be) still sees out + bias
+        layer.register_forward_hook(lambda m, args, out: out * 1.5 + 0.37)
     ids = torch.randint(3, 400, (2, 9))
     with torch.no_grad():
         want = model(ids).logits

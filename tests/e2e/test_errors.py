@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from distzo.config.compose import config_dir
 from tests.distributed.launch import run_forked
 from tests.hub.repos import glue_files, sst2_records, tiny_model_files
 from tests.hub.server import HubServer, closed_endpoint
@@ -120,13 +121,16 @@ def folders(tmp_path_factory, hub_server):
     empty_test.mkdir()
     (empty_test / "train.jsonl").write_text((data / "reviews.jsonl").read_text())
     (empty_test / "val.jsonl").write_text("")
+    shadowing = root / "shadowing-presets"  # your presets, one with a packaged preset's path
+    (shadowing / "task").mkdir(parents=True)
+    (shadowing / "task" / "mr-polarity.yaml").write_text((Path(config_dir()) / "task" / "mr-polarity.yaml").read_text())
     return {"$CLIP": str(clip), "$MAMBA": str(mamba), "$USED_RUN": str(used), "$OTHER_RUN": str(other),
             "$EMPTY_DIR": str(empty),
             "$NO_WEIGHTS": str(no_weights), "$BAD_CONFIG": str(bad_config), "$NO_FINAL_RUN": str(no_final),
             "$NO_SNAPSHOT_RUN": str(no_snapshot),
             "$REVIEWS": str(data / "reviews.jsonl"), "$ODD_LABEL": str(data / "odd-label.jsonl"),
             "$QUIZ": str(data / "quiz.jsonl"), "$NOT_JSON": str(data / "not-json.jsonl"),
-            "$EMPTY_TEST": str(empty_test),
+            "$EMPTY_TEST": str(empty_test), "$SHADOWING_PRESETS": str(shadowing),
             "$NO_DATA": str(data / "nothing"), "$TRUNCATED_MODEL": str(broken["truncated"]),
             "$CORRUPT_MODEL": str(broken["corrupt"]), "$MISSING_SHARD": str(broken["missing-shard"]),
             "$BAD_TOKENIZER": str(broken["bad-tokenizer"]), "$HUB": hub_server.url, "$NO_HUB": closed_endpoint()}

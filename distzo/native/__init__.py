@@ -304,8 +304,9 @@ def _built_library() -> Path:
 
 
 def self_check(kernels: Kernels) -> None:
-    """Compare the library with the torch implementation on a few awkward ranges (a miscompiled or
-    stale library must not silently change a run's directions)."""
+    """Compare the library with the torch implementation on a few awkward ranges, and its decode of a
+    quantized base with the torch formula (a miscompiled or stale library must not silently change a
+    run's directions or weights)."""
     for seed, offset, n, scale in ((7, 0, 1000, 1.0), (2**64 - 5, 61, 300, 3.7e-4), (12345, 8, 77, 0.5)):
         for gaussian in (False, True):
             stream = Stream(seed, scale, gaussian)
@@ -335,8 +336,6 @@ def self_check(kernels: Kernels) -> None:
         if not (torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(got_state, state))
                 and torch.equal(plus, want + z)):
             raise NativeUnavailable(f"{kernels.path} disagrees with the torch reference; delete it to rebuild")
-
-
     q = (torch.arange(768) % 256 - 128).to(torch.int8).view(3, 256)  # a quantized base's decode
     scale = torch.tensor([1e-3, 0.37, 2.5])
     packed = torch.arange(256, dtype=torch.uint8).repeat(2)  # 1,024 NF4 weights: 16 blocks of 64

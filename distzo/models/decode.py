@@ -180,11 +180,10 @@ class NativeDecode:
         self.kernels, self.weight, self.out = kernels, weight, out
         if is_int8(weight):
             own = [weight.qdata, weight.scale]
-            self._args = [t.contiguous() for t in own]
         else:
             own = [weight.quantized_data, weight.nf4, weight.quantized_scalers, weight.quantization_factor]
-            self._args = [t.contiguous() for t in own]
             self._groups = (int(weight.block_size), int(weight.scaler_block_size))
+        self._args = [t.contiguous() for t in own]
         self.reusable = all(a.data_ptr() == t.data_ptr() for a, t in zip(self._args, own))
 
     @staticmethod
@@ -270,12 +269,15 @@ class DecodedLinears:
         kind = x.device.type
         dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
         # torchao's NF4 product: F.linear(x, weight.to(x.dtype)), which autocast casts to its dtype
-        if self.only_same and not (is_nf4(weight) and self.kernels is not None and {x.dtype, dtype} <= _DECODED
-                                   and NativeDecode.supports(weight, self._buffer(x.device, dtype))):
+        if self.only_same and x.dtype not in _DECODED:
             return  # torchao's forward, as without the hooks
         run = self.prepared.get(module)
         if run is None or run.weight is not weight or run.out.dtype != dtype or run.out.device != x.device:
-            run = decoder(weight, self._buffer(x.device, dtype)[:weight.numel()].view(weight.shape), self.kernels)
+            out = self._buffer(x.device, dtype)[:weight.numel()].view(weight.shape)
+            if self.only_same and not (is_nf4(weight) and self.kernels is not None
+                                       and NativeDecode.supports(weight, out)):
+                return  # checked once per weight and dtype, not on every call of a prepared one
+            run = decoder(weight, out, self.kernels)
             if run.reusable:
                 self.prepared[module] = run
             else:

@@ -62,6 +62,16 @@ def pytest_runtest_call(item):
                 pass
 
 
+@pytest.fixture(scope="module")
+def kernels():
+    """The fused CPU kernels (distzo.native). The suite's machines have a C compiler: they must build."""
+    from distzo import native
+
+    k = native.load("true")
+    assert k is not None
+    return k
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     from distzo.models import load_tokenizer

@@ -60,15 +60,6 @@ def test_the_kernels_equal_torchaos_dequantization_under_the_interpreter():
     assert "mismatches []" in r.stdout, r.stdout[-2000:]
 
 
-@pytest.fixture(scope="module")
-def kernels():
-    from distzo import native
-
-    k = native.load("true")  # the suite's machines have a C compiler: the kernels must build here
-    assert k is not None
-    return k
-
-
 def test_the_c_kernels_equal_torchaos_dequantization(kernels):
     """On a CPU the C kernels decode float32 int8 and NF4 weights to torchao's `dequantize` /
     `get_original_weight` bitwise (the same float32 operations, each rounded once): int8 a scale a

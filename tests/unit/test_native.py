@@ -26,13 +26,6 @@ from tests.engine_helpers import PreDrawnDirections
 MASK = (1 << 64) - 1
 
 
-@pytest.fixture(scope="module")
-def kernels():
-    k = native.load("true")  # the suite's machines have a C compiler: the kernels must build here
-    assert k is not None
-    return k
-
-
 def splitmix_word(seed: int, j: int) -> int:
     """Word j of a chunk's stream, in Python integers: the definition, independent of torch."""
     x = (seed + (j + 1) * 0x9E3779B97F4A7C15) & MASK

@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from distzo import native
 from distzo.data.objectives import objective_sums
 from distzo.engine import offload_engine, resident_engine
 from distzo.engine.chunkpass import chunk_pass
@@ -48,13 +47,6 @@ STEPS = [(0, ((0, 0.83), (1, -1.7)), 3e-3, 0.1), (1, ((0, -0.4), (1, 2.2)), 3e-3
 HIZOO_STEPS = [(0, ((0, 0.83), (CURVATURE, 40.0)), 3e-3, 0.1), (1, ((0, -2.2), (CURVATURE, 15.0)), 3e-3, 0.1),
                (2, ((0, 0.0), (CURVATURE, 90.0)), 2e-3, 0.1), (3, ((0, 1.1), (CURVATURE, 0.0)), 2e-3, 0.1)]
 HIZOO_ALPHA = 0.01  # H moves by ~alpha d z^2 a step: 0.1-1 here, so the state test sees it
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    k = native.load("true")
-    assert k is not None
-    return k
 
 
 def small_params(seed: int = 0) -> list[TrainableParam]:

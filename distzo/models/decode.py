@@ -37,6 +37,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
+from ..native import DECODED_DTYPES
 from ..native.rounding import as_kernel_arg, dtype_code
 
 try:
@@ -47,7 +48,6 @@ except ImportError:  # CPU-only installs decode with torch ops
 else:
     from ..native.rounding import round_to, store_as
 
-_DECODED = {torch.float32, torch.bfloat16}  # the dtypes the C kernels decode to
 _INT8_ROWS, _INT8_COLS = 4, 256  # an int8 program's tile (1,024 elements, each row's scale loaded once)
 _NF4_BLOCK = 1024  # an NF4 program's elements (whole blocks of the format)
 
@@ -191,7 +191,7 @@ class NativeDecode:
         """Whether the C kernels decode `weight` into `out`: a float32 weight, a float32 or bfloat16
         output, on a CPU; int8 with a scale a row and no zero point (torchao's weight-only int8), NF4 of
         whole blocks."""
-        if out.device.type != "cpu" or out.dtype not in _DECODED or not out.is_contiguous():
+        if out.device.type != "cpu" or out.dtype not in DECODED_DTYPES or not out.is_contiguous():
             return False
         if weight.dtype != torch.float32:
             return False
@@ -269,7 +269,7 @@ class DecodedLinears:
         kind = x.device.type
         dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
         # torchao's NF4 product: F.linear(x, weight.to(x.dtype)), which autocast casts to its dtype
-        if self.only_same and x.dtype not in _DECODED:
+        if self.only_same and x.dtype not in DECODED_DTYPES:
             return  # torchao's forward, as without the hooks
         run = self.prepared.get(module)
         if run is None or run.weight is not weight or run.out.dtype != dtype or run.out.device != x.device:

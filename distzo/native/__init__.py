@@ -87,8 +87,11 @@ def _check(t: torch.Tensor, dtype: torch.dtype, numel: int, what: str) -> None:
                          f"{t.device}, {t.numel()} elements, contiguous={t.is_contiguous()}")
 
 
+DECODED_DTYPES = (torch.float32, torch.bfloat16)  # what the decode kernels write
+
+
 def _check_decoded(out: torch.Tensor) -> None:
-    if out.dtype not in (torch.float32, torch.bfloat16) or out.device.type != "cpu" or not out.is_contiguous():
+    if out.dtype not in DECODED_DTYPES or out.device.type != "cpu" or not out.is_contiguous():
         raise ValueError(f"out: needs a contiguous float32 or bfloat16 CPU tensor, got {out.dtype} on {out.device}, "
                          f"contiguous={out.is_contiguous()}")
 

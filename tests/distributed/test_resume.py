@@ -42,8 +42,14 @@ def assert_bitwise(a, b):
 
 
 def trained_steps(run_dir: Path) -> int:
-    records = list(read_jsonl(run_dir / "metrics.jsonl")) if (run_dir / "metrics.jsonl").exists() else []
-    return max([r["step"] for r in records if r["type"] == "train"], default=0)
+    """The last step metrics.jsonl records (what a kill waits for)."""
+    return max([r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if r["type"] == "train"], default=0)
+
+
+def logged_steps(run_dir: Path) -> int:
+    """The last step trajectory.jsonl records, which is what resume re-applies. A step appends to it
+    before its metrics line, so a kill between the two leaves it one step ahead of trained_steps."""
+    return max([r["step"] for r in read_jsonl(run_dir / "trajectory.jsonl")], default=0)
 
 
 def kill_rank_when(job: ForkedJob | subprocess.Popen, run_dir: Path, min_step: int, rank: str,
@@ -103,7 +109,7 @@ def test_sigkill_7_steps_after_a_snapshot_resumes_from_the_last_logged_step(tmp_
     job = ForkedJob(4, ["train", *args], cwd=tmp_path)
     kill_rank_when(job, run_dir, min_step=17, rank="2")
     assert job.wait(timeout=120).returncode != 0 and not (run_dir / "final").exists()
-    killed_at = trained_steps(run_dir)
+    killed_at = logged_steps(run_dir)
     assert 17 <= killed_at < 30 and [p.name for p in list_snapshots(run_dir)] == ["step-00000010"]
     r = torchrun(4, *args, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -150,7 +156,7 @@ def test_killed_before_its_first_snapshot_resumes_from_the_initial_weights(tmp_p
     job = ForkedJob(1, ["train", *args, "resume=auto", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
     kill_rank_when(job, run_dir, min_step=6, rank="0")
     assert job.wait(timeout=120).returncode == 128 + signal.SIGKILL
-    killed_at = trained_steps(run_dir)
+    killed_at = logged_steps(run_dir)
     with open(run_dir / "trajectory.jsonl", "a") as fh:
         fh.write('{"step": ' + str(killed_at + 1) + ', "upd')  # a line torn by the kill: ignored
     r = torchrun(1, *args, "resume=auto", f"hydra.run.dir={run_dir}", cwd=tmp_path)

@@ -100,3 +100,7 @@ def check_values(cfg: Config) -> None:
                           "(e.g. [q_proj,v_proj])")
     if cfg.offload.transfer_dtype is not None and cfg.offload.mode == "none":
         raise ConfigError("offload.transfer_dtype only applies to offloaded blocks; add offload=cpu")
+    if cfg.keep_best is not None and not cfg.eval_every:
+        raise ConfigError(f"keep_best={cfg.keep_best} picks among the validation evaluations during training, and "
+                          f"eval_every=0 runs none; set eval_every (MeZO validates every steps/5, here "
+                          f"eval_every={max(1, cfg.steps // 5)}), or drop keep_best")

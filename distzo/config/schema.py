@@ -198,6 +198,13 @@ class EvalSplit(Choice):
     test = "test"
 
 
+class BestMetric(Choice):
+    """keep_best: the validation figure that picks the run's result (loss: the lowest)."""
+    accuracy = "accuracy"
+    f1 = "f1"
+    loss = "loss"
+
+
 class Objective(Choice):
     loss = "loss"
     accuracy = "accuracy"
@@ -565,6 +572,7 @@ class Config:
     micro_batch_size: Optional[int] = setting(None, "> 0")
     seed: Optional[int] = setting(0, ">= 0 and < 2**63")
     eval_every: int = setting(100, ">= 0")
+    keep_best: Optional[BestMetric] = None
     eval_batch_size: int = setting(32, "> 0")
     log_every: int = setting(10, "> 0")
     threads: Optional[int] = setting(None, "> 0")

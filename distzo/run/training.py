@@ -13,6 +13,7 @@ fixed when `build_engine` picks its mode (docs/architecture.md#engines) and is n
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import statistics
@@ -27,10 +28,11 @@ from omegaconf import DictConfig
 from ..config.compose import typed
 from ..config.schema import Config
 from ..data.tasks import PromptTask
-from ..errors import DistzoError
+from ..errors import ConfigError, DistzoError
 from ..parallel.consistency import check_replicas
 from ..state.checkpointer import Checkpointer
 from ..state.resume import (
+    ResumeError,
     catch_up,
     check_identity,
     find_resume_point,
@@ -38,7 +40,7 @@ from ..state.resume import (
     run_identity,
     truncate_logs,
 )
-from ..state.snapshots import atomic_write_json, save_final
+from ..state.snapshots import atomic_write_json, read_snapshot, save_final
 from ..telemetry.jsonl import JsonlWriter
 from ..telemetry.metrics import (
     MetricsWriter,
@@ -57,6 +59,7 @@ from .components import Components, build_components
 from .evaluation import Evaluator, headline
 from .hub_pins import HubPins, fetch_hub_pins
 from .rundir import RunDirectory
+from .selection import BestValidation
 from .session import Session
 from .signals import Stopped, StopRequests
 
@@ -145,7 +148,8 @@ class Trainer:
 
     `fit()` runs the loop to `cfg.steps` (evaluations, snapshots, replica checks on their cadences,
     a graceful stop on SIGTERM / SIGUSR1 / SIGINT; a callback may end it early by setting
-    `trainer.should_stop`, on every rank alike) and returns the Summary; or drive it yourself
+    `trainer.should_stop`, on every rank alike; with keep_best the result is the best validation
+    evaluation's weights, distzo/run/selection.py) and returns the Summary; or drive it yourself
     with `step()`, `evaluate()`, `snapshot()` and `save()`. Close it (or use `with`) to release the
     mesh, threads and buffers."""
 
@@ -171,6 +175,10 @@ class Trainer:
         """Everything the loop needs; with resume=auto, the weights and logs of the step an
         interrupted run reached (its newest snapshot, then the steps logged after it, re-applied)."""
         cfg, mesh, run_dir = self.cfg, self.mesh, self.run_dir
+        if cfg.keep_best is not None and model is not None:
+            raise ConfigError(f"keep_best={cfg.keep_best} rebuilds the model from the configuration's model.* at the "
+                              "end of the run, and this trainer was handed a model object; drop keep_best (and pick "
+                              "among the run's snapshots), or name the model in the configuration")
         if self.resume_from is not None:
             point = mesh.broadcast_object(resume_point_at(cfg, Path(self.resume_from)) if mesh.is_main else None)
         else:
@@ -207,6 +215,8 @@ class Trainer:
         if point is None:
             self.checkpoints.start()
         self.evaluator = Evaluator(c.task, c.engine, mesh, cfg.eval_batch_size, self.metrics)
+        self.best = BestValidation(None if cfg.keep_best is None else str(cfg.keep_best), run_dir)
+        self._restored = False  # keep_best: the engine holds the best evaluation's weights, not the last step's
         self.step_count = self.start_step  # updates done
         self.should_stop = False  # set by a callback, on every rank alike, to end `fit` after this step
         self._progress = Progress("train step", cfg.steps, every_s=15.0, enabled=mesh.is_main)
@@ -214,6 +224,34 @@ class Trainer:
         self._step_h2d: list[float] = []  # this rank's host-to-device bytes per step (offloading)
         self._loss_ema: float | None = None
         self._describe()
+        if self.best.enabled:
+            self._start_best(resumed=point is not None)
+
+    def _start_best(self, resumed: bool) -> None:
+        """keep_best: the task reports the metric; on resume, the best so far from metrics.jsonl, with
+        its snapshot, and the evaluation of the step reached if the interruption came before it."""
+        cfg, mesh = self.cfg, self.mesh
+        self.best.check_task(self.components.task)
+        if not resumed:
+            return
+        if mesh.is_main:
+            evaluated = self.best.read_logs(self.start_step)
+            state = self.best.path / "state.json"
+            saved = read_snapshot(self.best.path)[1]["step"] if state.is_file() else None
+            found = (self.best.best, evaluated, saved)
+        best, evaluated, saved = mesh.broadcast_object(found if mesh.is_main else None)
+        self.best.best, step = best, self.start_step
+        if 0 < step < cfg.steps and step % cfg.eval_every == 0 and step not in evaluated:
+            if self.best.offer(step, self.evaluate("validation")):  # as the uninterrupted run did
+                self._save_best()
+                return
+        if best is not None and best.step != saved:
+            if best.step != step:
+                raise ResumeError(f"keep_best={cfg.keep_best}: the best validation evaluation so far (step "
+                                  f"{best.step}) has no snapshot in {self.best.path} (it holds "
+                                  f"{'nothing' if saved is None else f'step {saved}'}); it was removed or replaced. "
+                                  "Start the run afresh in a new directory, or drop keep_best")
+            self._save_best()  # interrupted while writing it: the weights are the best's again
 
     # --- what a run is made of ----------------------------------------------------------------------
 
@@ -265,7 +303,8 @@ class Trainer:
 
     def evaluate(self, split: str = "validation") -> dict[str, Any]:
         """The current weights' metrics on `split` (every rank together), also written to metrics.jsonl."""
-        result = self.evaluator.run(split, self.step_count)
+        step = self.best.best.step if self._restored else self.step_count  # the step whose weights these are
+        result = self.evaluator.run(split, step)
         self.callbacks.on_evaluate(self, split, result)
         return result
 
@@ -317,7 +356,9 @@ class Trainer:
                     with stop.holding():
                         self.snapshot()
                 if cfg.eval_every and done % cfg.eval_every == 0 and done < cfg.steps:
-                    self.evaluate("validation")
+                    if self.best.offer(done, self.evaluate("validation")):  # keep_best's new best
+                        with stop.holding():
+                            self._save_best()
             summary = self._finish(first, wall_start)
         self.callbacks.on_train_end(self, summary)
         return summary
@@ -329,14 +370,19 @@ class Trainer:
             replica_checksums = check_replicas(mesh, [p.tensor for p in weights.params], steps)
         if cfg.checkpoint.every and not self.checkpoints.due(steps) and steps > self.start_step:
             self.snapshot()  # the end of the run, if not on the cadence
-        last = self.evaluate("validation")
+        last = result = self.evaluate("validation")
+        best = self.best.best
+        if not self.best.offer(steps, last) and best is not None and best.step != steps:
+            self._restore_best(last)  # keep_best: an earlier evaluation was the best
+            result = best.result
         test = self.evaluate("test")
         step_times = self._step_times
         summary = Summary({
             "steps": steps, "resumed_from_step": self.start_step, "seed": self.seed, "mesh": str(mesh.shape),
             "directions_version": DIRECTIONS_VERSION,
             "validation_accuracy_before": first["accuracy"] if first else None,
-            "validation_accuracy_after": last["accuracy"], "test_accuracy": test["accuracy"],
+            "validation_accuracy_after": result["accuracy"], "test_accuracy": test["accuracy"],
+            "keep_best": self.best.metric, "best_step": self.best.best.step if self.best.best else None,
             "train_time_s": round(sum(step_times), 1),
             "step_time_s": round(statistics.median(step_times), 3) if step_times else math.nan,
             "wall_time_s": round(time.time() - wall_start, 1),
@@ -348,9 +394,9 @@ class Trainer:
             "replica_checksums": replica_checksums,  # every rank's, in rank order: identical (checked)
         })
         for key in ("f1", "perplexity"):  # generation: accuracy is the exact match (None for whole texts)
-            if key in last:
+            if key in result:
                 summary.update({f"validation_{key}_before": first[key] if first else None,
-                                f"validation_{key}_after": last[key], f"test_{key}": test[key]})
+                                f"validation_{key}_after": result[key], f"test_{key}": test[key]})
         if cfg.save_final:
             path = self._save()
             if path is not None:
@@ -360,10 +406,39 @@ class Trainer:
         self.metrics.write("summary", **summary)
         pace = (f"{format_duration(summary['train_time_s'])} training, median {summary['step_time_s']:.2f} s/step"
                 if step_times else "no step left to train")
-        log.info("Validation %s -> %s after %d steps (%s); test %s",
-                 headline(first) if first else f"(resumed at step {self.start_step})", headline(last), steps, pace,
-                 headline(test))
+        chosen = f" (keep_best: step {self.best.best.step}'s weights)" if self._restored else ""
+        log.info("Validation %s -> %s after %d steps%s (%s); test %s",
+                 headline(first) if first else f"(resumed at step {self.start_step})", headline(result), steps, chosen,
+                 pace, headline(test))
         return summary
+
+    def _save_best(self) -> None:
+        """keep_best: the weights of the step reached, the new best, into checkpoints/best. Collective."""
+        self.checkpoints.save(self.components.engine, self.step_count, self._nonfinite, self.best.path)
+        if self.mesh.is_main:
+            log.info("keep_best=%s: new best, %s", self.best.metric, self.best.describe())
+
+    def _restore_best(self, last: dict[str, Any]) -> None:
+        """keep_best: the engine rebuilt from the best evaluation's snapshot (the last step's closed
+        first, so the two models are never held together), as resume builds one. Collective."""
+        best = self.best.best
+        weights, state = read_snapshot(self.best.path)  # every rank reads it, as resume reads a snapshot
+        if state["step"] != best.step:
+            raise TrainingError(f"keep_best={self.best.metric}: {self.best.path} holds step {state['step']}, not the "
+                                f"best evaluation's step {best.step}; it was replaced during the run")
+        if self.mesh.is_main:
+            log.info("keep_best=%s: the result is the weights of step %d (%s; step %d: %s); rebuilding the model "
+                     "from %s", self.best.metric, best.step, headline(best.result), self.step_count,
+                     headline(last), self.best.path)
+        c, self.components, self.evaluator = self.components, None, None
+        task, tokenizer, sources = c.task, c.tokenizer, c.sources
+        c.close()
+        del c
+        gc.collect()
+        self.components = build_components(self.cfg, self.mesh, self.seed, weights, tokenizer=tokenizer, task=task,
+                                           sources=sources)
+        self.evaluator = Evaluator(task, self.components.engine, self.mesh, self.cfg.eval_batch_size, self.metrics)
+        self._restored = True
 
     def close(self) -> None:
         """Release the engine's threads and buffers, the logs and the mesh (every rank together)."""

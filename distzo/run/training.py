@@ -40,7 +40,7 @@ from ..state.resume import (
     run_identity,
     truncate_logs,
 )
-from ..state.snapshots import atomic_write_json, read_snapshot, save_final
+from ..state.snapshots import CorruptSnapshot, atomic_write_json, read_snapshot, save_final
 from ..telemetry.jsonl import JsonlWriter
 from ..telemetry.metrics import (
     MetricsWriter,
@@ -234,10 +234,13 @@ class Trainer:
         self.best.check_task(self.components.task)
         if not resumed:
             return
-        if mesh.is_main:
-            evaluated = self.best.read_logs(self.start_step)
-            state = self.best.path / "state.json"
-            saved = read_snapshot(self.best.path)[1]["step"] if state.is_file() else None
+        if mesh.is_main:  # rank 0 reads the run directory, as it reads the resume point
+            evaluated, saved = self.best.read_logs(self.start_step), "nothing"
+            if (self.best.path / "state.json").is_file():
+                try:
+                    saved = read_snapshot(self.best.path)[1]["step"]
+                except CorruptSnapshot as exc:
+                    saved = f"a corrupt snapshot ({exc})"
             found = (self.best.best, evaluated, saved)
         best, evaluated, saved = mesh.broadcast_object(found if mesh.is_main else None)
         self.best.best, step = best, self.start_step
@@ -247,10 +250,10 @@ class Trainer:
                 return
         if best is not None and best.step != saved:
             if best.step != step:
+                held = f"step {saved}" if isinstance(saved, int) else saved
                 raise ResumeError(f"keep_best={cfg.keep_best}: the best validation evaluation so far (step "
-                                  f"{best.step}) has no snapshot in {self.best.path} (it holds "
-                                  f"{'nothing' if saved is None else f'step {saved}'}); it was removed or replaced. "
-                                  "Start the run afresh in a new directory, or drop keep_best")
+                                  f"{best.step}) has no snapshot in {self.best.path} (it holds {held}); it was "
+                                  "removed or replaced. Start the run afresh in a new directory, or drop keep_best")
             self._save_best()  # interrupted while writing it: the weights are the best's again
 
     # --- what a run is made of ----------------------------------------------------------------------
@@ -422,21 +425,27 @@ class Trainer:
         """keep_best: the engine rebuilt from the best evaluation's snapshot (the last step's closed
         first, so the two models are never held together), as resume builds one. Collective."""
         best = self.best.best
-        weights, state = read_snapshot(self.best.path)  # every rank reads it, as resume reads a snapshot
-        if state["step"] != best.step:
-            raise TrainingError(f"keep_best={self.best.metric}: {self.best.path} holds step {state['step']}, not the "
-                                f"best evaluation's step {best.step}; it was replaced during the run")
         if self.mesh.is_main:
             log.info("keep_best=%s: the result is the weights of step %d (%s; step %d: %s); rebuilding the model "
                      "from %s", self.best.metric, best.step, headline(best.result), self.step_count,
                      headline(last), self.best.path)
-        c, self.components, self.evaluator = self.components, None, None
+        c, self.evaluator = self.components, None
         task, tokenizer, sources = c.task, c.tokenizer, c.sources
+        self.components = None
         c.close()
         del c
         gc.collect()
-        self.components = build_components(self.cfg, self.mesh, self.seed, weights, tokenizer=tokenizer, task=task,
-                                           sources=sources)
+        try:
+            weights, state = read_snapshot(self.best.path)  # every rank reads it, as resume reads a snapshot
+            if state["step"] != best.step:
+                raise TrainingError(f"keep_best={self.best.metric}: {self.best.path} holds step {state['step']}, not "
+                                    f"the best evaluation's step {best.step}; it was replaced during the run")
+            self.components = build_components(self.cfg, self.mesh, self.seed, weights, tokenizer=tokenizer,
+                                               task=task, sources=sources)
+        except BaseException:
+            self.metrics.close()  # what close() does, which no longer sees components
+            self.trajectory.close()
+            raise
         self.evaluator = Evaluator(task, self.components.engine, self.mesh, self.cfg.eval_batch_size, self.metrics)
         self._restored = True
 

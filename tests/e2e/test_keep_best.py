@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import signal
 from pathlib import Path
 
 import pytest
@@ -17,8 +16,7 @@ import distzo
 from distzo.errors import ConfigError
 from distzo.state.resume import truncate_logs
 from distzo.telemetry.jsonl import read_jsonl
-from tests.distributed.launch import ForkedJob, torchrun
-from tests.distributed.test_resume import kill_rank_when, logged_steps
+from tests.distributed.launch import torchrun
 
 # Validation on 32 examples every 5 steps of 20 at a learning rate that overshoots: on this seed the
 # accuracy peaks at step 15 and the loss at step 10 (the tests assert only that the best is not the
@@ -85,16 +83,23 @@ def test_a_mesh_and_offloaded_blocks_keep_the_same_best(tmp_path, best_runs):
     assert_same_weights(run, best_runs["accuracy"])
 
 
+def killed_copy(run: Path, to: Path, step: int) -> Path:
+    """`run`'s directory as a SIGKILL after `step` leaves it (the logs up to that step, no final/ and no
+    summary; tests/distributed/test_resume.py kills real runs): a tiny run's 20 steps take less time
+    than a kill takes to land, so the kill is staged on the files instead."""
+    shutil.copytree(run, to)
+    shutil.rmtree(to / "final")
+    (to / "summary.json").unlink()
+    truncate_logs(to, step)
+    return to
+
+
 def test_a_run_killed_after_its_best_resumes_to_the_same_result(tmp_path, best_runs):
-    run = tmp_path / "run"
-    args = [*RUN, "steps=20", "keep_best=accuracy", "resume=auto", f"hydra.run.dir={run}"]
     best = summary(best_runs["accuracy"])["best_step"]
-    job = ForkedJob(1, ["train", *args], cwd=tmp_path)
-    kill_rank_when(job, run, min_step=best + 2, rank="0")
-    assert job.wait(timeout=120).returncode == 128 + signal.SIGKILL
-    assert best < logged_steps(run) < 20 and (run / "checkpoints" / "best").is_dir()
-    r = torchrun(1, *args, cwd=tmp_path)
+    run = killed_copy(best_runs["accuracy"], tmp_path / "run", best + 2)
+    r = torchrun(1, *RUN, "steps=20", "keep_best=accuracy", "resume=auto", f"hydra.run.dir={run}", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert f"Re-applying the {best + 2} step(s)" in r.stdout + r.stderr
     assert summary(run)["best_step"] == best
     assert_same_weights(run, best_runs["accuracy"])
 
@@ -102,17 +107,12 @@ def test_a_run_killed_after_its_best_resumes_to_the_same_result(tmp_path, best_r
 def test_a_run_interrupted_before_its_evaluation_evaluates_on_resume(tmp_path, best_runs):
     """Killed after step `best` was logged but before its evaluation (or while its snapshot was being
     written): resume evaluates that step again, as the uninterrupted run did, and keeps it."""
-    run = tmp_path / "run"
-    args = [*RUN, "steps=20", "keep_best=accuracy", "resume=auto", f"hydra.run.dir={run}"]
     best = summary(best_runs["accuracy"])["best_step"]
-    shutil.copytree(best_runs["accuracy"], run)
-    shutil.rmtree(run / "final")
-    (run / "summary.json").unlink()
-    truncate_logs(run, best)  # the logs as the kill left them: up to step `best`, without its evaluation
+    run = killed_copy(best_runs["accuracy"], tmp_path / "run", best)
     kept = [r for r in read_jsonl(run / "metrics.jsonl") if not (r["type"] == "eval" and r["step"] == best)]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
     shutil.rmtree(run / "checkpoints" / "best")
-    r = torchrun(1, *args, cwd=tmp_path)
+    r = torchrun(1, *RUN, "steps=20", "keep_best=accuracy", "resume=auto", f"hydra.run.dir={run}", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"keep_best=accuracy: new best, validation accuracy {summary(run)['validation_accuracy_after']:.4f} at " \
            f"step {best}" in r.stdout + r.stderr

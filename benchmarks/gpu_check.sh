@@ -113,13 +113,14 @@ stage_table() { table table-fp16 float16 ${TABLE_SIZES:-6.7b 13b 1.3b 2.7b}; }  
 stage_bf16() { table table-bf16 bfloat16 1.3b 6.7b; }
 stage_link() { "$PY" benchmarks/upload_bandwidth.py --sizes-mib 256 1024 --repeats 5; }
 stage_30b() { table table-30b float16 30b; }
-# Four workers on the one GPU (each test starts its own processes; none times anything), every result
+# Four workers on the one GPU (GPU_TEST_WORKERS; each test starts its own processes; none times anything), every result
 # printed as it comes and no test past 200 s, so a cut stage still names what failed and what ran.
 # The smoke stage's tests: the kernels against torch ops, each a few seconds.
 export SMOKE_TESTS="decode_kernels or chunk_kernel_equals or counter_streams or grid_limit or copy_stream"
 gpu_tests() {
   local per_test=(); "$PY" -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout 200)
-  "$PY" -m pytest tests/gpu -v -n 4 --dist load "${per_test[@]}" -p no:cacheprovider -rfE --tb=short "$@"
+  "$PY" -m pytest tests/gpu -v -n "${GPU_TEST_WORKERS:-4}" --dist load "${per_test[@]}" -p no:cacheprovider -rfE \
+    --tb=short "$@"
 }
 stage_smoke() { gpu_tests -k "$SMOKE_TESTS"; }
 stage_tests() {  # what the smoke stage ran is not run again

@@ -13,6 +13,8 @@ messages) and its completion-only labels. docs/hf.md maps every argument.
 from __future__ import annotations
 
 import math
+import os
+import shutil
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -284,19 +286,26 @@ class ZOLoop:
     def _save_checkpoint(self, model, trial) -> None:
         """checkpoint-<step>/: the model or the adapter (`save_model`), trainer_state.json, and
         distzo's snapshot of the step (`zo_state/`: trainable weights, the optimizer's state, the
-        run's seed; the trajectory is in output_dir/zo/), which `resume_from_checkpoint` continues."""
+        run's seed; the trajectory is in output_dir/zo/), which `resume_from_checkpoint` continues.
+        It is written as tmp-checkpoint-<step>/ and renamed when complete, so a run killed while
+        writing it leaves no checkpoint-<step>/ for `resume_from_checkpoint=True` to pick up
+        half-written (transformers' get_last_checkpoint takes the newest folder of that name)."""
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-        folder = Path(self.args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-        snapshot = self.zo.snapshot(folder / ZO_STATE)  # collective: every rank materialises the weights
+        final = Path(self.args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        folder = final.with_name(f"tmp-{final.name}")
+        if self.args.should_save:
+            shutil.rmtree(folder, ignore_errors=True)  # a kill's leftover
+        self.zo.snapshot(folder / ZO_STATE)  # collective: every rank materialises the weights
         if self.args.should_save:
             self.save_model(str(folder), _internal_call=True)
             self.state.save_to_json(str(folder / "trainer_state.json"))
+            shutil.rmtree(final, ignore_errors=True)  # a checkpoint of this step from before a resume
+            os.replace(folder, final)
             if self.args.push_to_hub:
-                self._push_from_checkpoint(str(folder))
+                self._push_from_checkpoint(str(final))
             _rotate(self.args, self.state, self)
         self.control = self.callback_handler.on_save(self.args, self.state, self.control)
-        return snapshot
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """The model (or a PEFT model's adapter) as Trainer saves it, at the current weights."""

@@ -16,7 +16,7 @@ import signal
 import sys
 import time
 import uuid
-from typing import Sequence
+from typing import Any, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -124,6 +124,18 @@ def resolved_run_dir(cfg: DictConfig) -> str | None:
         return None
 
 
+
+def root_failure(failures: dict) -> tuple[int, Any]:
+    """The (local rank, failure) that caused a worker group to fail: the first. Timestamps are whole
+    seconds (no worker writes an error file), so one poll of the agent often sees two at once: a
+    worker killed by a signal the agent did not send, and a peer that then lost it and exited 1; the
+    killed one is the cause, and then the lowest rank."""
+    def order(kv) -> tuple[int, bool, int]:
+        code = kv[1].exitcode
+        return kv[1].timestamp, not (code < 0 and code != -signal.SIGTERM), kv[0]
+
+    return min(failures.items(), key=order)
+
 def start_local_workers(nproc: int, argv: Sequence[str], launch: LaunchConfig) -> None:
     """Run `python -m distzo ARGV` as `nproc` local workers (see the module docstring) and wait for
     them. launch: the `launch` settings (rendezvous endpoint, restarts, stop timeout). Raises
@@ -152,7 +164,7 @@ def start_local_workers(nproc: int, argv: Sequence[str], launch: LaunchConfig) -
     except SignalException:  # Ctrl-C or SIGTERM here: the agent passed it on, the workers stopped with a snapshot
         raise WorkerFailed("", EXIT_STOPPED) from None
     except ChildFailedError as exc:
-        rank, failure = min(exc.failures.items(), key=lambda kv: kv[1].timestamp)
+        rank, failure = root_failure(exc.failures)
         code = failure.exitcode
         if code == 2:  # an input error: every worker has printed its own line
             raise WorkerFailed("", 2) from None

@@ -11,10 +11,11 @@ import fcntl
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
+
+from tests.ports import free_port
 
 PACKAGES = ("slurm-wlm", "munge")
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "sinfo")
@@ -34,12 +35,6 @@ class SlurmError(Exception):
 # all take turns on the one install.
 INSTALL_LOCK = Path("/tmp/distzo-slurm-install.lock")
 APT_LOCK_WAIT_S = 300
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _which(name: str) -> str | None:
@@ -162,8 +157,8 @@ class LocalSlurm:
         key = self.root / "munge" / "munge.key"
         key.write_bytes(os.urandom(1024))
         os.chmod(key, 0o600)
-        self.conf.write_text(CONF.format(root=self.root, cpus=self.cpus, ctld_port=_free_port(),
-                                         slurmd_port=_free_port(), munge_socket=self.munge_socket))
+        self.conf.write_text(CONF.format(root=self.root, cpus=self.cpus, ctld_port=free_port(),
+                                         slurmd_port=free_port(), munge_socket=self.munge_socket))
         m = self.root / "munge"
         self._run([_which("munged"), "--force", f"--socket={self.munge_socket}", f"--key-file={key}",
                    f"--pid-file={m / 'munged.pid'}", f"--log-file={m / 'munged.log'}", f"--seed-file={m / 'seed'}"])

@@ -3,22 +3,16 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 
 from distzo.telemetry.jsonl import read_jsonl
 from tests.cluster.common import ENV, FAST, ROOT
 from tests.cluster.wandb_records import read_run
+from tests.ports import free_port
 
 LOCAL, MULTINODE = ROOT / "launch" / "local.sh", ROOT / "launch" / "multinode.sh"
 SCRIPT_ENV = {**ENV, "PYTHON": sys.executable}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_wrappers_explain_missing_arguments():

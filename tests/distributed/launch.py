@@ -17,7 +17,6 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.forkserver
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -26,14 +25,6 @@ from pathlib import Path
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
        "TOKENIZERS_PARALLELISM": "false"}
-
-
-def free_port() -> int:
-    """A port free now. Another process may take it before it is bound again: where this process
-    can host the job's store, `hosted_store` binds one atomically instead."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def hosted_store(world: int, timeout_s: float):

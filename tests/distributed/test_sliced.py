@@ -75,9 +75,12 @@ def test_four_local_ranks_move_a_quarter_and_share_one_master(tmp_path):
     assert ns["host_master_node_bytes"] == 4 * copy
 
 
-def test_killed_rank_leaves_no_shared_segment(tmp_path):
+def test_killed_rank_leaves_no_shared_segment(tmp_path, monkeypatch):
     # A segment whose creator died between creating and unlinking it (the only leaking window) is
-    # swept by the next job on the node.
+    # swept by the next job on the node. The job's segments go to a folder of its own: /dev/shm
+    # also holds those of the jobs the other test worker runs meanwhile.
+    monkeypatch.setenv("DISTZO_SHM_DIR", str(tmp_path / "shm"))
+    (tmp_path / "shm").mkdir()
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     stale = shm_dir() / f"{PREFIX}{dead.pid}-test-deadbeef"
@@ -86,7 +89,8 @@ def test_killed_rank_leaves_no_shared_segment(tmp_path):
     out = tmp_path / "killed"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "distzo",
            "train", *BASE, "mesh=2x1", "steps=100000", "eval_every=0", *STREAMED, f"hydra.run.dir={out}"]
-    job = subprocess.Popen(cmd, env=ENV, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    job = subprocess.Popen(cmd, env={**ENV, "DISTZO_SHM_DIR": str(tmp_path / "shm")}, cwd=tmp_path,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 180
         while not any(m["type"] == "train" for m in read_jsonl(out / "metrics.jsonl")):

@@ -18,7 +18,10 @@ def gpu_check(tmp_path: Path, stages: str, deadline_s: int) -> tuple[subprocess.
     out, device_out = tmp_path / "g", tmp_path / "OUT"
     device_out.mkdir(exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}  # the script's pytest is its own
-    env.update(PYTHON=sys.executable, STAGES=stages, DEADLINE_S=str(deadline_s), OUT=str(device_out))
+    # One pytest worker: four, each importing torch and transformers, could outrun the smoke stage's 90 s
+    # on a 2-core machine that runs the suite's other worker beside them.
+    env.update(PYTHON=sys.executable, STAGES=stages, DEADLINE_S=str(deadline_s), OUT=str(device_out),
+               GPU_TEST_WORKERS="1")
     r = subprocess.run(["bash", "benchmarks/gpu_check.sh", str(out)], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=300)
     return r, out, device_out

@@ -332,9 +332,14 @@ def silent_endpoint() -> tuple[socket.socket, str]:
     return sock, f"http://127.0.0.1:{sock.getsockname()[1]}"
 
 
+_HELD: list[socket.socket] = []  # closed_endpoint's ports, bound for the rest of the test process
+
+
 def closed_endpoint() -> str:
-    """The URL of a local port where nothing listens (connections are refused)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    return f"http://127.0.0.1:{port}"
+    """The URL of a local port where nothing listens (connections are refused). The port stays bound,
+    never listening, for the rest of the process: a port closed again could be taken by a listener
+    of the other test worker before the URL is used, which would then answer."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    _HELD.append(sock)
+    return f"http://127.0.0.1:{sock.getsockname()[1]}"

@@ -100,3 +100,17 @@ def test_a_self_launched_mesh_larger_than_the_gpus_is_one_line(clean_env, capsys
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["distzo: error: mesh=2x2 needs 4 processes, one per GPU, but this machine shows 2 GPUs; use a mesh "
                    "of at most 2 processes here, or launch across nodes (torchrun, srun; docs/cluster.md)"]
+
+
+def test_the_worker_a_signal_killed_is_the_cause_when_a_peer_failed_in_the_same_second():
+    """torch's agent stamps failures in whole seconds: a peer that lost the killed worker and exited 1
+    in the same poll ties with it, and the launcher must name the kill (tests/cluster kills a worker)."""
+    from types import SimpleNamespace as Failure
+
+    from distzo.run.launcher import root_failure
+
+    lost, killed, stopped = Failure(exitcode=1, timestamp=7), Failure(exitcode=-9, timestamp=7), \
+        Failure(exitcode=-15, timestamp=7)
+    assert root_failure({0: lost, 1: killed}) == (1, killed)
+    assert root_failure({0: stopped, 1: lost}) == (0, stopped)  # the agent's SIGTERM is no cause: the lowest rank
+    assert root_failure({0: lost, 1: Failure(exitcode=-9, timestamp=8)}) == (0, lost)  # an earlier second first

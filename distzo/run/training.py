@@ -503,16 +503,19 @@ class Trainer:
         return f"{count} parameters (peft=none)"
 
     def _log_step(self, step: int, out: StepOutcome, step_time: float, moved_before: dict[str, float]) -> None:
-        """The step's trajectory record (what resume and replay re-apply), metrics line and progress."""
+        """The step's metrics line, then its trajectory record (what resume and replay re-apply), and
+        progress. In that order: a kill between the two leaves a metrics line that resume drops with
+        the step (logs are cut to the last trajectory step, and the step runs again), where the other
+        order would leave a re-applied step without its metrics line."""
         cfg, result, lr, batch = self.cfg, out.result, out.lr, out.batch
-        self.trajectory.append({"step": step + 1, "update": step,
-                                "coefficients": [list(c) for c in out.coefficients], "lr": lr,
-                                "weight_decay": cfg.optim.weight_decay, "grads": list(result.grads)})
-        transfers = self._step_transfers(moved_before)
+        transfers = self._step_transfers(moved_before)  # collective (offloading): before either line
         self.metrics.write("train", step=step + 1, loss=result.loss, projected_grad=result.grads[0],
                            projected_grads=list(result.grads), lr=lr, tokens=batch.tokens,
                            step_time_s=round(step_time, 4), tokens_per_s=round(batch.tokens / step_time, 1),
                            **transfers, peak_mem_bytes=peak_memory_bytes(self.mesh.device))
+        self.trajectory.append({"step": step + 1, "update": step,
+                                "coefficients": [list(c) for c in out.coefficients], "lr": lr,
+                                "weight_decay": cfg.optim.weight_decay, "grads": list(result.grads)})
         ema = self._loss_ema
         self._loss_ema = result.loss if ema is None else 0.9 * ema + 0.1 * result.loss
         self._progress.update(step + 1, f"loss {self._loss_ema:.4f} lr {lr:.2e} {step_time:.2f}s/step",

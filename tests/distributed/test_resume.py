@@ -48,7 +48,8 @@ def trained_steps(run_dir: Path) -> int:
 
 def logged_steps(run_dir: Path) -> int:
     """The last step trajectory.jsonl records, which is what resume re-applies. A step appends to it
-    before its metrics line, so a kill between the two leaves it one step ahead of trained_steps."""
+    after its metrics line, so a kill between the two leaves it one step behind trained_steps (and
+    resume drops that metrics line with the step, which runs again)."""
     return max([r["step"] for r in read_jsonl(run_dir / "trajectory.jsonl")], default=0)
 
 

@@ -55,6 +55,10 @@ def _refuse_what_cannot_apply(args: Any, optimizers: Any, optimizer_cls_and_kwar
                              "you choose with from_pretrained (each checkpoint-N/ holds the model, and "
                              "trainer_state.json "
                              "its evaluations)")
+    if getattr(args, "save_on_each_node", False):
+        raise ZOTrainerError("save_on_each_node writes each node's checkpoints on its own, and a ZOTrainer checkpoint "
+                             "holds distzo's state written by rank 0 that every rank reads on resume: keep output_dir "
+                             "on a file system all nodes share and drop TrainingArguments(save_on_each_node=True)")
     if getattr(args, "fp16", False):
         raise ZOTrainerError("fp16 mixed precision scales gradients, which a ZO step has none of, and distzo's engine "
                              "computes in fp32, tf32 or bf16; use TrainingArguments(bf16=True) instead of fp16=True")

@@ -42,11 +42,11 @@ class Evaluator:
     def __init__(self, task, engine: Engine, mesh: Mesh, batch_size: int, metrics: MetricsWriter | None = None):
         self.task, self.engine, self.mesh, self.batch_size, self.metrics = task, engine, mesh, batch_size, metrics
 
-    def run(self, split: str, step: int) -> dict[str, Any]:
+    def run(self, split: str, step: int, **extra: Any) -> dict[str, Any]:
         """The current weights' metrics on `split` (every rank calls it together): accuracy and the
         candidates' cross-entropy for classification and multiple choice; for generation the
         completion's token loss and the exact match and F1 of greedy answers (`accuracy` is then the
-        exact match)."""
+        exact match). extra: fields of its metrics line besides them."""
         start = time.time()
         mesh = self.mesh
         batches = list(self.task.batches(split, self.batch_size))
@@ -85,7 +85,7 @@ class Evaluator:
             result.update(exact_match=correct / seen, f1=f1_total / seen)
         elapsed = time.time() - start
         if self.metrics is not None:
-            self.metrics.write("eval", step=step, split=split, **result, eval_time_s=round(elapsed, 3))
+            self.metrics.write("eval", step=step, split=split, **result, eval_time_s=round(elapsed, 3), **extra)
         scores_text = headline(result)
         log.info("step %d: %s %s, loss %.4f (%d examples, %s)", step, split, scores_text, result["loss"], seen,
                  format_duration(elapsed))

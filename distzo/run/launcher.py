@@ -124,9 +124,8 @@ def resolved_run_dir(cfg: DictConfig) -> str | None:
         return None
 
 
-
 def root_failure(failures: dict) -> tuple[int, Any]:
-    """The (local rank, failure) that caused a worker group to fail: the first. Timestamps are whole
+    """The (rank, failure) that caused a worker group to fail: the first. Timestamps are whole
     seconds (no worker writes an error file), so one poll of the agent often sees two at once: a
     worker killed by a signal the agent did not send, and a peer that then lost it and exited 1; the
     killed one is the cause, and then the lowest rank."""
@@ -135,6 +134,7 @@ def root_failure(failures: dict) -> tuple[int, Any]:
         return kv[1].timestamp, not (code < 0 and code != -signal.SIGTERM), kv[0]
 
     return min(failures.items(), key=order)
+
 
 def start_local_workers(nproc: int, argv: Sequence[str], launch: LaunchConfig) -> None:
     """Run `python -m distzo ARGV` as `nproc` local workers (see the module docstring) and wait for

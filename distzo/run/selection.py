@@ -4,21 +4,25 @@ transformers' `load_best_model_at_end`), not the last step's.
 The candidates are the validation evaluations of training: every `eval_every` steps and after the
 last step (not the one before the first step: an untrained model is never the result). The first
 of equal figures wins; a non-finite figure never does. Each new best is written as a snapshot,
-`<run dir>/checkpoints/best/` (the weights alone; resume and replay never read it), and at the end
-of the run the trainer rebuilds its engine from it when an earlier evaluation was the best, so the
-test split, `final/` and the summary are the best weights', bitwise those of a run stopped at that
+`<run dir>/checkpoints/best/` (the weights alone; resume and replay never start from it), and at
+the end of the run the trainer rebuilds its engine from it when an earlier evaluation was the best,
+so the test split, `final/` and the summary are the best weights': bitwise the weights after that
 step. What a run remembers of its best is its metrics.jsonl: resume reads the best from there.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from ..state.snapshots import snapshots_dir
+from ..state.resume import ResumeError
+from ..state.snapshots import sha256_of, snapshots_dir
 from ..telemetry.jsonl import read_jsonl
 
 BEST_FOLDER = "best"  # beside the step-N snapshots, under a name their listing does not match
@@ -87,9 +91,61 @@ class BestValidation:
                                                                                  "split", "eval_time_s")})
         return evaluated
 
+    def held(self) -> int | str:
+        """The step whose weights best/ holds (verified); else what it holds, as text."""
+        return verified_step(self.path)
+
+    def plan_resume(self, up_to: int) -> tuple[set[int], bool]:
+        """Resume (rank 0, before anything is built or cut): the best of the validation evaluations
+        metrics.jsonl records up to step `up_to`, where the run continues. Returns the steps evaluated,
+        and whether the best's weights are to be written once that step's are current (the best is
+        that step; the interruption came while writing it). Where best/ does not hold the best, the
+        run's own snapshot of that step is copied there; failing that, ResumeError names the cause."""
+        evaluated = self.read_logs(up_to)
+        if self.best is None:
+            return evaluated, False
+        step, held = self.best.step, self.held()
+        if held == step:
+            return evaluated, False
+        if step == up_to:
+            return evaluated, True
+        kept = snapshots_dir(self.run_dir) / f"step-{step:08d}"
+        if verified_step(kept) == step:
+            tmp = self.path.with_name(f".{BEST_FOLDER}.tmp-{os.getpid()}")
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.copytree(kept, tmp)
+            shutil.rmtree(self.path, ignore_errors=True)
+            os.replace(tmp, self.path)
+            return evaluated, False
+        if held == "nothing":
+            cause = "there is no checkpoints/best/: the run was started without keep_best, or it was removed"
+        elif isinstance(held, int) and held > up_to:
+            cause = (f"the run continues from step {up_to} (the newest point it can continue from), before the step "
+                     f"{held} that checkpoints/best/ holds, and keeps no snapshot of step {step}")
+        else:
+            cause = f"checkpoints/best/ holds {f'step {held}' if isinstance(held, int) else held}"
+        raise ResumeError(f"keep_best={self.metric}: the best evaluation up to step {up_to}, {self.describe()}, has no "
+                          f"weights left: {cause}. Start the run afresh in a new directory, or drop keep_best (the "
+                          "last step's weights are then the result)")
+
     def describe(self) -> str:
         """The best so far, as text (for the log)."""
         if self.best is None:
             return "none"
         figure = self.best.result[self.metric]
         return f"validation {self.metric} {figure:.4f} at step {self.best.step}"
+
+
+def verified_step(folder: Path) -> int | str:
+    """The step of the snapshot in `folder`, its weights checked against their sha256 (streamed, not
+    loaded); else what the folder holds, as text."""
+    try:
+        state = json.loads((folder / "state.json").read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return "nothing"
+    except (OSError, ValueError) as exc:
+        return f"an unreadable state.json ({exc})"
+    weights = folder / "weights.safetensors"
+    if not weights.is_file() or sha256_of(weights) != state.get("weights_sha256"):
+        return "weights that do not match their sha256 (truncated or corrupted)"
+    return int(state["step"])

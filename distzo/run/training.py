@@ -24,6 +24,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 from omegaconf import DictConfig
+from safetensors.torch import load_file
 
 from ..config.compose import typed
 from ..config.schema import Config
@@ -40,7 +41,7 @@ from ..state.resume import (
     run_identity,
     truncate_logs,
 )
-from ..state.snapshots import CorruptSnapshot, atomic_write_json, read_snapshot, save_final
+from ..state.snapshots import atomic_write_json, save_final
 from ..telemetry.jsonl import JsonlWriter
 from ..telemetry.metrics import (
     MetricsWriter,
@@ -185,6 +186,9 @@ class Trainer:
             point = find_resume_point(cfg, run_dir, mesh)
         self.seed = self.session.seed(check_identity(cfg, point.snapshot or str(run_dir), point.identity)
                                       if point is not None else None)
+        self.best = BestValidation(None if cfg.keep_best is None else str(cfg.keep_best), run_dir)
+        self._restored = False  # keep_best: the engine holds the best evaluation's weights, not the last step's
+        best_resume = self._plan_best_resume(point.step) if self.best.enabled and point is not None else None
         # The hub commits the run read before it was interrupted, not a branch's newer one.
         sources = fetch_hub_pins(cfg, mesh, HubPins.from_record(point.identity.get("sources")) if point else None,
                                 model=model is None, data=task is None)
@@ -215,8 +219,6 @@ class Trainer:
         if point is None:
             self.checkpoints.start()
         self.evaluator = Evaluator(c.task, c.engine, mesh, cfg.eval_batch_size, self.metrics)
-        self.best = BestValidation(None if cfg.keep_best is None else str(cfg.keep_best), run_dir)
-        self._restored = False  # keep_best: the engine holds the best evaluation's weights, not the last step's
         self.step_count = self.start_step  # updates done
         self.should_stop = False  # set by a callback, on every rank alike, to end `fit` after this step
         self._progress = Progress("train step", cfg.steps, every_s=15.0, enabled=mesh.is_main)
@@ -225,36 +227,35 @@ class Trainer:
         self._loss_ema: float | None = None
         self._describe()
         if self.best.enabled:
-            self._start_best(resumed=point is not None)
+            self.best.check_task(c.task)
+            if best_resume is not None:
+                self._continue_best(*best_resume)
 
-    def _start_best(self, resumed: bool) -> None:
-        """keep_best: the task reports the metric; on resume, the best so far from metrics.jsonl, with
-        its snapshot, and the evaluation of the step reached if the interruption came before it."""
-        cfg, mesh = self.cfg, self.mesh
-        self.best.check_task(self.components.task)
-        if not resumed:
-            return
-        if mesh.is_main:  # rank 0 reads the run directory, as it reads the resume point
-            evaluated, saved = self.best.read_logs(self.start_step), "nothing"
-            if (self.best.path / "state.json").is_file():
-                try:
-                    saved = read_snapshot(self.best.path)[1]["step"]
-                except CorruptSnapshot as exc:
-                    saved = f"a corrupt snapshot ({exc})"
-            found = (self.best.best, evaluated, saved)
-        best, evaluated, saved = mesh.broadcast_object(found if mesh.is_main else None)
-        self.best.best, step = best, self.start_step
+    def _plan_best_resume(self, step: int) -> tuple[set[int], bool]:
+        """keep_best on resume, before anything is built or the logs are cut: the best so far
+        (metrics.jsonl, read by rank 0 as it reads the resume point) and its weights (`plan_resume`);
+        every rank raises the same ResumeError where they are gone."""
+        mesh = self.mesh
+        if mesh.is_main:
+            try:
+                plan = self.best.plan_resume(step), self.best.best, None
+            except ResumeError as exc:
+                plan = None, None, str(exc)
+        outcome, best, error = mesh.broadcast_object(plan if mesh.is_main else None)
+        if error is not None:
+            raise ResumeError(error)
+        self.best.best = best
+        return outcome
+
+    def _continue_best(self, evaluated: set[int], save: bool) -> None:
+        """keep_best on resume, the weights of the step reached current: its evaluation, if the
+        interruption came before it (as the uninterrupted run evaluated it), and the best's snapshot
+        where it is to be written again."""
+        cfg, step = self.cfg, self.start_step
         if 0 < step < cfg.steps and step % cfg.eval_every == 0 and step not in evaluated:
-            if self.best.offer(step, self.evaluate("validation")):  # as the uninterrupted run did
-                self._save_best()
-                return
-        if best is not None and best.step != saved:
-            if best.step != step:
-                held = f"step {saved}" if isinstance(saved, int) else saved
-                raise ResumeError(f"keep_best={cfg.keep_best}: the best validation evaluation so far (step "
-                                  f"{best.step}) has no snapshot in {self.best.path} (it holds {held}); it was "
-                                  "removed or replaced. Start the run afresh in a new directory, or drop keep_best")
-            self._save_best()  # interrupted while writing it: the weights are the best's again
+            save = self.best.offer(step, self.evaluate("validation")) or save
+        if save:
+            self._save_best()
 
     # --- what a run is made of ----------------------------------------------------------------------
 
@@ -286,6 +287,7 @@ class Trainer:
     def step(self) -> StepRecord:
         """One ZO step on the mesh, logged to metrics.jsonl and trajectory.jsonl. A step whose losses
         are not finite changes nothing (`skipped`); `max_nonfinite_steps` in a row raise TrainingError."""
+        self._check_not_restored("step()")
         c, step = self.components, self.step_count
         moved_before = c.engine.transfer_stats()
         started = time.perf_counter()
@@ -306,8 +308,10 @@ class Trainer:
 
     def evaluate(self, split: str = "validation") -> dict[str, Any]:
         """The current weights' metrics on `split` (every rank together), also written to metrics.jsonl."""
-        step = self.best.best.step if self._restored else self.step_count  # the step whose weights these are
-        result = self.evaluator.run(split, step)
+        # After keep_best's restore, the line says whose weights these are (logged at the step reached,
+        # as a sink such as wandb takes no step below its last).
+        extra = {"weights_step": self.best.best.step} if self._restored else {}
+        result = self.evaluator.run(split, self.step_count, **extra)
         self.callbacks.on_evaluate(self, split, result)
         return result
 
@@ -315,6 +319,7 @@ class Trainer:
         """A snapshot of the weights after the steps done (what resume=auto continues from); its path
         on rank 0. folder: write it there (what `resume_from` continues from) instead of among the
         run's snapshots. Collective."""
+        self._check_not_restored("snapshot()")
         path = self.checkpoints.save(self.components.engine, self.step_count, self._nonfinite, folder)
         self.callbacks.on_snapshot(self, self.step_count, path)
         return path
@@ -355,6 +360,7 @@ class Trainer:
                 if cfg.replica_check_every and done % cfg.replica_check_every == 0 and done < cfg.steps:
                     with self.materialized() as weights:  # compare current masters
                         check_replicas(mesh, [p.tensor for p in weights.params], done)
+                    del weights  # it holds the model: keep_best's rebuild must be able to free it
                 if self.checkpoints.due(done):
                     with stop.holding():
                         self.snapshot()
@@ -368,16 +374,20 @@ class Trainer:
 
     def _finish(self, first: dict[str, Any] | None, wall_start: float) -> Summary:
         """The end of a run: replica check, last snapshot, final evaluations, the saved model, the summary."""
-        cfg, mesh, c, steps = self.cfg, self.mesh, self.components, self.step_count
+        cfg, mesh, steps = self.cfg, self.mesh, self.step_count
         with self.materialized() as weights:      # pending updates reach the master before it is checked
             replica_checksums = check_replicas(mesh, [p.tensor for p in weights.params], steps)
+        del weights  # it holds the model: keep_best's rebuild must be able to free it
         if cfg.checkpoint.every and not self.checkpoints.due(steps) and steps > self.start_step:
             self.snapshot()  # the end of the run, if not on the cadence
         last = result = self.evaluate("validation")
         best = self.best.best
-        if not self.best.offer(steps, last) and best is not None and best.step != steps:
+        if self.best.offer(steps, last):
+            self._save_best()  # keep_best: the last evaluation is the best; best/ says so too
+        elif best is not None and best.step != steps:
             self._restore_best(last)  # keep_best: an earlier evaluation was the best
             result = best.result
+        c = self.components
         test = self.evaluate("test")
         step_times = self._step_times
         summary = Summary({
@@ -417,37 +427,51 @@ class Trainer:
 
     def _save_best(self) -> None:
         """keep_best: the weights of the step reached, the new best, into checkpoints/best. Collective."""
-        self.checkpoints.save(self.components.engine, self.step_count, self._nonfinite, self.best.path)
+        self.metrics.sync()  # the evaluation's line first: resume reads the best from metrics.jsonl
+        self.checkpoints.save(self.components.engine, self.step_count, self._nonfinite, self.best.path,
+                              weights_only=True)
         if self.mesh.is_main:
             log.info("keep_best=%s: new best, %s", self.best.metric, self.best.describe())
 
     def _restore_best(self, last: dict[str, Any]) -> None:
-        """keep_best: the engine rebuilt from the best evaluation's snapshot (the last step's closed
-        first, so the two models are never held together), as resume builds one. Collective."""
-        best = self.best.best
-        if self.mesh.is_main:
+        """keep_best: the engine rebuilt from the best evaluation's snapshot, as resume builds one. Its
+        weights are verified first; then the last step's model is closed and its storage released, so
+        the two are never held together. Collective."""
+        best, mesh = self.best.best, self.mesh
+        held = mesh.broadcast_object(self.best.held() if mesh.is_main else None)
+        if held != best.step:
+            what = f"step {held}" if isinstance(held, int) else held
+            raise TrainingError(f"keep_best={self.best.metric}: the best evaluation, step {best.step}, has no weights "
+                                f"left in {self.best.path} (it holds {what}); resume=auto keep_best=null in the same "
+                                "hydra.run.dir writes the last step's result instead")
+        if mesh.is_main:
             log.info("keep_best=%s: the result is the weights of step %d (%s; step %d: %s); rebuilding the model "
                      "from %s", self.best.metric, best.step, headline(best.result), self.step_count,
                      headline(last), self.best.path)
-        c, self.evaluator = self.components, None
-        task, tokenizer, sources = c.task, c.tokenizer, c.sources
-        self.components = None
-        c.close()
-        del c
-        gc.collect()
+        c, self.components, self.evaluator = self.components, None, None
+        task, sources = c.task, c.sources
         try:
-            weights, state = read_snapshot(self.best.path)  # every rank reads it, as resume reads a snapshot
-            if state["step"] != best.step:
-                raise TrainingError(f"keep_best={self.best.metric}: {self.best.path} holds step {state['step']}, not "
-                                    f"the best evaluation's step {best.step}; it was replaced during the run")
-            self.components = build_components(self.cfg, self.mesh, self.seed, weights, tokenizer=tokenizer,
-                                               task=task, sources=sources)
+            c.close()
+            c.model.to("meta")  # its storage goes now, whoever still refers to the module (a callback, say)
+            del c
+            gc.collect()
+            if mesh.device.type == "cuda":
+                torch.cuda.empty_cache()
+            weights = load_file(self.best.path / "weights.safetensors")  # verified above
+            self.components = build_components(self.cfg, mesh, self.seed, weights, task=task, sources=sources)
         except BaseException:
             self.metrics.close()  # what close() does, which no longer sees components
             self.trajectory.close()
             raise
-        self.evaluator = Evaluator(task, self.components.engine, self.mesh, self.cfg.eval_batch_size, self.metrics)
+        self.evaluator = Evaluator(task, self.components.engine, mesh, self.cfg.eval_batch_size, self.metrics)
         self._restored = True
+
+    def _check_not_restored(self, what: str) -> None:
+        if self._restored:
+            raise TrainingError(f"{what} after fit(): with keep_best the trainer holds the weights of step "
+                                f"{self.best.best.step}, the best evaluation's, not those of the step reached "
+                                f"({self.step_count}); evaluate or save them, or build a new Trainer with resume=auto "
+                                "to continue")
 
     def close(self) -> None:
         """Release the engine's threads and buffers, the logs and the mesh (every rank together)."""

@@ -34,10 +34,12 @@ class Checkpointer:
     def due(self, step: int) -> bool:
         return bool(self.every) and step % self.every == 0
 
-    def save(self, engine: Engine, step: int, nonfinite_in_a_row: int, folder: Path | None = None) -> Path | None:
+    def save(self, engine: Engine, step: int, nonfinite_in_a_row: int, folder: Path | None = None,
+             weights_only: bool = False) -> Path | None:
         """A snapshot of the weights (and the optimizer's state) after `step` (every rank calls it:
         the engine materialises them together); returns its path on rank 0. folder: where (default
-        <run_dir>/checkpoints/step-N, pruned to the newest `keep`)."""
+        <run_dir>/checkpoints/step-N, pruned to the newest `keep`). weights_only: without the
+        optimizer's state (keep_best's snapshot, which nothing continues from)."""
         with engine.materialized() as weights:
             if not self.mesh.is_main:
                 return None
@@ -48,6 +50,7 @@ class Checkpointer:
                 path = write_snapshot(self.run_dir, step, tensors, state, self.keep,
                                       optimizer_state=engine.optimizer_state())
             else:
-                path = write_snapshot_to(Path(folder), step, tensors, state, optimizer_state=engine.optimizer_state())
+                path = write_snapshot_to(Path(folder), step, tensors, state,
+                                         optimizer_state=None if weights_only else engine.optimizer_state())
         log.info("Snapshot at step %d: %s", step, path)
         return path

@@ -90,6 +90,10 @@ class MetricsWriter:
         for sink in self.sinks:
             sink.write(record)
 
+    def sync(self) -> None:
+        """On disk (fsync): what a snapshot written next relies on (keep_best's evaluation line)."""
+        self._out.sync()
+
     def close(self) -> None:
         self._out.close()
         for sink in self.sinks:

@@ -111,10 +111,14 @@ def test_sigkill_7_steps_after_a_snapshot_resumes_from_the_last_logged_step(tmp_
     kill_rank_when(job, run_dir, min_step=17, rank="2")
     assert job.wait(timeout=120).returncode != 0 and not (run_dir / "final").exists()
     killed_at = logged_steps(run_dir)
-    assert 17 <= killed_at < 30 and [p.name for p in list_snapshots(run_dir)] == ["step-00000010"]
+    # The kill lands 3 steps before the next snapshot (step 20) at the earliest; on a loaded machine it
+    # may come later, and the run then resumes from that one.
+    snapshots = [read_snapshot(p)[1]["step"] for p in list_snapshots(run_dir)]
+    newest = snapshots[-1]
+    assert 17 <= killed_at < 30 and snapshots in ([10], [10, 20]) and newest <= killed_at
     r = torchrun(4, *args, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert f"Re-applying the {killed_at - 10} step(s) logged after it" in r.stdout + r.stderr
+    assert killed_at == newest or f"Re-applying the {killed_at - newest} step(s) logged after it" in r.stdout + r.stderr
     assert_bitwise(weights(uninterrupted), weights(run_dir))
     train = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if r["type"] == "train"]
     assert train == list(range(1, 31))  # every step once: none was trained twice or lost

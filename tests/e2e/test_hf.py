@@ -179,6 +179,7 @@ def test_zosfttrainer_trains_a_lora_adapter_that_peft_loads_back(model_folder, t
     ({}, {"deepspeed": "ds_config.json"}, "deepspeed shards gradients and optimizer states"),
     ({}, {"fp16": True}, "fp16 mixed precision scales gradients"),
     ({}, {"load_best_model_at_end": True}, "load_best_model_at_end is not supported by ZOTrainer"),
+    ({"save_on_each_node": True}, {}, "save_on_each_node writes each node's checkpoints on its own"),
 ])
 def test_what_cannot_apply_is_refused_in_one_line(model_folder, tmp_path, args, later, message):
     from transformers import AutoModelForCausalLM, TrainingArguments

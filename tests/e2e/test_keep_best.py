@@ -234,3 +234,18 @@ def test_the_first_of_equal_figures_wins_and_neither_step_0_nor_a_non_finite_fig
     assert loss.offer(15, {"accuracy": 0.1, "loss": 0.6, "examples": 8}) and loss.best.step == 15
     off = BestValidation(None, tmp_path)
     assert not off.enabled and not off.offer(5, {"accuracy": 1.0, "loss": 0.0, "examples": 8}) and off.best is None
+
+
+def test_lora_keeps_its_best_adapter(tmp_path):
+    """peft=lora: the snapshot holds the adapter alone, and the base is rebuilt from the configuration."""
+    lora = [*RUN, "peft=lora", "optim.lr=1e-2"]  # on this seed the accuracy peaks at step 10
+    run, ref = tmp_path / "run", tmp_path / "ref"
+    r = torchrun(1, *lora, "steps=20", "keep_best=accuracy", f"hydra.run.dir={run}", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    best = summary(run)["best_step"]
+    assert best < 20
+    r = torchrun(1, *lora, f"steps={best}", f"hydra.run.dir={ref}", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got, want = (load_file(d / "final" / "adapter_model.safetensors") for d in (run, ref))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+    assert summary(run)["test_accuracy"] == summary(ref)["test_accuracy"]

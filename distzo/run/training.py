@@ -228,6 +228,10 @@ class Trainer:
         self._describe()
         if self.best.enabled:
             self.best.check_task(c.task)
+            if cfg.eval_every >= cfg.steps and mesh.is_main:
+                log.warning("keep_best=%s with eval_every=%d and steps=%d: the evaluation after the last step is "
+                            "the only candidate, so the result is the last step's weights; set eval_every below "
+                            "steps (MeZO validates every steps/5)", cfg.keep_best, cfg.eval_every, cfg.steps)
             if best_resume is not None:
                 self._continue_best(*best_resume)
 

@@ -15,6 +15,12 @@ FAST = ("model=tiny", "task=synthetic-cue", "steps=3", "eval_every=0", "task.val
         "checkpoint.every=0", "log_every=1000")
 
 
+# A job's states that do not change again (scontrol's JobState): any other (PENDING, RUNNING,
+# CONFIGURING, COMPLETING, REQUEUED, SUSPENDED, SIGNALING, STAGE_OUT, RESIZING...) is waited out.
+FINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE",
+                "OUT_OF_MEMORY", "REVOKED", "SPECIAL_EXIT")
+
+
 def wait_for_jobs(cluster, job_ids: list[str], timeout_s: float = 300) -> dict[str, tuple[str, int]]:
     """Poll `scontrol show job` until every job has ended: {job id: (state, exit code)}. (sbatch --wait
     polls at growing intervals of up to 32 s, too coarse for a test.)"""
@@ -27,7 +33,7 @@ def wait_for_jobs(cluster, job_ids: list[str], timeout_s: float = 300) -> dict[s
             out = subprocess.run(["scontrol", "show", "job", "-o", jid], env=cluster.env, capture_output=True,
                                  text=True).stdout
             fields = dict(f.split("=", 1) for f in out.split() if "=" in f)
-            if fields.get("JobState") not in (None, "PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED"):
+            if fields.get("JobState") in FINAL_STATES:
                 done[jid] = (fields["JobState"], int(fields.get("ExitCode", "0:0").split(":")[0]))
         time.sleep(0.5)
     assert len(done) == len(job_ids), f"SLURM jobs still running after {timeout_s} s: {set(job_ids) - set(done)}"

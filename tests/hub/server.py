@@ -157,9 +157,10 @@ class _Handler(BaseHTTPRequestHandler):
         for k, v in (headers or {}).items():
             self.send_header(k, v)
         self.end_headers()
+        # logged before the body goes: a client that has the reply finds its request in the log
+        self.hub.log(self.command, urlsplit(self.path).path, status)
         if self.command != "HEAD":
             self.wfile.write(body)
-        self.hub.log(self.command, urlsplit(self.path).path, status)
 
     def _json(self, obj, status: int = 200, headers: dict[str, str] | None = None) -> None:
         self._reply(status, json.dumps(obj).encode(), headers)

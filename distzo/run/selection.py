@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
 from ..state.resume import ResumeError
-from ..state.snapshots import sha256_of, snapshots_dir
+from ..state.snapshots import copy_snapshot_weights, sha256_of, snapshots_dir
 from ..telemetry.jsonl import read_jsonl
 
 BEST_FOLDER = "best"  # beside the step-N snapshots, under a name their listing does not match
@@ -85,7 +83,8 @@ class BestValidation:
         returns the steps that were evaluated."""
         self.best, evaluated = None, set()
         for r in read_jsonl(self.run_dir / "metrics.jsonl"):
-            if r.get("type") == "eval" and r.get("split") == "validation" and 0 < r["step"] <= up_to:
+            if (r.get("type") == "eval" and r.get("split") == "validation" and 0 < r["step"] <= up_to
+                    and "weights_step" not in r):  # not an evaluation of a restored best's weights
                 evaluated.add(r["step"])
                 self.offer(r["step"], {k: v for k, v in r.items() if k not in ("type", "time", "mesh", "step",
                                                                                  "split", "eval_time_s")})
@@ -95,28 +94,24 @@ class BestValidation:
         """The step whose weights best/ holds (verified); else what it holds, as text."""
         return verified_step(self.path)
 
-    def plan_resume(self, up_to: int) -> tuple[set[int], bool]:
+    def plan_resume(self, up_to: int) -> tuple[set[int], bool, str | None]:
         """Resume (rank 0, before anything is built or cut): the best of the validation evaluations
-        metrics.jsonl records up to step `up_to`, where the run continues. Returns the steps evaluated,
-        and whether the best's weights are to be written once that step's are current (the best is
-        that step; the interruption came while writing it). Where best/ does not hold the best, the
-        run's own snapshot of that step is copied there; failing that, ResumeError names the cause."""
+        metrics.jsonl records up to step `up_to`, where the run continues. Returns the steps evaluated;
+        whether the best's weights are to be written once that step's are current (the best is that
+        step: the interruption came while writing them); and where best/ does not hold the best, the
+        run's own snapshot of that step to copy there (once the run has started: `adopt`). Failing
+        those, ResumeError names the cause."""
         evaluated = self.read_logs(up_to)
         if self.best is None:
-            return evaluated, False
+            return evaluated, False, None
         step, held = self.best.step, self.held()
         if held == step:
-            return evaluated, False
+            return evaluated, False, None
         if step == up_to:
-            return evaluated, True
+            return evaluated, True, None
         kept = snapshots_dir(self.run_dir) / f"step-{step:08d}"
         if verified_step(kept) == step:
-            tmp = self.path.with_name(f".{BEST_FOLDER}.tmp-{os.getpid()}")
-            shutil.rmtree(tmp, ignore_errors=True)
-            shutil.copytree(kept, tmp)
-            shutil.rmtree(self.path, ignore_errors=True)
-            os.replace(tmp, self.path)
-            return evaluated, False
+            return evaluated, False, str(kept)
         if held == "nothing":
             cause = "there is no checkpoints/best/: the run was started without keep_best, or it was removed"
         elif isinstance(held, int) and held > up_to:
@@ -128,6 +123,10 @@ class BestValidation:
                           f"weights left: {cause}. Start the run afresh in a new directory, or drop keep_best (the "
                           "last step's weights are then the result)")
 
+    def adopt(self, snapshot: str) -> None:
+        """best/ from the weights of one of the run's snapshots (`plan_resume`'s; rank 0)."""
+        copy_snapshot_weights(Path(snapshot), self.path)
+
     def describe(self) -> str:
         """The best so far, as text (for the log)."""
         if self.best is None:
@@ -138,14 +137,17 @@ class BestValidation:
 
 def verified_step(folder: Path) -> int | str:
     """The step of the snapshot in `folder`, its weights checked against their sha256 (streamed, not
-    loaded); else what the folder holds, as text."""
+    loaded); else what the folder holds, as text. Never raises: ranks wait on what rank 0 finds."""
     try:
         state = json.loads((folder / "state.json").read_text(encoding="utf-8"))
     except FileNotFoundError:
         return "nothing"
     except (OSError, ValueError) as exc:
         return f"an unreadable state.json ({exc})"
-    weights = folder / "weights.safetensors"
-    if not weights.is_file() or sha256_of(weights) != state.get("weights_sha256"):
-        return "weights that do not match their sha256 (truncated or corrupted)"
-    return int(state["step"])
+    try:
+        weights = folder / "weights.safetensors"
+        if not weights.is_file() or sha256_of(weights) != state.get("weights_sha256"):
+            return "weights that do not match their sha256 (truncated or corrupted)"
+        return int(state["step"])
+    except Exception as exc:  # a state.json of another shape, an unreadable file
+        return f"an unreadable snapshot ({type(exc).__name__}: {exc})"

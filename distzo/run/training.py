@@ -235,27 +235,33 @@ class Trainer:
             if best_resume is not None:
                 self._continue_best(*best_resume)
 
-    def _plan_best_resume(self, step: int) -> tuple[set[int], bool]:
+    def _plan_best_resume(self, step: int) -> tuple[set[int], bool, str | None]:
         """keep_best on resume, before anything is built or the logs are cut: the best so far
         (metrics.jsonl, read by rank 0 as it reads the resume point) and its weights (`plan_resume`);
-        every rank raises the same ResumeError where they are gone."""
+        every rank raises the same ResumeError where they are gone, or where rank 0 failed to read."""
         mesh = self.mesh
         if mesh.is_main:
             try:
                 plan = self.best.plan_resume(step), self.best.best, None
             except ResumeError as exc:
                 plan = None, None, str(exc)
+            except Exception as exc:  # the others wait on this broadcast: they raise it too
+                plan = None, None, f"keep_best={self.best.metric}: reading the best so far failed: {exc!r}"
         outcome, best, error = mesh.broadcast_object(plan if mesh.is_main else None)
         if error is not None:
             raise ResumeError(error)
         self.best.best = best
         return outcome
 
-    def _continue_best(self, evaluated: set[int], save: bool) -> None:
-        """keep_best on resume, the weights of the step reached current: its evaluation, if the
-        interruption came before it (as the uninterrupted run evaluated it), and the best's snapshot
-        where it is to be written again."""
+    def _continue_best(self, evaluated: set[int], save: bool, adopt: str | None) -> None:
+        """keep_best on resume, the weights of the step reached current and the logs cut to it: best/
+        from the run's snapshot of the best step where `_plan_best_resume` found one; the evaluation of
+        the step reached, if the interruption came before it (as the uninterrupted run evaluated it);
+        and the best's snapshot where it is to be written again."""
         cfg, step = self.cfg, self.start_step
+        if adopt is not None and self.mesh.is_main:
+            self.best.adopt(adopt)
+            log.info("keep_best=%s: the best so far, %s, from %s", self.best.metric, self.best.describe(), adopt)
         if 0 < step < cfg.steps and step % cfg.eval_every == 0 and step not in evaluated:
             save = self.best.offer(step, self.evaluate("validation")) or save
         if save:
@@ -348,6 +354,7 @@ class Trainer:
     def fit(self) -> Summary:
         """Train to `cfg.steps`: the loop the command line runs (see the class docstring). Raises
         `Stopped` after the snapshot of the step reached when a stop signal arrived."""
+        self._check_not_restored("fit()")
         cfg, mesh = self.cfg, self.mesh
         with StopRequests() as stop:
             first = self.evaluate("validation") if self.step_count == 0 else None
@@ -391,6 +398,12 @@ class Trainer:
         elif best is not None and best.step != steps:
             self._restore_best(last)  # keep_best: an earlier evaluation was the best
             result = best.result
+            with self.materialized() as weights:  # the summary's checksums are the result's
+                replica_checksums = check_replicas(mesh, [p.tensor for p in weights.params], best.step)
+            del weights
+        elif self.best.enabled and best is None and mesh.is_main:
+            log.warning("keep_best=%s: no validation evaluation reported a finite %s (an empty split?); the "
+                        "result is the last step's weights", self.best.metric, self.best.metric)
         c = self.components
         test = self.evaluate("test")
         step_times = self._step_times
@@ -461,6 +474,7 @@ class Trainer:
             gc.collect()
             if mesh.device.type == "cuda":
                 torch.cuda.empty_cache()
+            mesh.barrier()  # every rank's copy released (a node-shared master's too) before any is rebuilt
             weights = load_file(self.best.path / "weights.safetensors")  # verified above
             self.components = build_components(self.cfg, mesh, self.seed, weights, task=task, sources=sources)
         except BaseException:

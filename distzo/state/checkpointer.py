@@ -44,7 +44,8 @@ class Checkpointer:
             if not self.mesh.is_main:
                 return None
             self.trajectory.sync()
-            state = dict(self.identity, nonfinite_in_a_row=nonfinite_in_a_row, pending_update=None)
+            state = dict(self.identity, nonfinite_in_a_row=nonfinite_in_a_row, pending_update=None,
+                         **({"weights_only": True} if weights_only else {}))
             tensors = {p.name: p.tensor for p in weights.params}
             if folder is None:
                 path = write_snapshot(self.run_dir, step, tensors, state, self.keep,

@@ -232,6 +232,10 @@ def resume_point_at(cfg: Config, snapshot: Path) -> ResumePoint:
         _, state = read_snapshot(snapshot)
     except CorruptSnapshot as exc:
         raise ResumeError(f"cannot resume from {snapshot}: {exc}") from None
+    if state.get("weights_only"):
+        raise ResumeError(f"cannot resume from {snapshot}: it holds the weights alone (keep_best's best "
+                          "evaluation), not the optimizer's state a run continues with; resume from one of the "
+                          "run's checkpoints/step-N snapshots")
     point = ResumePoint({k: state.get(k) for k in IDENTITY_KEYS}, str(snapshot), int(state["step"]),
                         int(state.get("nonfinite_in_a_row", 0)))
     check_identity(cfg, str(snapshot), point.identity)
@@ -285,6 +289,9 @@ def _start_over(run_dir: Path, why: str) -> None:
         for name in ("metrics.jsonl", "trajectory.jsonl"):
             if (run_dir / name).exists():
                 (run_dir / name).rename(run_dir / f"{name}.abandoned-{int(time.time())}")
+        best = snapshots_dir(run_dir) / "best"  # keep_best's: the abandoned run's best is not this run's
+        if best.is_dir():
+            best.rename(best.with_name(f"best.abandoned-{int(time.time())}"))
     return None
 
 

@@ -138,6 +138,29 @@ def write_snapshot_to(final: Path, step: int, tensors: dict[str, torch.Tensor], 
     return final
 
 
+def copy_snapshot_weights(source: Path, final: Path) -> Path:
+    """The weights of the snapshot `source` as a weights-only snapshot `final` (keep_best's), written
+    as `write_snapshot_to` writes one: beside it first, synced, then renamed into place."""
+    state = json.loads((source / "state.json").read_text(encoding="utf-8"))
+    state.pop("optimizer_sha256", None)
+    state["weights_only"] = True
+    root = final.parent
+    tmp = root / f".{final.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    shutil.copyfile(source / "weights.safetensors", tmp / "weights.safetensors")
+    _fsync_file(tmp / "weights.safetensors")
+    with open(tmp / "state.json", "w", encoding="utf-8") as fh:
+        json.dump(state, fh, indent=2, sort_keys=True)
+        fh.flush()
+        os.fsync(fh.fileno())
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    return final
+
+
 def _maybe_test_kill(step: int) -> None:
     """Test hook: DISTZO_TEST_KILL_IN_SNAPSHOT=<step> SIGKILLs this process after a snapshot's files
     are written but before the snapshot is renamed into place (the worst moment to die)."""

@@ -9,6 +9,7 @@ import json
 import shutil
 import weakref
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -16,8 +17,9 @@ from safetensors.torch import load_file
 
 import distzo
 from distzo.errors import ConfigError
+from distzo.run.components import build_components
 from distzo.run.training import TrainingError
-from distzo.state.resume import truncate_logs
+from distzo.state.resume import ResumeError, truncate_logs
 from distzo.state.snapshots import list_snapshots, read_snapshot
 from distzo.telemetry.jsonl import read_jsonl
 from tests.distributed.launch import torchrun
@@ -143,12 +145,19 @@ def test_a_best_whose_snapshot_was_removed_is_refused_on_resume_before_anything_
     best = summary(best_runs["accuracy"])["best_step"]
     run = killed_copy(best_runs["accuracy"], tmp_path / "run", 18)
     shutil.rmtree(run / "checkpoints" / "best")
+    with open(run / "metrics.jsonl", "a") as fh:  # step 19's line, written before the kill cut its trajectory record
+        fh.write(json.dumps({"type": "train", "step": 19, "loss": 0.5}) + "\n")
+    logs = {name: (run / name).read_bytes() for name in ("metrics.jsonl", "trajectory.jsonl")}
     r = torchrun(1, *RUN, "steps=20", "keep_best=accuracy", "resume=auto", f"hydra.run.dir={run}", cwd=tmp_path)
     assert r.returncode != 0
     assert "the best evaluation up to step 18, validation accuracy" in r.stderr and f"at step {best}, has no " \
         "weights left: there is no checkpoints/best/: the run was started without keep_best, or it was removed. " \
         "Start the run afresh" in r.stderr, r.stderr[-2000:]
-    assert len(read_jsonl(run / "trajectory.jsonl")) == 18  # refused before the logs were cut to anything
+    # refused before anything was cut (resume would have dropped step 19's line) or built
+    assert {name: (run / name).read_bytes() for name in logs} == logs and "Model tiny" not in r.stdout + r.stderr
+    with pytest.raises(ResumeError, match="it holds the weights alone"):  # nor does a run start from best/
+        distzo.Trainer(distzo.compose(*RUN, "steps=20"), run_dir=tmp_path / "other",
+                       resume_from=best_runs["accuracy"] / "checkpoints" / "best")
 
 
 def test_resuming_before_the_best_step_takes_the_best_so_far_from_the_runs_own_snapshot(tmp_path, best_runs):
@@ -183,25 +192,29 @@ def test_when_the_last_evaluation_is_the_best_nothing_is_rebuilt_and_best_holds_
 
 
 def test_the_rebuild_releases_the_last_steps_model_and_the_trainer_refuses_to_go_on(tmp_path):
-    """The last step's model is gone when the best's is built (a callback's reference included): the
-    two are never held together. step() and snapshot() after it would mix the two steps: refused."""
-    seen = []
+    """The last step's model holds no storage when the best's is built, even where a callback still
+    refers to it (its parameters are on the meta device by then), and the engine around it is gone:
+    the two are never held together. fit(), step() and snapshot() after it would mix the two steps:
+    refused."""
+    held, at_build = {}, []
 
-    class Watch(distzo.Callback):
+    class Hold(distzo.Callback):
         def on_train_begin(self, trainer):
-            seen.append(weakref.ref(trainer.model))
+            held["model"] = trainer.model  # a strong reference, as a user's callback may keep
+            held["engine"] = weakref.ref(trainer.components.engine)
 
-        def on_train_end(self, trainer, summary):
-            seen.append(all(p.device.type == "meta" for p in seen[0]().parameters()) if seen[0]() else True)
+    def build_watched(*args, **kwargs):
+        at_build.append((all(p.device.type == "meta" for p in held["model"].parameters()), held["engine"]() is None))
+        return build_components(*args, **kwargs)
 
     cfg = distzo.compose(*RUN, "steps=20", "keep_best=accuracy")
-    with distzo.Trainer(cfg, run_dir=tmp_path / "run", callbacks=[Watch()]) as trainer:
-        result = trainer.fit()
-        assert result["best_step"] < 20 and seen[1] is True and trainer.model is not seen[0]()
-        with pytest.raises(TrainingError, match=r"step\(\) after fit\(\): with keep_best the trainer holds"):
-            trainer.step()
-        with pytest.raises(TrainingError, match=r"snapshot\(\) after fit\(\)"):
-            trainer.snapshot()
+    with distzo.Trainer(cfg, run_dir=tmp_path / "run", callbacks=[Hold()]) as trainer:
+        with mock.patch("distzo.run.training.build_components", build_watched):
+            result = trainer.fit()
+        assert result["best_step"] < 20 and at_build == [(True, True)] and trainer.model is not held["model"]
+        for call, name in ((trainer.fit, "fit"), (trainer.step, "step"), (trainer.snapshot, "snapshot")):
+            with pytest.raises(TrainingError, match=rf"{name}\(\) after fit\(\): with keep_best the trainer holds"):
+                call()
 
 
 def test_keep_best_needs_evaluations_a_metric_the_task_reports_and_a_configured_model(tmp_path):

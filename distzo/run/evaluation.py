@@ -87,8 +87,9 @@ class Evaluator:
         if self.metrics is not None:
             self.metrics.write("eval", step=step, split=split, **result, eval_time_s=round(elapsed, 3), **extra)
         scores_text = headline(result)
-        log.info("step %d: %s %s, loss %.4f (%d examples, %s)", step, split, scores_text, result["loss"], seen,
-                 format_duration(elapsed))
+        whose = f", the weights of step {extra['weights_step']}" if "weights_step" in extra else ""
+        log.info("step %d: %s %s, loss %.4f (%d examples, %s%s)", step, split, scores_text, result["loss"], seen,
+                 format_duration(elapsed), whose)
         return result
 
 

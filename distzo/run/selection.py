@@ -12,7 +12,6 @@ step. What a run remembers of its best is its metrics.jsonl: resume reads the be
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +19,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..state.resume import ResumeError
-from ..state.snapshots import copy_snapshot_weights, sha256_of, snapshots_dir
+from ..state.snapshots import CorruptSnapshot, copy_snapshot_weights, snapshots_dir, verify_snapshot
 from ..telemetry.jsonl import read_jsonl
 
 BEST_FOLDER = "best"  # beside the step-N snapshots, under a name their listing does not match
@@ -136,18 +135,13 @@ class BestValidation:
 
 
 def verified_step(folder: Path) -> int | str:
-    """The step of the snapshot in `folder`, its weights checked against their sha256 (streamed, not
-    loaded); else what the folder holds, as text. Never raises: ranks wait on what rank 0 finds."""
-    try:
-        state = json.loads((folder / "state.json").read_text(encoding="utf-8"))
-    except FileNotFoundError:
+    """The step of the snapshot in `folder`, verified (`verify_snapshot`); else what the folder holds,
+    as text. Never raises: ranks wait on what rank 0 finds."""
+    if not (folder / "state.json").exists():
         return "nothing"
-    except (OSError, ValueError) as exc:
-        return f"an unreadable state.json ({exc})"
     try:
-        weights = folder / "weights.safetensors"
-        if not weights.is_file() or sha256_of(weights) != state.get("weights_sha256"):
-            return "weights that do not match their sha256 (truncated or corrupted)"
-        return int(state["step"])
-    except Exception as exc:  # a state.json of another shape, an unreadable file
+        return int(verify_snapshot(folder)["step"])
+    except CorruptSnapshot as exc:
+        return f"a corrupt snapshot ({exc})"
+    except Exception as exc:  # a state.json of another shape
         return f"an unreadable snapshot ({type(exc).__name__}: {exc})"

@@ -37,6 +37,7 @@ from ..zo.estimators import estimator_type
 from ..zo.optimizers import Optimizer
 from .saved import RUN_FILE
 from .snapshots import (
+    STAGED,
     CorruptSnapshot,
     list_snapshots,
     newest_valid_snapshot,
@@ -243,8 +244,7 @@ def resume_point_at(cfg: Config, snapshot: Path) -> ResumePoint:
 
 
 def _resume_point(cfg: Config, run_dir: Path, device: torch.device) -> ResumePoint | None:
-    for stale in [*snapshots_dir(run_dir).glob(".step-*.tmp-*"), *snapshots_dir(run_dir).glob(".best.tmp-*")]:
-        # a snapshot whose writer died
+    for stale in snapshots_dir(run_dir).glob(STAGED):  # a snapshot whose writer died
         log.warning("Removing an unfinished snapshot %s", stale)
         shutil.rmtree(stale, ignore_errors=True)
     newest = newest_valid_snapshot(run_dir)

@@ -25,9 +25,10 @@ import logging
 import os
 import re
 import shutil
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -107,57 +108,62 @@ def write_snapshot(run_dir: Path, step: int, tensors: dict[str, torch.Tensor], s
     return final
 
 
-def write_snapshot_to(final: Path, step: int, tensors: dict[str, torch.Tensor], state: dict[str, Any],
-                      optimizer_state: dict[str, torch.Tensor] | None = None) -> Path:
-    """Write a snapshot atomically as the folder `final` (its files written beside it first, then
-    renamed into place), replacing an older one there."""
+STAGED = ".*.tmp-*"  # the snapshot folders being written beside their final names (`_staged`)
+
+
+@contextmanager
+def _staged(final: Path) -> Iterator[Path]:
+    """A snapshot folder to write beside `final`, its files synced by the caller, then renamed into
+    place, replacing an older one there: a reader sees the old folder or the whole new one."""
     root = final.parent
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".{final.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    cpu = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
-    save_file(cpu, tmp / "weights.safetensors", metadata={"step": str(step), "format": str(SNAPSHOT_FORMAT)})
-    _fsync_file(tmp / "weights.safetensors")
-    full_state = dict(state, step=step, format=SNAPSHOT_FORMAT,
-                      weights_sha256=sha256_of(tmp / "weights.safetensors"))
-    if optimizer_state:
-        cpu = {k: v.detach().to("cpu").contiguous() for k, v in optimizer_state.items()}
-        save_file(cpu, tmp / OPTIMIZER_FILE, metadata={"step": str(step), "format": str(SNAPSHOT_FORMAT)})
-        _fsync_file(tmp / OPTIMIZER_FILE)
-        full_state["optimizer_sha256"] = sha256_of(tmp / OPTIMIZER_FILE)
-    with open(tmp / "state.json", "w", encoding="utf-8") as fh:
-        json.dump(full_state, fh, indent=2, sort_keys=True)
-        fh.flush()
-        os.fsync(fh.fileno())
-    _maybe_test_kill(step)
+    yield tmp
     if final.exists():  # an older run's snapshot of the same step (never a newer one: logs are truncated)
         shutil.rmtree(final)
     os.replace(tmp, final)
     _fsync_dir(root)
+
+
+def _write_state(folder: Path, state: dict[str, Any]) -> None:
+    with open(folder / "state.json", "w", encoding="utf-8") as fh:
+        json.dump(state, fh, indent=2, sort_keys=True)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def write_snapshot_to(final: Path, step: int, tensors: dict[str, torch.Tensor], state: dict[str, Any],
+                      optimizer_state: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write a snapshot atomically as the folder `final` (its files written beside it first, then
+    renamed into place), replacing an older one there."""
+    with _staged(final) as tmp:
+        cpu = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+        save_file(cpu, tmp / "weights.safetensors", metadata={"step": str(step), "format": str(SNAPSHOT_FORMAT)})
+        _fsync_file(tmp / "weights.safetensors")
+        full_state = dict(state, step=step, format=SNAPSHOT_FORMAT,
+                          weights_sha256=sha256_of(tmp / "weights.safetensors"))
+        if optimizer_state:
+            cpu = {k: v.detach().to("cpu").contiguous() for k, v in optimizer_state.items()}
+            save_file(cpu, tmp / OPTIMIZER_FILE, metadata={"step": str(step), "format": str(SNAPSHOT_FORMAT)})
+            _fsync_file(tmp / OPTIMIZER_FILE)
+            full_state["optimizer_sha256"] = sha256_of(tmp / OPTIMIZER_FILE)
+        _write_state(tmp, full_state)
+        _maybe_test_kill(step)
     return final
 
 
 def copy_snapshot_weights(source: Path, final: Path) -> Path:
     """The weights of the snapshot `source` as a weights-only snapshot `final` (keep_best's), written
-    as `write_snapshot_to` writes one: beside it first, synced, then renamed into place."""
+    as `write_snapshot_to` writes one."""
     state = json.loads((source / "state.json").read_text(encoding="utf-8"))
     state.pop("optimizer_sha256", None)
     state["weights_only"] = True
-    root = final.parent
-    tmp = root / f".{final.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    shutil.copyfile(source / "weights.safetensors", tmp / "weights.safetensors")
-    _fsync_file(tmp / "weights.safetensors")
-    with open(tmp / "state.json", "w", encoding="utf-8") as fh:
-        json.dump(state, fh, indent=2, sort_keys=True)
-        fh.flush()
-        os.fsync(fh.fileno())
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _fsync_dir(root)
+    with _staged(final) as tmp:
+        shutil.copyfile(source / "weights.safetensors", tmp / "weights.safetensors")
+        _fsync_file(tmp / "weights.safetensors")
+        _write_state(tmp, state)
     return final
 
 
@@ -172,6 +178,17 @@ def _maybe_test_kill(step: int) -> None:
 
 def read_snapshot(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Load and verify one snapshot (safetensors and JSON only: no code runs)."""
+    path = Path(path)
+    state = verify_snapshot(path)
+    try:
+        return load_file(path / "weights.safetensors"), state
+    except Exception as exc:  # safetensors raises its own error types
+        raise CorruptSnapshot(f"{path}: weights.safetensors unreadable ({exc})") from None
+
+
+def verify_snapshot(path: Path) -> dict[str, Any]:
+    """One snapshot's state, its files checked against their sha256 (streamed, not loaded); raises
+    CorruptSnapshot naming what is wrong."""
     path = Path(path)
     try:
         state = json.loads((path / "state.json").read_text(encoding="utf-8"))
@@ -188,10 +205,7 @@ def read_snapshot(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         optimizer = path / OPTIMIZER_FILE
         if not optimizer.is_file() or sha256_of(optimizer) != state["optimizer_sha256"]:
             raise CorruptSnapshot(f"{path}: {OPTIMIZER_FILE} is missing or does not match its sha256")
-    try:
-        return load_file(weights), state
-    except Exception as exc:  # safetensors raises its own error types
-        raise CorruptSnapshot(f"{path}: weights.safetensors unreadable ({exc})") from None
+    return state
 
 
 def read_optimizer_state(path: Path) -> dict[str, torch.Tensor] | None:

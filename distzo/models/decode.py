@@ -273,9 +273,10 @@ class DecodedLinears:
             return  # torchao's forward, as without the hooks
         run = self.prepared.get(module)
         if run is None or run.weight is not weight or run.out.dtype != dtype or run.out.device != x.device:
+            if self.only_same and not (is_nf4(weight) and self.kernels is not None):
+                return  # an int8 weight (torchao scales its product) or no C kernels: before any buffer
             out = self._buffer(x.device, dtype)[:weight.numel()].view(weight.shape)
-            if self.only_same and not (is_nf4(weight) and self.kernels is not None
-                                       and NativeDecode.supports(weight, out)):
+            if self.only_same and not NativeDecode.supports(weight, out):
                 return  # checked once per weight and dtype, not on every call of a prepared one
             run = decoder(weight, out, self.kernels)
             if run.reusable:

@@ -73,8 +73,9 @@ def compute_metrics(eval_pred) -> dict[str, float]:
 
 def build(model_path: str, output: str, steps: int, mesh: str | None, seed: int = 0, callbacks=(), n: int = 96,
           optimizer: str = "sgd", lr: float = 1e-3, save_steps: int = 0, per_device: int = 4, accumulation: int = 4,
-          estimator: str = "mezo", **zo_settings):
-    """The Trainer of this script. zo_settings: further ZOArguments fields (an estimator's or
+          estimator: str = "mezo", training: dict | None = None, **zo_settings):
+    """The Trainer of this script. training: TrainingArguments to set or change (`eval_steps=4`,
+    `load_best_model_at_end=True`). zo_settings: further ZOArguments fields (an estimator's or
     optimizer's settings: `rank=2`, `optim_beta2=0.99`)."""
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     if tokenizer.pad_token is None:
@@ -84,12 +85,12 @@ def build(model_path: str, output: str, steps: int, mesh: str | None, seed: int 
     data = Dataset.from_dict({"text": texts}).map(lambda b: tokenizer(b["text"], truncation=True, max_length=64),
                                                   batched=True, remove_columns=["text"])
     split = data.train_test_split(test_size=16, seed=0)
-    args = TrainingArguments(output_dir=output, max_steps=steps, per_device_train_batch_size=per_device,
-                             gradient_accumulation_steps=accumulation, learning_rate=lr, lr_scheduler_type="constant",
-                             logging_steps=2, eval_strategy="steps", eval_steps=max(1, steps // 2),
-                             save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
-                             save_total_limit=2,
-                             per_device_eval_batch_size=8, seed=seed, report_to=[])
+    settings = dict(output_dir=output, max_steps=steps, per_device_train_batch_size=per_device,
+                    gradient_accumulation_steps=accumulation, learning_rate=lr, lr_scheduler_type="constant",
+                    logging_steps=2, eval_strategy="steps", eval_steps=max(1, steps // 2),
+                    save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500, save_total_limit=2,
+                    per_device_eval_batch_size=8, seed=seed, report_to=[])
+    args = TrainingArguments(**{**settings, **(training or {})})
     return ZOTrainer(  # ZO: instead of Trainer(
         model=model, args=args, train_dataset=split["train"], eval_dataset=split["test"],
         data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False), processing_class=tokenizer,
@@ -107,10 +108,20 @@ def main() -> None:
     parser.add_argument("--per-device", type=int, default=4, help="examples per data rank and accumulation step")
     parser.add_argument("--accumulation", type=int, default=4, help="gradient_accumulation_steps (micro-batches)")
     parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --output")
+    parser.add_argument("--load-best", metavar="METRIC", default=None,
+                        help="end with the checkpoint of the best evaluation by METRIC (loss: the lowest; "
+                             "token_accuracy: the highest), evaluating and saving every --save-steps")
+    parser.add_argument("--greater-is-better", action="store_true", default=None,
+                        help="with --load-best: the highest METRIC is the best (default: loss the lowest, "
+                             "any other metric the highest)")
     ns = parser.parse_args()
     counter = CountEvents()
+    training = None
+    if ns.load_best:
+        training = dict(load_best_model_at_end=True, metric_for_best_model=ns.load_best,
+                        greater_is_better=ns.greater_is_better, eval_steps=ns.save_steps, save_total_limit=1)
     trainer = build(ns.model, ns.output, ns.steps, ns.mesh, callbacks=[counter], save_steps=ns.save_steps,
-                    per_device=ns.per_device, accumulation=ns.accumulation)
+                    per_device=ns.per_device, accumulation=ns.accumulation, training=training)
     result = trainer.train(resume_from_checkpoint=True if ns.resume else None)
     metrics = trainer.evaluate()
     trainer.save_model(f"{ns.output}/final")

@@ -29,17 +29,22 @@ def pairs() -> Dataset:
                               "completion": [f" {city}." for _, city in CAPITALS]})
 
 
-def build(model_path: str, output: str, steps: int, mesh: str | None = None):
+def build(model_path: str, output: str, steps: int, mesh: str | None = None, eval_dataset: Dataset | None = None,
+          training: dict | None = None):
+    """The trainer of this script. training: SFTConfig arguments to set or change (with an
+    eval_dataset: `eval_strategy="steps"`, `load_best_model_at_end=True`)."""
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(model_path)
-    args = SFTConfig(output_dir=output, max_steps=steps, per_device_train_batch_size=8, learning_rate=3e-2,
-                     lr_scheduler_type="constant", logging_steps=2, save_strategy="no", report_to=[], seed=0,
-                     completion_only_loss=True, max_length=32, bf16=torch.cuda.is_available())
+    settings = dict(output_dir=output, max_steps=steps, per_device_train_batch_size=8, learning_rate=3e-2,
+                    lr_scheduler_type="constant", logging_steps=2, save_strategy="no", report_to=[], seed=0,
+                    completion_only_loss=True, max_length=32, bf16=torch.cuda.is_available())
+    args = SFTConfig(**{**settings, **(training or {})})
     peft_config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     return ZOSFTTrainer(  # ZO: instead of SFTTrainer(
-        model=model, args=args, train_dataset=pairs(), processing_class=tokenizer, peft_config=peft_config,
+        model=model, args=args, train_dataset=pairs(), eval_dataset=eval_dataset, processing_class=tokenizer,
+        peft_config=peft_config,
         zo_args=ZOArguments(q=2, mesh=mesh))
 
 

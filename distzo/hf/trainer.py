@@ -12,6 +12,7 @@ messages) and its completion-only labels. docs/hf.md maps every argument.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import shutil
@@ -26,6 +27,8 @@ from ..errors import DistzoError
 from ..registry import registry
 from .arguments import ZOArguments, setting_overrides
 from .data import TrainerDataTask
+
+log = logging.getLogger("distzo")
 
 ZO_STATE = "zo_state"  # a Trainer checkpoint's folder holding distzo's snapshot of that step
 ZO_RUN = "zo"  # distzo's own run files (metrics.jsonl, trajectory.jsonl, run.json) under output_dir
@@ -50,11 +53,6 @@ def _refuse_what_cannot_apply(args: Any, optimizers: Any, optimizer_cls_and_kwar
     if getattr(args, "packing", False):
         raise ZOTrainerError("SFTConfig(packing=True) packs several examples into one row that only TRL's padding-free "
                              "attention keeps apart, and distzo scores a row as one sequence; set packing=False")
-    if getattr(args, "load_best_model_at_end", False):
-        raise ZOTrainerError("load_best_model_at_end is not supported by ZOTrainer: drop it and load the checkpoint "
-                             "you choose with from_pretrained (each checkpoint-N/ holds the model, and "
-                             "trainer_state.json "
-                             "its evaluations)")
     if getattr(args, "save_on_each_node", False):
         raise ZOTrainerError("save_on_each_node writes each node's checkpoints on its own, and a ZOTrainer checkpoint "
                              "holds distzo's state written by rank 0 that every rank reads on resume: keep output_dir "
@@ -219,16 +217,22 @@ class ZOLoop:
                 raise ZOTrainerError(f"{resume_from_checkpoint} has no {ZO_STATE}/ (distzo's state of that step): it "
                                      "was not written by a ZOTrainer; resume from one of its own checkpoints")
             self.state = TrainerState.load_from_json(str(Path(resume_from_checkpoint) / "trainer_state.json"))
+            self._zo_check_best_checkpoint()
+        # which process logs, reports and writes (the callbacks read these; a resumed state holds rank 0's)
+        self.state.is_local_process_zero = self.is_local_process_zero()
+        self.state.is_world_process_zero = self.is_world_process_zero()
         run_dir = Path(args.output_dir) / ZO_RUN
         model = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model  # PEFT
         zo = distzo.Trainer(cfg, run_dir=run_dir, model=model, tokenizer=self.processing_class, task=task,
                             validate_config=False, lr_at=self.zo_lr_at(steps), resume_from=snapshot)
         self.zo = zo
         try:
-            return self._zo_loop(zo, steps, task, ignore_keys_for_eval, TrainOutput)
+            output = self._zo_loop(zo, steps, task, ignore_keys_for_eval, TrainOutput)
         finally:
             zo.close()
             self.zo = None
+        self._zo_finish()  # the engine released: the model's own parameters hold the weights now
+        return output
 
     def _zo_loop(self, zo, steps: int, task: TrainerDataTask, ignore_keys_for_eval, TrainOutput):
         """Trainer's flow around distzo's steps: the callbacks' events in Trainer's order, and logs,
@@ -259,6 +263,8 @@ class ZOLoop:
                     self.control = callbacks.on_epoch_begin(args, state, self.control)
         with zo.materialized():
             pass  # the last update reaches the weights the Trainer evaluates and saves
+        if args.load_best_model_at_end and zo.mesh.world_size > 1:
+            zo.mesh.barrier()  # rank 0 has renamed its last checkpoint into place before any rank reads the best
         runtime, done = time.time() - start, max(1, zo.step_count - first_step)
         train_loss = self._zo_losses[2] / done
         metrics = {"train_runtime": round(runtime, 4),
@@ -266,8 +272,33 @@ class ZOLoop:
                    "train_steps_per_second": round(done / max(runtime, 1e-9), 3), "train_loss": train_loss,
                    "epoch": state.epoch}
         self.log(metrics)
-        self.control = callbacks.on_train_end(args, state, self.control)
         return TrainOutput(state.global_step, train_loss, metrics)
+
+    def _zo_finish(self) -> None:
+        """Trainer's end of training, after the engine is closed: with load_best_model_at_end the model
+        takes the best evaluation's checkpoint (Trainer's own loader: the model file, or a PEFT model's
+        adapter), and with save_total_limit=1 only that checkpoint stays; then on_train_end."""
+        args, state = self.args, self.state
+        if args.load_best_model_at_end and state.best_model_checkpoint is not None:
+            self._zo_check_best_checkpoint()
+            self._load_best_model()
+            if self.is_world_process_zero() and args.save_total_limit == 1:
+                best = Path(state.best_model_checkpoint).resolve()
+                for folder in Path(args.output_dir).glob("checkpoint-*"):
+                    if folder.is_dir() and folder.resolve() != best:
+                        shutil.rmtree(folder, ignore_errors=True)
+        self.control = self.callback_handler.on_train_end(args, state, self.control)
+
+    def _zo_check_best_checkpoint(self) -> None:
+        """With load_best_model_at_end, the best evaluation's checkpoint recorded in the state is still
+        there (checked on resume and before loading it: Trainer only warns, then ends with the last
+        step's weights as if they were the best)."""
+        best = self.state.best_model_checkpoint
+        if self.args.load_best_model_at_end and best is not None and not (Path(best) / "trainer_state.json").is_file():
+            raise ZOTrainerError(f"load_best_model_at_end: the best evaluation's checkpoint {best} (step "
+                                 f"{self.state.best_global_step}, {self.args.metric_for_best_model}="
+                                 f"{self.state.best_metric}) is gone or incomplete; put that folder back, or set "
+                                 "load_best_model_at_end=False to end with the last step's weights")
 
     def _zo_log_evaluate_save(self, record, ignore_keys_for_eval) -> None:
         """What the control asks for after a step or an epoch: the mean loss since the last log, an
@@ -278,9 +309,15 @@ class ZOLoop:
                       "projected_grad": record.projected_grads[0] if record.projected_grads else 0.0})
             self._zo_losses[:2] = [0.0, 0]
             self.control.should_log = False
+        from transformers.trainer_utils import SaveStrategy
+
         if self.control.should_evaluate:
-            self.evaluate(ignore_keys=ignore_keys_for_eval)  # resets should_evaluate (on_evaluate)
+            metrics = self.evaluate(ignore_keys=ignore_keys_for_eval)  # resets should_evaluate (on_evaluate)
             self.control.should_evaluate = False
+            # metric_for_best_model: state.best_metric / best_global_step, as Trainer keeps them
+            new_best = self._determine_best_metric(metrics=metrics, trial=None)
+            if self.args.save_strategy == SaveStrategy.BEST:
+                self.control.should_save = new_best
         if self.control.should_save:
             self._save_checkpoint(self.model, None)  # on_save resets should_save
             self.control.should_save = False
@@ -298,23 +335,46 @@ class ZOLoop:
 
         final = Path(self.args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         folder = final.with_name(f"tmp-{final.name}")
-        if self.args.should_save:
+        writes = self.is_world_process_zero()
+        if writes:
             shutil.rmtree(folder, ignore_errors=True)  # a kill's leftover
         self.zo.snapshot(folder / ZO_STATE)  # collective: every rank materialises the weights
-        if self.args.should_save:
-            self.save_model(str(folder), _internal_call=True)
+        if self.state.best_global_step == self.state.global_step:  # the best evaluation's checkpoint (every rank)
+            self.state.best_model_checkpoint = str(final)
+        self.save_model(str(folder), _internal_call=True)  # collective as well; rank 0 writes
+        if writes:
             self.state.save_to_json(str(folder / "trainer_state.json"))
             shutil.rmtree(final, ignore_errors=True)  # a checkpoint of this step from before a resume
             os.replace(folder, final)
+            log.info("Checkpoint at step %d complete: %s", self.state.global_step, final)
             if self.args.push_to_hub:
                 self._push_from_checkpoint(str(final))
             _rotate(self.args, self.state, self)
         self.control = self.callback_handler.on_save(self.args, self.state, self.control)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """The model (or a PEFT model's adapter) as Trainer saves it, at the current weights."""
+        """The model (or a PEFT model's adapter) as Trainer saves it, at the current weights, written by
+        rank 0 alone. Collective while training runs."""
         with self._at_current_weights():
-            super().save_model(output_dir, _internal_call)
+            if self.is_world_process_zero():
+                super().save_model(output_dir, _internal_call)
+
+    # --- which process writes ----------------------------------------------------------------------
+
+    def is_world_process_zero(self) -> bool:
+        """Rank 0 of the job as torchrun or srun launched it. On a CPU job under torchrun,
+        TrainingArguments' process_index is 0 on every rank (unless use_cpu=True), and each rank would
+        write the checkpoints and report to wandb; distzo's mesh takes its ranks from the launcher."""
+        from ..parallel.launch_env import launched_rank
+
+        return launched_rank() == 0
+
+    def is_local_process_zero(self) -> bool:
+        """The first process on its node (torchrun's or srun's LOCAL_RANK)."""
+        from ..parallel.launch_env import adopt_slurm_environment
+
+        adopt_slurm_environment()
+        return int(os.environ.get("LOCAL_RANK", "0")) == 0
 
     def evaluate(self, *a, **kw):
         """Trainer's evaluation (its loop, `compute_metrics`, `on_evaluate`) at the current weights."""
@@ -325,6 +385,16 @@ class ZOLoop:
         """The model's parameters hold the current weights inside (distzo's engine may keep them
         elsewhere between steps); nothing to do before training has started."""
         return self.zo.materialized() if self.zo is not None else nullcontext()
+
+    def _issue_warnings_after_load(self, load_result) -> None:
+        """Trainer's warnings after loading the best checkpoint, less the keys of tied parameters
+        (lm_head.weight sharing the embedding's tensor): save_model leaves them out, loading the tensor
+        they share restores them, and Trainer's check names them missing whenever the model ties them."""
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        missing = set(load_result.missing_keys)
+        loaded = {params[name].data_ptr() for name in params if name not in missing}
+        missing = [k for k in load_result.missing_keys if k not in params or params[k].data_ptr() not in loaded]
+        super()._issue_warnings_after_load(type(load_result)(missing, load_result.unexpected_keys))
 
     def create_optimizer(self, model=None):
         return None  # a ZO step has no torch optimizer (distzo's rule updates the weights)

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers import TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
 from tests.distributed.launch import ENV, torchrun_script
@@ -149,6 +150,126 @@ def test_a_checkpoint_resumes_bitwise_after_sigkill(trained, model_folder, tmp_p
     assert not list(out.glob("tmp-checkpoint-*"))
 
 
+BEST = dict(eval_steps=4, load_best_model_at_end=True, metric_for_best_model="loss", greater_is_better=True)
+
+
+class StopAt(TrainerCallback):
+    """Ends training after `step` (control.should_training_stop), as a user's early-stopping callback does."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        control.should_training_stop = state.global_step >= self.step
+
+
+@pytest.fixture(scope="module")
+def best_run(model_folder, tmp_path_factory):
+    """load_best_model_at_end, evaluating and saving every 4 steps, the best the *highest* eval loss
+    (greater_is_better=True): the loss falls, so an early evaluation is the best, not the last step."""
+    out = tmp_path_factory.mktemp("hf-best")
+    trainer = example(SCRIPT).build(str(model_folder), str(out), STEPS, None, save_steps=4,
+                                    training={**BEST, "save_total_limit": 1})
+    trainer.train()
+    return trainer, out
+
+
+def test_load_best_model_at_end_ends_with_the_best_checkpoints_weights(best_run, trained):
+    """Trainer's rule picks the best evaluation (the first of equals); after train() the model holds
+    that checkpoint's weights bitwise, not the last step's; save_total_limit=1 leaves that checkpoint
+    alone; evaluate() then gives that evaluation's loss (the same weights, operations and shapes)."""
+    trainer, out = best_run
+    evals = {h["step"]: h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h}
+    assert list(evals) == [4, 8, 12, 16]
+    best_step = max(evals, key=evals.get)  # the first of the highest
+    assert best_step < STEPS and trainer.state.best_global_step == best_step
+    assert trainer.state.best_metric == evals[best_step]
+    best = out / f"checkpoint-{best_step}"
+    assert trainer.state.best_model_checkpoint == str(best)
+    assert [p.name for p in out.glob("checkpoint-*")] == [best.name] and not list(out.glob("tmp-*"))
+    saved, mine = load_file(best / "model.safetensors"), trainer.model.state_dict()
+    assert all(torch.equal(saved[k], mine[k]) for k in saved)
+    last = load_file(trained[4] / "final" / "model.safetensors")  # the same training's last step (1x1 run)
+    assert any(not torch.equal(last[k], mine[k]) for k in last)
+    assert trainer.evaluate()["eval_loss"] == evals[best_step]
+
+
+def test_load_best_model_at_end_carries_the_best_across_a_resume(best_run, model_folder, tmp_path):
+    """Stopped after step 8 (every checkpoint kept), then resumed from checkpoint-8: the best so far
+    comes from its trainer_state.json, and the run ends with the uninterrupted run's best weights."""
+    script, out = example(SCRIPT), tmp_path / "resumed"
+    first = script.build(str(model_folder), str(out), STEPS, None, save_steps=4, callbacks=[StopAt(8)],
+                         training={**BEST, "save_total_limit": None})
+    first.train()
+    assert first.state.global_step == 8
+    second = script.build(str(model_folder), str(out), STEPS, None, save_steps=4,
+                          training={**BEST, "save_total_limit": None})
+    second.train(resume_from_checkpoint=str(out / "checkpoint-8"))
+    reference, _ = best_run
+    assert second.state.best_global_step == reference.state.best_global_step
+    assert second.state.best_metric == reference.state.best_metric
+    want, got = reference.model.state_dict(), second.model.state_dict()
+    assert all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_load_best_model_at_end_on_a_2x1_mesh_equals_its_1x1_run(best_run, model_folder, tmp_path):
+    """torchrun --nproc-per-node 2 examples/hf_trainer.py --mesh 2x1 --load-best loss: both ranks pick
+    the same best (Trainer's evaluation gathers the losses), read its checkpoint once rank 0 has
+    renamed it into place, and the saved result is the 1x1 run's best. The two perturbation ranks
+    each evaluate one of the q=2 directions; the 1e-6 bound is test_mesh's for a mesh against one
+    process."""
+    out = tmp_path / "2x1"
+    r = torchrun_script(2, SCRIPT, "--model", str(model_folder), "--output", str(out), "--steps", str(STEPS),
+                        "--mesh", "2x1", "--save-steps", "4", "--load-best", "loss", "--greater-is-better",
+                        cwd=tmp_path, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("'events'") == 1  # the script's summary: rank 0 alone prints it (is_world_process_zero)
+    reference, _ = best_run
+    best = f"checkpoint-{reference.state.best_global_step}"
+    assert [p.name for p in out.glob("checkpoint-*")] == [best]  # save_total_limit=1: the best alone
+    got, mine = load_file(out / "final" / "model.safetensors"), load_file(out / best / "model.safetensors")
+    assert all(torch.equal(got[k], mine[k]) for k in got)
+    want = reference.model.state_dict()
+    assert max(float((want[k] - got[k]).abs().max()) for k in got) < 1e-6
+
+
+def test_save_strategy_best_saves_each_new_best_only(model_folder, tmp_path):
+    """save_strategy='best': a checkpoint at each evaluation that beats every earlier one, and no other
+    (Trainer sets should_save from its best-metric rule; the step and epoch callbacks ask for none).
+    The best is the highest loss, so the falling loss makes few evaluations new bests."""
+    out = tmp_path / "best-only"
+    trainer = example(SCRIPT).build(str(model_folder), str(out), STEPS, None,
+                                    training=dict(eval_steps=4, save_strategy="best", metric_for_best_model="loss",
+                                                  greater_is_better=True, save_total_limit=None))
+    trainer.train()
+    evals = [(h["step"], h["eval_loss"]) for h in trainer.state.log_history if "eval_loss" in h]
+    assert [step for step, _ in evals] == [4, 8, 12, 16]
+    new_bests = [step for i, (step, loss) in enumerate(evals) if all(loss > earlier for _, earlier in evals[:i])]
+    assert len(new_bests) < len(evals)
+    assert sorted(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*")) == new_bests
+    assert trainer.state.best_model_checkpoint == str(out / f"checkpoint-{new_bests[-1]}")
+
+
+def test_a_missing_best_checkpoint_is_refused_on_resume(best_run, model_folder, tmp_path):
+    """The best evaluation's checkpoint deleted before resuming: one error naming it and the fix
+    (Trainer only warns, then ends with the last step's weights as if they were the best)."""
+    import shutil
+
+    from distzo.hf import ZOTrainerError
+
+    script, out = example(SCRIPT), tmp_path / "gone"
+    first = script.build(str(model_folder), str(out), STEPS, None, save_steps=4, callbacks=[StopAt(8)],
+                         training={**BEST, "save_total_limit": None})
+    first.train()
+    best = Path(first.state.best_model_checkpoint)
+    assert best.name == "checkpoint-4"  # the highest loss: before the loss fell further
+    shutil.rmtree(best)
+    second = script.build(str(model_folder), str(out), STEPS, None, save_steps=4,
+                          training={**BEST, "save_total_limit": None})
+    with pytest.raises(ZOTrainerError, match="best evaluation's checkpoint .*checkpoint-4 .* is gone or incomplete"):
+        second.train(resume_from_checkpoint=str(out / "checkpoint-8"))
+
+
 def test_zosfttrainer_trains_a_lora_adapter_that_peft_loads_back(model_folder, tmp_path):
     """TRL's SFTTrainer on prompt/completion pairs with a LoRA peft_config, its steps ZO: the
     completion loss falls; the saved adapter loads with PeftModel.from_pretrained and gives the
@@ -172,13 +293,31 @@ def test_zosfttrainer_trains_a_lora_adapter_that_peft_loads_back(model_folder, t
     assert trainable and all("lora_" in n for n in trainable)  # exactly the adapter trained
 
 
+def test_load_best_model_at_end_loads_the_best_peft_adapter(model_folder, tmp_path):
+    """ZOSFTTrainer with a LoRA peft_config: the adapter of the best evaluation's checkpoint is
+    loaded back into the PEFT model (Trainer's load_adapter path), bitwise its saved tensors."""
+    from peft import get_peft_model_state_dict
+
+    script, out = example(SFT_SCRIPT), tmp_path / "sft-best"
+    trainer = script.build(str(model_folder), str(out), 16, eval_dataset=script.pairs(),
+                           training=dict(eval_strategy="steps", save_strategy="steps", save_steps=4, **BEST))
+    trainer.train()
+    evals = {h["step"]: h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h}
+    best_step = max(evals, key=evals.get)
+    assert best_step < 16 and trainer.state.best_global_step == best_step
+    saved = load_file(out / f"checkpoint-{best_step}" / "adapter_model.safetensors")
+    mine = get_peft_model_state_dict(trainer.model)
+    assert saved.keys() == mine.keys() and all(torch.equal(saved[k], mine[k].cpu()) for k in saved)
+    last = load_file(out / "checkpoint-16" / "adapter_model.safetensors")
+    assert any(not torch.equal(last[k], mine[k].cpu()) for k in last)
+
+
 @pytest.mark.parametrize("args,later,message", [
     ({"torch_compile": True}, {}, "torch_compile compiles the stock forward"),
     ({"fsdp": "full_shard"}, {}, "fsdp shards the model for first-order training"),
     # TrainingArguments itself refuses these without deepspeed / a GPU installed: set as it leaves them
     ({}, {"deepspeed": "ds_config.json"}, "deepspeed shards gradients and optimizer states"),
     ({}, {"fp16": True}, "fp16 mixed precision scales gradients"),
-    ({}, {"load_best_model_at_end": True}, "load_best_model_at_end is not supported by ZOTrainer"),
     ({"save_on_each_node": True}, {}, "save_on_each_node writes each node's checkpoints on its own"),
 ])
 def test_what_cannot_apply_is_refused_in_one_line(model_folder, tmp_path, args, later, message):

@@ -233,6 +233,24 @@ def test_load_best_model_at_end_on_a_2x1_mesh_equals_its_1x1_run(best_run, model
     assert max(float((want[k] - got[k]).abs().max()) for k in got) < 1e-6
 
 
+def test_early_stopping_callback_stops_and_ends_with_the_best(best_run, model_folder, tmp_path):
+    """transformers' EarlyStoppingCallback (which needs load_best_model_at_end) with patience 1: the
+    evaluation at step 8 does not beat step 4's (the best is the highest loss, and the loss falls), so
+    training stops there and ends with step 4's weights, those of the uninterrupted run's best."""
+    from transformers import EarlyStoppingCallback
+
+    out = tmp_path / "early"
+    trainer = example(SCRIPT).build(str(model_folder), str(out), STEPS, None, save_steps=4,
+                                    callbacks=[EarlyStoppingCallback(early_stopping_patience=1)],
+                                    training={**BEST, "save_total_limit": None})
+    trainer.train()
+    reference, _ = best_run
+    assert reference.state.best_global_step == 4  # what the stop at 8 relies on
+    assert trainer.state.global_step == 8 and trainer.state.best_global_step == 4
+    want, got = reference.model.state_dict(), trainer.model.state_dict()
+    assert all(torch.equal(want[k], got[k]) for k in want)
+
+
 def test_save_strategy_best_saves_each_new_best_only(model_folder, tmp_path):
     """save_strategy='best': a checkpoint at each evaluation that beats every earlier one, and no other
     (Trainer sets should_save from its best-metric rule; the step and epoch callbacks ask for none).

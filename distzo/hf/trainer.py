@@ -53,6 +53,16 @@ def _refuse_what_cannot_apply(args: Any, optimizers: Any, optimizer_cls_and_kwar
     if getattr(args, "packing", False):
         raise ZOTrainerError("SFTConfig(packing=True) packs several examples into one row that only TRL's padding-free "
                              "attention keeps apart, and distzo scores a row as one sequence; set packing=False")
+    if getattr(args, "neftune_noise_alpha", None) is not None:
+        raise ZOTrainerError("neftune_noise_alpha adds fresh random noise to the embeddings in every training forward, "
+                             "and a ZO step compares forward passes that must see the same inputs (nor would a mesh "
+                             "or a resume reproduce it); drop TrainingArguments(neftune_noise_alpha=...)")
+    schedule = str(getattr(getattr(args, "lr_scheduler_type", None), "value", getattr(args, "lr_scheduler_type", "")))
+    if schedule in ("reduce_lr_on_plateau", "greedy"):
+        raise ZOTrainerError(f"lr_scheduler_type={schedule!r} sets the learning rate from the metrics as they come, "
+                             "and a ZO run's rates are a function of the step (a mesh and a resume replay them); "
+                             "choose a schedule of the step: linear, cosine, constant_with_warmup, "
+                             "warmup_stable_decay, ...")
     if getattr(args, "save_on_each_node", False):
         raise ZOTrainerError("save_on_each_node writes each node's checkpoints on its own, and a ZOTrainer checkpoint "
                              "holds distzo's state written by rank 0 that every rank reads on resume: keep output_dir "
@@ -243,6 +253,8 @@ class ZOLoop:
         per_epoch = self.zo_steps_per_epoch(task.size("train"))
         state.max_steps, state.num_train_epochs = steps, math.ceil(steps / per_epoch)
         self.control = callbacks.on_train_begin(args, state, self.control)
+        if args.eval_on_start:  # the weights before this session's first step (not a candidate for the best)
+            self.evaluate(ignore_keys=ignore_keys_for_eval)
         self._zo_losses = [0.0, 0, 0.0]  # since the last log: sum, count; this session's sum
         self.control = callbacks.on_epoch_begin(args, state, self.control)
         while zo.step_count < steps and not self.control.should_training_stop:

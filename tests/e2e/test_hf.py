@@ -254,14 +254,17 @@ def test_early_stopping_callback_stops_and_ends_with_the_best(best_run, model_fo
 def test_save_strategy_best_saves_each_new_best_only(model_folder, tmp_path):
     """save_strategy='best': a checkpoint at each evaluation that beats every earlier one, and no other
     (Trainer sets should_save from its best-metric rule; the step and epoch callbacks ask for none).
-    The best is the highest loss, so the falling loss makes few evaluations new bests."""
+    The best is the highest loss, so the falling loss makes few evaluations new bests. eval_on_start
+    evaluates the weights before the first step, which (as under Trainer) is no candidate."""
     out = tmp_path / "best-only"
     trainer = example(SCRIPT).build(str(model_folder), str(out), STEPS, None,
                                     training=dict(eval_steps=4, save_strategy="best", metric_for_best_model="loss",
-                                                  greater_is_better=True, save_total_limit=None))
+                                                  greater_is_better=True, save_total_limit=None, eval_on_start=True))
     trainer.train()
     evals = [(h["step"], h["eval_loss"]) for h in trainer.state.log_history if "eval_loss" in h]
-    assert [step for step, _ in evals] == [4, 8, 12, 16]
+    assert [step for step, _ in evals] == [0, 4, 8, 12, 16]
+    assert evals[0][1] > evals[1][1]  # the start's loss is the highest, yet not the best: no checkpoint-0
+    evals = evals[1:]
     new_bests = [step for i, (step, loss) in enumerate(evals) if all(loss > earlier for _, earlier in evals[:i])]
     assert len(new_bests) < len(evals)
     assert sorted(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*")) == new_bests
@@ -337,6 +340,10 @@ def test_load_best_model_at_end_loads_the_best_peft_adapter(model_folder, tmp_pa
     ({}, {"deepspeed": "ds_config.json"}, "deepspeed shards gradients and optimizer states"),
     ({}, {"fp16": True}, "fp16 mixed precision scales gradients"),
     ({"save_on_each_node": True}, {}, "save_on_each_node writes each node's checkpoints on its own"),
+    ({"neftune_noise_alpha": 5.0}, {}, "neftune_noise_alpha adds fresh random noise to the embeddings"),
+    ({"lr_scheduler_type": "reduce_lr_on_plateau", "eval_strategy": "steps"}, {},
+     "lr_scheduler_type='reduce_lr_on_plateau' sets the learning rate from the metrics"),
+    ({"lr_scheduler_type": "greedy", "eval_strategy": "steps"}, {}, "lr_scheduler_type='greedy' sets the learning"),
 ])
 def test_what_cannot_apply_is_refused_in_one_line(model_folder, tmp_path, args, later, message):
     from transformers import AutoModelForCausalLM, TrainingArguments

@@ -55,8 +55,9 @@ def _refuse_what_cannot_apply(args: Any, optimizers: Any, optimizer_cls_and_kwar
                              "attention keeps apart, and distzo scores a row as one sequence; set packing=False")
     if getattr(args, "neftune_noise_alpha", None) is not None:
         raise ZOTrainerError("neftune_noise_alpha adds fresh random noise to the embeddings in every training forward, "
-                             "and a ZO step compares forward passes that must see the same inputs (nor would a mesh "
-                             "or a resume reproduce it); drop TrainingArguments(neftune_noise_alpha=...)")
+                             "and a ZO step compares forward passes that must see the same inputs (distzo runs the "
+                             "model in eval mode, where NEFTune adds nothing); drop "
+                             "TrainingArguments(neftune_noise_alpha=...)")
     schedule = str(getattr(getattr(args, "lr_scheduler_type", None), "value", getattr(args, "lr_scheduler_type", "")))
     if schedule in ("reduce_lr_on_plateau", "greedy"):
         raise ZOTrainerError(f"lr_scheduler_type={schedule!r} sets the learning rate from the metrics as they come, "

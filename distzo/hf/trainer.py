@@ -233,6 +233,8 @@ class ZOLoop:
         self.state.is_local_process_zero = self.is_local_process_zero()
         self.state.is_world_process_zero = self.is_world_process_zero()
         run_dir = Path(args.output_dir) / ZO_RUN
+        if snapshot is None and self.is_world_process_zero():
+            _start_over(run_dir)
         model = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model  # PEFT
         zo = distzo.Trainer(cfg, run_dir=run_dir, model=model, tokenizer=self.processing_class, task=task,
                             validate_config=False, lr_at=self.zo_lr_at(steps), resume_from=snapshot)
@@ -453,6 +455,15 @@ def _make_zo_sft_trainer():
     return _zo_trainer_class(SFTTrainer, "ZOSFTTrainer", """TRL's `SFTTrainer` (its dataset formats, its
     completion-only labels, `peft_config`) whose training steps are distzo's ZO steps. Everything an
     SFTTrainer takes, plus `zo_args`.""")
+
+
+def _start_over(run_dir: Path) -> None:
+    """A fresh train() in an output_dir that holds an earlier run's distzo files (a second train() in a
+    notebook, a script run again): they start over, as Trainer writes its checkpoints over an earlier
+    run's. Rank 0 alone, before distzo's run claims the folder (the other ranks never read it)."""
+    if (run_dir / "metrics.jsonl").exists() or (run_dir / "run.json").exists():
+        log.info("%s holds an earlier run's logs; this train() starts them over", run_dir)
+        shutil.rmtree(run_dir)
 
 
 def _rotate(args, state, trainer) -> None:

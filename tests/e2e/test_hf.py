@@ -291,6 +291,23 @@ def test_a_missing_best_checkpoint_is_refused_on_resume(best_run, model_folder, 
         second.train(resume_from_checkpoint=str(out / "checkpoint-8"))
 
 
+def test_train_again_in_the_same_output_dir_starts_over(model_folder, tmp_path):
+    """A second train() (the same trainer, or a new one on the same output_dir, as a notebook or a
+    script run twice does) starts distzo's logs in output_dir/zo/ over, as Trainer overwrites its
+    checkpoints, and trains as the first did (the same seed, data and steps: the same loss)."""
+    import json
+
+    script, out = example(SCRIPT), tmp_path / "again"
+    first = script.build(str(model_folder), str(out), 4, None)
+    loss = first.train().training_loss
+    again = first.train().training_loss
+    assert again < loss  # the same trainer's model goes on from the weights its first train() left
+    second = script.build(str(model_folder), str(out), 4, None)
+    assert second.train().training_loss == loss  # a new trainer (the model as loaded) trains as the first did
+    steps = [json.loads(line)["step"] for line in (out / "zo" / "trajectory.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]  # the last run's alone
+
+
 def test_zosfttrainer_trains_a_lora_adapter_that_peft_loads_back(model_folder, tmp_path):
     """TRL's SFTTrainer on prompt/completion pairs with a LoRA peft_config, its steps ZO: the
     completion loss falls; the saved adapter loads with PeftModel.from_pretrained and gives the

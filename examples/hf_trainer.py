@@ -115,6 +115,8 @@ def main() -> None:
                         help="with --load-best: the highest METRIC is the best (default: loss the lowest, "
                              "any other metric the highest)")
     ns = parser.parse_args()
+    if ns.load_best and not ns.save_steps:
+        parser.error("--load-best needs --save-steps (the cadence of the evaluations and checkpoints it chooses among)")
     counter = CountEvents()
     training = None
     if ns.load_best:

@@ -228,7 +228,7 @@ class ZOLoop:
                 raise ZOTrainerError(f"{resume_from_checkpoint} has no {ZO_STATE}/ (distzo's state of that step): it "
                                      "was not written by a ZOTrainer; resume from one of its own checkpoints")
             self.state = TrainerState.load_from_json(str(Path(resume_from_checkpoint) / "trainer_state.json"))
-            self._zo_check_best_checkpoint()
+            self._load_callback_state()  # stateful callbacks (EarlyStoppingCallback's patience), as Trainer does
         # which process logs, reports and writes (the callbacks read these; a resumed state holds rank 0's)
         self.state.is_local_process_zero = self.is_local_process_zero()
         self.state.is_world_process_zero = self.is_world_process_zero()
@@ -240,6 +240,8 @@ class ZOLoop:
                             validate_config=False, lr_at=self.zo_lr_at(steps), resume_from=snapshot)
         self.zo = zo
         try:
+            if snapshot is not None:
+                self._zo_find_best_checkpoint(zo.mesh)
             output = self._zo_loop(zo, steps, task, ignore_keys_for_eval, TrainOutput)
         finally:
             zo.close()
@@ -278,8 +280,8 @@ class ZOLoop:
                     self.control = callbacks.on_epoch_begin(args, state, self.control)
         with zo.materialized():
             pass  # the last update reaches the weights the Trainer evaluates and saves
-        if args.load_best_model_at_end and zo.mesh.world_size > 1:
-            zo.mesh.barrier()  # rank 0 has renamed its last checkpoint into place before any rank reads the best
+        if args.load_best_model_at_end:  # rank 0 finds it after renaming its last checkpoint, and tells every rank
+            self._zo_find_best_checkpoint(zo.mesh)
         runtime, done = time.time() - start, max(1, zo.step_count - first_step)
         train_loss = self._zo_losses[2] / done
         metrics = {"train_runtime": round(runtime, 4),
@@ -295,25 +297,42 @@ class ZOLoop:
         adapter), and with save_total_limit=1 only that checkpoint stays; then on_train_end."""
         args, state = self.args, self.state
         if args.load_best_model_at_end and state.best_model_checkpoint is not None:
-            self._zo_check_best_checkpoint()
             self._load_best_model()
-            if self.is_world_process_zero() and args.save_total_limit == 1:
-                best = Path(state.best_model_checkpoint).resolve()
-                for folder in Path(args.output_dir).glob("checkpoint-*"):
-                    if folder.is_dir() and folder.resolve() != best:
-                        shutil.rmtree(folder, ignore_errors=True)
+        if self.is_world_process_zero() and state.best_model_checkpoint is not None and args.save_total_limit == 1:
+            best = Path(state.best_model_checkpoint).resolve()
+            for folder in Path(args.output_dir).glob("checkpoint-*"):
+                if folder.is_dir() and folder.resolve() != best:
+                    shutil.rmtree(folder, ignore_errors=True)
         self.control = self.callback_handler.on_train_end(args, state, self.control)
+        self._finish_current_push()  # an every_save upload still running
 
-    def _zo_check_best_checkpoint(self) -> None:
-        """With load_best_model_at_end, the best evaluation's checkpoint recorded in the state is still
-        there (checked on resume and before loading it: Trainer only warns, then ends with the last
-        step's weights as if they were the best)."""
+    def _zo_find_best_checkpoint(self, mesh) -> None:
+        """state.best_model_checkpoint, checked by rank 0 for every rank (nodes' views of a network file
+        system may differ for a while), on resume and before the best is loaded. A folder moved with
+        output_dir is found there by name. One that is gone is dropped with a warning, as Trainer does;
+        with load_best_model_at_end it is refused (Trainer would end with the last step's weights as
+        if they were the best). Collective."""
         best = self.state.best_model_checkpoint
-        if self.args.load_best_model_at_end and best is not None and not (Path(best) / "trainer_state.json").is_file():
+        if best is None:
+            return
+        found = None
+        if mesh.is_main:
+            for candidate in (Path(best), Path(self.args.output_dir) / Path(best).name):
+                if (candidate / "trainer_state.json").is_file():
+                    found = str(candidate)
+                    break
+        found = mesh.broadcast_object(found)
+        if found is not None:
+            self.state.best_model_checkpoint = found
+            return
+        if self.args.load_best_model_at_end:
             raise ZOTrainerError(f"load_best_model_at_end: the best evaluation's checkpoint {best} (step "
                                  f"{self.state.best_global_step}, {self.args.metric_for_best_model}="
                                  f"{self.state.best_metric}) is gone or incomplete; put that folder back, or set "
                                  "load_best_model_at_end=False to end with the last step's weights")
+        if mesh.is_main:
+            log.warning("The best checkpoint %s recorded in the state does not exist any more; ignoring it", best)
+        self.state.best_model_checkpoint = None
 
     def _zo_log_evaluate_save(self, record, ignore_keys_for_eval) -> None:
         """What the control asks for after a step or an epoch: the mean loss since the last log, an
@@ -350,15 +369,19 @@ class ZOLoop:
 
         final = Path(self.args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         folder = final.with_name(f"tmp-{final.name}")
-        writes = self.is_world_process_zero()
+        writes, state = self.is_world_process_zero(), self.state
         if writes:
             shutil.rmtree(folder, ignore_errors=True)  # a kill's leftover
         self.zo.snapshot(folder / ZO_STATE)  # collective: every rank materialises the weights
-        if self.state.best_global_step == self.state.global_step:  # the best evaluation's checkpoint (every rank)
-            self.state.best_model_checkpoint = str(final)
+        if state.best_global_step:  # Trainer's rule: the best's checkpoint, this one or an earlier one still there
+            best = final.with_name(f"{PREFIX_CHECKPOINT_DIR}-{state.best_global_step}")
+            there = (best == final or best.is_dir()) if writes else None
+            if self.zo.mesh.broadcast_object(there):  # rank 0's answer, every rank's state
+                state.best_model_checkpoint = str(best)
         self.save_model(str(folder), _internal_call=True)  # collective as well; rank 0 writes
         if writes:
-            self.state.save_to_json(str(folder / "trainer_state.json"))
+            _store_callback_states(self)
+            state.save_to_json(str(folder / "trainer_state.json"))
             shutil.rmtree(final, ignore_errors=True)  # a checkpoint of this step from before a resume
             os.replace(folder, final)
             log.info("Checkpoint at step %d complete: %s", self.state.global_step, final)
@@ -427,6 +450,20 @@ def _init_trainer(self, zo_args, kwargs, base_init) -> None:
     kwargs.pop("optimizers", None)
     self._zo_init(zo_args)
     base_init(self, **kwargs)
+    _quiet_replicas(self)
+
+
+def _quiet_replicas(trainer) -> None:
+    """transformers' log level on the ranks that do not log (log_level_replica), as Trainer sets it
+    from args.should_log, which on a CPU job under torchrun holds on every rank."""
+    from transformers.training_args import trainer_log_levels
+    from transformers.utils import logging as hf_logging
+
+    args = trainer.args
+    if trainer.is_world_process_zero() or args.log_on_each_node and trainer.is_local_process_zero():
+        return
+    level = trainer_log_levels[args.log_level_replica]
+    hf_logging.set_verbosity(hf_logging.get_verbosity() if level == -1 else level)
 
 
 def _zo_trainer_class(base: type, name: str, doc: str) -> type:
@@ -455,6 +492,20 @@ def _make_zo_sft_trainer():
     return _zo_trainer_class(SFTTrainer, "ZOSFTTrainer", """TRL's `SFTTrainer` (its dataset formats, its
     completion-only labels, `peft_config`) whose training steps are distzo's ZO steps. Everything an
     SFTTrainer takes, plus `zo_args`.""")
+
+
+def _store_callback_states(trainer) -> None:
+    """The stateful callbacks' state (EarlyStoppingCallback's patience, the control) into
+    trainer.state, for the checkpoint's trainer_state.json, as Trainer stores them."""
+    from transformers.trainer_callback import ExportableState
+
+    for callback in trainer.callback_handler.callbacks + [trainer.control]:
+        if isinstance(callback, ExportableState):
+            name, stored = type(callback).__name__, trainer.state.stateful_callbacks
+            if isinstance(stored.get(name), list):
+                stored[name].append(callback.state())
+            else:
+                stored[name] = callback.state()
 
 
 def _start_over(run_dir: Path) -> None:

@@ -124,8 +124,9 @@ class ZOLoop:
             return int(self.args.max_steps)
         return int(math.ceil(self.args.num_train_epochs * self.zo_steps_per_epoch(n_train)))
 
-    def zo_config(self, steps: int):
-        """The distzo configuration of this run (what `distzo.train` would be given)."""
+    def zo_config(self, steps: int, micro_batch: int | None = None):
+        """The distzo configuration of this run (what `distzo.train` would be given). micro_batch:
+        examples in one forward pass (default per_device_train_batch_size; auto_find_batch_size's)."""
         import distzo
 
         a, z = self.args, self.zo_args
@@ -137,7 +138,7 @@ class ZOLoop:
             f"optim.warmup_steps={a.get_warmup_steps(steps)}", f"offload={z.offload}", f"mesh={self.zo_mesh()}",
             f"engine.compute={_compute(a)}", f"device={z.device}", f"steps={steps}",
             f"batch_size={self.zo_global_batch()}",
-            f"micro_batch_size={a.per_device_train_batch_size}", f"seed={a.seed}", "eval_every=0",
+            f"micro_batch_size={micro_batch or a.per_device_train_batch_size}", f"seed={a.seed}", "eval_every=0",
             f"log_every={_every(a.logging_steps, steps)}", "checkpoint.every=0",
             "save_final=false", "task=custom", "task.kind=generation",
             "replica_check_every=0", *z.overrides]
@@ -214,7 +215,7 @@ class ZOLoop:
         args = self.args
         task = self.zo_task()
         steps = self.zo_max_steps(task.size("train"))
-        cfg = self.zo_config(steps)
+        cfg = self.zo_config(steps, self._zo_micro_batch(batch_size))
         self._zo_check(cfg)
         self.state = TrainerState(stateful_callbacks=[cb for cb in self.callback_handler.callbacks + [self.control]
                                                       if isinstance(cb, ExportableState)])
@@ -265,7 +266,7 @@ class ZOLoop:
         while zo.step_count < steps and not self.control.should_training_stop:
             self.control = callbacks.on_step_begin(args, state, self.control)
             self.control = callbacks.on_pre_optimizer_step(args, state, self.control)
-            record = zo.step()
+            record = self._zo_step(zo, first_step)
             self.control = callbacks.on_optimizer_step(args, state, self.control)
             state.global_step, state.epoch = zo.step_count, zo.step_count / per_epoch
             if not record.skipped:
@@ -333,6 +334,36 @@ class ZOLoop:
         if mesh.is_main:
             log.warning("The best checkpoint %s recorded in the state does not exist any more; ignoring it", best)
         self.state.best_model_checkpoint = None
+
+    def _zo_micro_batch(self, batch_size: int | None) -> int:
+        """The examples of one forward pass. auto_find_batch_size calls the loop again with a smaller
+        batch after an out-of-memory error; under ZO that shrinks the micro-batch alone, so the step's
+        batch (per_device x accumulation x D) and with it the run stay what they were."""
+        micro = self.args.per_device_train_batch_size
+        if self.args.auto_find_batch_size and batch_size is not None and batch_size < micro:
+            log.info("auto_find_batch_size: micro-batches of %d examples (a step's batch stays %d examples)",
+                     batch_size, self.zo_global_batch())
+            micro = batch_size
+        return micro
+
+    def _zo_step(self, zo, first_step: int):
+        """One ZO step. With auto_find_batch_size, an out-of-memory error after this session's first
+        update is not retried: the retry would begin from weights the failed run had changed (one
+        before any update finds the model as it was, and a resumed run restores its checkpoint)."""
+        try:
+            return zo.step()
+        except RuntimeError as exc:
+            from accelerate.utils.memory import should_reduce_batch_size
+
+            if not (self.args.auto_find_batch_size and zo.step_count > first_step and should_reduce_batch_size(exc)):
+                raise
+            micro = zo.cfg.micro_batch_size or self.args.per_device_train_batch_size
+            raise ZOTrainerError(f"step {zo.step_count + 1} ran out of memory with micro-batches of {micro} examples "
+                                 f"after {zo.step_count - first_step} step(s) had changed the weights, so "
+                                 "auto_find_batch_size cannot start again from where it began; set "
+                                 f"per_device_train_batch_size={max(1, micro // 2)} (the micro-batch; a step's batch "
+                                 "stays per_device x accumulation x D) and resume from the last checkpoint"
+                                 ) from exc
 
     def _zo_log_evaluate_save(self, record, ignore_keys_for_eval) -> None:
         """What the control asks for after a step or an epoch: the mean loss since the last log, an

@@ -336,6 +336,54 @@ def test_train_again_in_the_same_output_dir_starts_over(model_folder, tmp_path):
     assert steps == [1, 2, 3, 4]  # the last run's alone
 
 
+def oom_above(trainer, micro: int, after_forwards: int = 0) -> list[int]:
+    """A forward hook on a decoder layer raising the CUDA allocator's out-of-memory error while the
+    run's micro-batch is above `micro` examples, once `after_forwards` forwards have run; returns
+    the micro-batch of each forward (rows do not tell: distzo packs a micro-batch's prompts)."""
+    seen = []
+
+    def hook(module, inputs, output):
+        seen.append(trainer.zo.cfg.micro_batch_size)
+        if len(seen) > after_forwards and seen[-1] > micro:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+
+    trainer.model.model.layers[0].register_forward_hook(hook)
+    return seen
+
+
+def test_auto_find_batch_size_halves_the_micro_batch_not_the_step(trained, model_folder, tmp_path):
+    """auto_find_batch_size: an out-of-memory error in a forward of micro-batches above 2 examples makes
+    Trainer call the loop again with a smaller batch until one fits; distzo shrinks the micro-batch
+    only, so the run is the 1x1 run's, its 16 examples a step now in micro-batches of 2. Pieces of
+    another size round the float32 losses differently, hence tests/e2e/test_micro_batches.py's bound:
+    1e-4 of how far training moved the weights."""
+    out = tmp_path / "auto"
+    trainer = example(SCRIPT).build(str(model_folder), str(out), STEPS, None,
+                                    training=dict(auto_find_batch_size=True))
+    seen = oom_above(trainer, 2)
+    trainer.train()
+    assert seen[0] == 4 and seen[-1] == 2  # accelerate tries smaller batches (x0.9, rounded down) until one fits
+    want = load_file(trained[4] / "final" / "model.safetensors")
+    start = load_file(model_folder / "model.safetensors")
+    got = trainer.model.state_dict()
+    moved = max(float((want[k] - start[k]).abs().max()) for k in want)
+    diff = max(float((want[k] - got[k]).abs().max()) for k in want)
+    assert moved > 1e-3 and diff < 1e-4 * moved, (diff, moved)
+
+
+def test_auto_find_batch_size_does_not_retry_after_an_update(model_folder, tmp_path):
+    """An out-of-memory error after the first steps changed the weights: one error saying what to
+    set, not a retry from weights the failed run had moved."""
+    from distzo.hf import ZOTrainerError
+
+    trainer = example(SCRIPT).build(str(model_folder), str(tmp_path / "late"), STEPS, None,
+                                    training=dict(auto_find_batch_size=True))
+    oom_above(trainer, 2, after_forwards=40)  # 4 probes x 4 micro-batches a step: during step 3
+    with pytest.raises(ZOTrainerError, match=r"step 3 ran out of memory with micro-batches of 4 examples after 2 "
+                                             r"step\(s\) .* per_device_train_batch_size=2"):
+        trainer.train()
+
+
 def test_zosfttrainer_trains_a_lora_adapter_that_peft_loads_back(model_folder, tmp_path):
     """TRL's SFTTrainer on prompt/completion pairs with a LoRA peft_config, its steps ZO: the
     completion loss falls; the saved adapter loads with PeftModel.from_pretrained and gives the

@@ -101,6 +101,7 @@ class ZOLoop:
     def _zo_init(self, zo_args: ZOArguments | None) -> None:
         self.zo_args = zo_args or ZOArguments()
         self.zo = None  # the distzo.Trainer while training runs
+        self._zo_evaluating = False  # inside evaluate() (what an out-of-memory error names)
 
     # --- distzo's configuration from the Trainer's ------------------------------------------------
 
@@ -240,10 +241,14 @@ class ZOLoop:
         zo = distzo.Trainer(cfg, run_dir=run_dir, model=model, tokenizer=self.processing_class, task=task,
                             validate_config=False, lr_at=self.zo_lr_at(steps), resume_from=snapshot)
         self.zo = zo
+        first_step, self._zo_evaluating = zo.step_count, False
         try:
             if snapshot is not None:
                 self._zo_find_best_checkpoint(zo.mesh)
             output = self._zo_loop(zo, steps, task, ignore_keys_for_eval, TrainOutput)
+        except RuntimeError as exc:
+            self._zo_refuse_a_late_retry(zo, first_step, exc)
+            raise
         finally:
             zo.close()
             self.zo = None
@@ -266,7 +271,7 @@ class ZOLoop:
         while zo.step_count < steps and not self.control.should_training_stop:
             self.control = callbacks.on_step_begin(args, state, self.control)
             self.control = callbacks.on_pre_optimizer_step(args, state, self.control)
-            record = self._zo_step(zo, first_step)
+            record = zo.step()
             self.control = callbacks.on_optimizer_step(args, state, self.control)
             state.global_step, state.epoch = zo.step_count, zo.step_count / per_epoch
             if not record.skipped:
@@ -346,24 +351,27 @@ class ZOLoop:
             micro = batch_size
         return micro
 
-    def _zo_step(self, zo, first_step: int):
-        """One ZO step. With auto_find_batch_size, an out-of-memory error after this session's first
-        update is not retried: the retry would begin from weights the failed run had changed (one
-        before any update finds the model as it was, and a resumed run restores its checkpoint)."""
-        try:
-            return zo.step()
-        except RuntimeError as exc:
-            from accelerate.utils.memory import should_reduce_batch_size
+    def _zo_refuse_a_late_retry(self, zo, first_step: int, exc: RuntimeError) -> None:
+        """With auto_find_batch_size, an out-of-memory error after this session's first update (in a
+        step or an evaluation) is not handed to Trainer's retry, which would begin from weights the
+        failed run had changed; one before any update finds the model as it was (and a resumed run
+        restores its checkpoint), so it is retried."""
+        from accelerate.utils.memory import should_reduce_batch_size
 
-            if not (self.args.auto_find_batch_size and zo.step_count > first_step and should_reduce_batch_size(exc)):
-                raise
-            micro = zo.cfg.micro_batch_size or self.args.per_device_train_batch_size
-            raise ZOTrainerError(f"step {zo.step_count + 1} ran out of memory with micro-batches of {micro} examples "
-                                 f"after {zo.step_count - first_step} step(s) had changed the weights, so "
-                                 "auto_find_batch_size cannot start again from where it began; set "
-                                 f"per_device_train_batch_size={max(1, micro // 2)} (the micro-batch; a step's batch "
-                                 "stays per_device x accumulation x D) and resume from the last checkpoint"
-                                 ) from exc
+        if not (self.args.auto_find_batch_size and zo.step_count > first_step and should_reduce_batch_size(exc)):
+            return
+        done, a = zo.step_count - first_step, self.args
+        if self._zo_evaluating:
+            fix = f"per_device_eval_batch_size={max(1, a.per_device_eval_batch_size // 2)}"
+            where = f"the evaluation after step {zo.step_count} ran out of memory"
+        else:
+            micro = zo.cfg.micro_batch_size or a.per_device_train_batch_size
+            fix = (f"per_device_train_batch_size={max(1, micro // 2)} (the micro-batch; a step's batch stays "
+                   "per_device x accumulation x D)")
+            where = f"step {zo.step_count + 1} ran out of memory with micro-batches of {micro} examples"
+        raise ZOTrainerError(f"{where} after {done} step(s) had changed the weights, so auto_find_batch_size cannot "
+                             f"start again from where it began; set {fix} and resume from the last checkpoint"
+                             ) from exc
 
     def _zo_log_evaluate_save(self, record, ignore_keys_for_eval) -> None:
         """What the control asks for after a step or an epoch: the mean loss since the last log, an
@@ -447,8 +455,11 @@ class ZOLoop:
 
     def evaluate(self, *a, **kw):
         """Trainer's evaluation (its loop, `compute_metrics`, `on_evaluate`) at the current weights."""
+        self._zo_evaluating = True  # stays set if it raises: the out-of-memory refusal reads it
         with self._at_current_weights():
-            return super().evaluate(*a, **kw)
+            metrics = super().evaluate(*a, **kw)
+        self._zo_evaluating = False
+        return metrics
 
     def _at_current_weights(self):
         """The model's parameters hold the current weights inside (distzo's engine may keep them

@@ -372,8 +372,8 @@ def test_auto_find_batch_size_halves_the_micro_batch_not_the_step(trained, model
 
 
 def test_auto_find_batch_size_does_not_retry_after_an_update(model_folder, tmp_path):
-    """An out-of-memory error after the first steps changed the weights: one error saying what to
-    set, not a retry from weights the failed run had moved."""
+    """An out-of-memory error after the first steps changed the weights, in a step or in an
+    evaluation: one error saying what to set, not a retry from weights the failed run had moved."""
     from distzo.hf import ZOTrainerError
 
     trainer = example(SCRIPT).build(str(model_folder), str(tmp_path / "late"), STEPS, None,
@@ -382,6 +382,13 @@ def test_auto_find_batch_size_does_not_retry_after_an_update(model_folder, tmp_p
     with pytest.raises(ZOTrainerError, match=r"step 3 ran out of memory with micro-batches of 4 examples after 2 "
                                              r"step\(s\) .* per_device_train_batch_size=2"):
         trainer.train()
+    evaluating = example(SCRIPT).build(str(model_folder), str(tmp_path / "eval"), STEPS, None,
+                                       training=dict(auto_find_batch_size=True))
+    evaluating.compute_metrics = lambda eval_pred: (_ for _ in ()).throw(
+        torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB (simulated)"))
+    with pytest.raises(ZOTrainerError, match=r"the evaluation after step 8 ran out of memory after 8 step\(s\) .* "
+                                             r"per_device_eval_batch_size=4"):
+        evaluating.train()
 
 
 def test_zosfttrainer_trains_a_lora_adapter_that_peft_loads_back(model_folder, tmp_path):

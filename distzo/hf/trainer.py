@@ -38,7 +38,8 @@ class ZOTrainerError(DistzoError):
     """A Trainer setting that a ZO loop cannot honour; the message says which and what to do."""
 
 
-def _refuse_what_cannot_apply(args: Any, optimizers: Any, optimizer_cls_and_kwargs: Any) -> None:
+def _refuse_what_cannot_apply(args: Any, optimizers: Any, optimizer_cls_and_kwargs: Any,
+                              compute_loss_func: Any = None) -> None:
     """One line for each Trainer feature a ZO loop cannot honour (rather than ignoring it)."""
     if getattr(args, "deepspeed", None):
         raise ZOTrainerError("deepspeed shards gradients and optimizer states, and a ZO step has neither; drop "
@@ -53,6 +54,30 @@ def _refuse_what_cannot_apply(args: Any, optimizers: Any, optimizer_cls_and_kwar
     if getattr(args, "packing", False):
         raise ZOTrainerError("SFTConfig(packing=True) packs several examples into one row that only TRL's padding-free "
                              "attention keeps apart, and distzo scores a row as one sequence; set packing=False")
+    objective = ("distzo's ZO steps minimise the token mean of the labels' negative log-likelihood (transformers' "
+                 "causal-LM loss), while Trainer's evaluation would score {what}, so the logged losses and "
+                 "metric_for_best_model would rank another objective than the one trained; {fix}")
+    if getattr(args, "label_smoothing_factor", 0.0):
+        raise ZOTrainerError(objective.format(what="the label-smoothed loss",
+                                              fix="drop TrainingArguments(label_smoothing_factor=...)"))
+    if compute_loss_func is not None:
+        raise ZOTrainerError(objective.format(what="your compute_loss_func", fix="drop compute_loss_func=..."))
+    if getattr(args, "loss_type", "nll") not in ("nll", "chunked_nll"):
+        raise ZOTrainerError(objective.format(what=f"loss_type={args.loss_type!r}",
+                                              fix="set SFTConfig(loss_type='nll')"))
+    if getattr(args, "padding_free", False):
+        raise ZOTrainerError("SFTConfig(padding_free=True) flattens a batch into one row that only TRL's padding-free "
+                             "attention keeps apart, and distzo scores a row as one sequence (it packs and masks "
+                             "batches itself, without padding); set padding_free=False")
+    sampling = getattr(args, "train_sampling_strategy", "random")
+    if sampling != "random":
+        raise ZOTrainerError(f"train_sampling_strategy={sampling!r}: distzo's sampler draws each step's examples from "
+                             "a shuffled order per epoch, a function of the seed and the step (so a mesh and a "
+                             "resume see the same ones); drop train_sampling_strategy")
+    data_seed, seed = getattr(args, "data_seed", None), getattr(args, "seed", None)
+    if data_seed is not None and data_seed != seed:
+        raise ZOTrainerError(f"data_seed={data_seed}: distzo draws the examples' order and the directions from one "
+                             f"seed (TrainingArguments' seed, {seed}); drop data_seed or set seed={data_seed}")
     if getattr(args, "neftune_noise_alpha", None) is not None:
         raise ZOTrainerError("neftune_noise_alpha adds fresh random noise to the embeddings in every training forward, "
                              "and a ZO step compares forward passes that must see the same inputs (distzo runs the "
@@ -221,16 +246,19 @@ class ZOLoop:
         self.state = TrainerState(stateful_callbacks=[cb for cb in self.callback_handler.callbacks + [self.control]
                                                       if isinstance(cb, ExportableState)])
         self.state.is_hyper_param_search = trial is not None
-        self.state.train_batch_size = self.zo_global_batch()
         self.state.compute_steps(args, steps)
         snapshot = None
         if resume_from_checkpoint is not None:
             snapshot = Path(resume_from_checkpoint) / ZO_STATE
             if not snapshot.is_dir():
                 raise ZOTrainerError(f"{resume_from_checkpoint} has no {ZO_STATE}/ (distzo's state of that step): it "
-                                     "was not written by a ZOTrainer; resume from one of its own checkpoints")
+                                     "was not written by a ZOTrainer, or with save_only_model=True (the model alone, "
+                                     "as Trainer's, which nothing resumes from); resume from a checkpoint a ZOTrainer "
+                                     "wrote without save_only_model")
             self.state = TrainerState.load_from_json(str(Path(resume_from_checkpoint) / "trainer_state.json"))
             self._load_callback_state()  # stateful callbacks (EarlyStoppingCallback's patience), as Trainer does
+        # the micro-batch in use: where Trainer.train() restarts auto_find_batch_size's search on resume
+        self.state.train_batch_size = cfg.micro_batch_size
         # which process logs, reports and writes (the callbacks read these; a resumed state holds rank 0's)
         self.state.is_local_process_zero = self.is_local_process_zero()
         self.state.is_world_process_zero = self.is_world_process_zero()
@@ -252,6 +280,9 @@ class ZOLoop:
         finally:
             zo.close()
             self.zo = None
+        # skip_memory_metrics=False: train()'s memory (its tracker accepts calls from this method's name)
+        self._memory_tracker.stop_and_update_metrics(output.metrics)
+        self.log(output.metrics)
         self._zo_finish()  # the engine released: the model's own parameters hold the weights now
         return output
 
@@ -274,6 +305,10 @@ class ZOLoop:
             record = zo.step()
             self.control = callbacks.on_optimizer_step(args, state, self.control)
             state.global_step, state.epoch = zo.step_count, zo.step_count / per_epoch
+            if args.include_num_input_tokens_seen not in ("no", False, None):
+                state.num_input_tokens_seen += record.tokens  # the global batch's (distzo packs: no padding)
+            if args.torch_empty_cache_steps and zo.step_count % args.torch_empty_cache_steps == 0:
+                _empty_cache()
             if not record.skipped:
                 self._zo_losses = [self._zo_losses[0] + record.loss, self._zo_losses[1] + 1,
                                    self._zo_losses[2] + record.loss]
@@ -294,7 +329,6 @@ class ZOLoop:
                    "train_samples_per_second": round(done * self.zo_global_batch() / max(runtime, 1e-9), 3),
                    "train_steps_per_second": round(done / max(runtime, 1e-9), 3), "train_loss": train_loss,
                    "epoch": state.epoch}
-        self.log(metrics)
         return TrainOutput(state.global_step, train_loss, metrics)
 
     def _zo_finish(self) -> None:
@@ -311,6 +345,7 @@ class ZOLoop:
                     shutil.rmtree(folder, ignore_errors=True)
         self.control = self.callback_handler.on_train_end(args, state, self.control)
         self._finish_current_push()  # an every_save upload still running
+        self.is_in_train = False  # evaluate() casts for bf16_full_eval again
 
     def _zo_find_best_checkpoint(self, mesh) -> None:
         """state.best_model_checkpoint, checked by rank 0 for every rank (nodes' views of a network file
@@ -352,26 +387,32 @@ class ZOLoop:
         return micro
 
     def _zo_refuse_a_late_retry(self, zo, first_step: int, exc: RuntimeError) -> None:
-        """With auto_find_batch_size, an out-of-memory error after this session's first update (in a
-        step or an evaluation) is not handed to Trainer's retry, which would begin from weights the
-        failed run had changed; one before any update finds the model as it was (and a resumed run
-        restores its checkpoint), so it is retried."""
+        """With auto_find_batch_size, an out-of-memory error that a smaller micro-batch cannot mend
+        from where the run began is not handed to Trainer's retry: one in an evaluation (a smaller
+        training micro-batch does not shrink it; Trainer refuses it too), and one after this session's
+        first update (the retry would begin from weights the failed run had changed). One in a step
+        before any update finds the model as it was (a resumed run restores its checkpoint), so it is
+        retried."""
         from accelerate.utils.memory import should_reduce_batch_size
 
-        if not (self.args.auto_find_batch_size and zo.step_count > first_step and should_reduce_batch_size(exc)):
+        a = self.args
+        if not (a.auto_find_batch_size and should_reduce_batch_size(exc)):
             return
-        done, a = zo.step_count - first_step, self.args
         if self._zo_evaluating:
-            fix = f"per_device_eval_batch_size={max(1, a.per_device_eval_batch_size // 2)}"
-            where = f"the evaluation after step {zo.step_count} ran out of memory"
-        else:
-            micro = zo.cfg.micro_batch_size or a.per_device_train_batch_size
-            fix = (f"per_device_train_batch_size={max(1, micro // 2)} (the micro-batch; a step's batch stays "
-                   "per_device x accumulation x D)")
-            where = f"step {zo.step_count + 1} ran out of memory with micro-batches of {micro} examples"
-        raise ZOTrainerError(f"{where} after {done} step(s) had changed the weights, so auto_find_batch_size cannot "
-                             f"start again from where it began; set {fix} and resume from the last checkpoint"
-                             ) from exc
+            raise ZOTrainerError(f"the evaluation after step {zo.step_count} ran out of memory; auto_find_batch_size "
+                                 "shrinks the training micro-batch only: set per_device_eval_batch_size="
+                                 f"{max(1, a.per_device_eval_batch_size // 2)}") from exc
+        if zo.step_count == first_step:
+            return
+        micro = zo.cfg.micro_batch_size or a.per_device_train_batch_size
+        per_rank = a.per_device_train_batch_size * a.gradient_accumulation_steps  # a data rank's examples a step
+        smaller = max(d for d in range(1, max(1, micro // 2) + 1) if per_rank % d == 0)
+        raise ZOTrainerError(f"step {zo.step_count + 1} ran out of memory with micro-batches of {micro} examples after "
+                             f"{zo.step_count - first_step} step(s) had changed the weights, so auto_find_batch_size "
+                             "cannot start again from where it began; resume from the last checkpoint with "
+                             f"per_device_train_batch_size={smaller} and gradient_accumulation_steps="
+                             f"{per_rank // smaller} (the same {per_rank} examples a data rank per step, in "
+                             "micro-batches that fit)") from exc
 
     def _zo_log_evaluate_save(self, record, ignore_keys_for_eval) -> None:
         """What the control asks for after a step or an epoch: the mean loss since the last log, an
@@ -411,7 +452,11 @@ class ZOLoop:
         writes, state = self.is_world_process_zero(), self.state
         if writes:
             shutil.rmtree(folder, ignore_errors=True)  # a kill's leftover
-        self.zo.snapshot(folder / ZO_STATE)  # collective: every rank materialises the weights
+        if self.args.save_only_model:  # the model alone, as Trainer leaves out its optimizer: nothing resumes from it
+            with self.zo.materialized():
+                pass  # collective, as the snapshot would have been: save_model below reads current weights
+        else:
+            self.zo.snapshot(folder / ZO_STATE)  # collective: every rank materialises the weights
         if state.best_global_step:  # Trainer's rule: the best's checkpoint, this one or an earlier one still there
             best = final.with_name(f"{PREFIX_CHECKPOINT_DIR}-{state.best_global_step}")
             there = (best == final or best.is_dir()) if writes else None
@@ -488,10 +533,12 @@ class ZOLoop:
 
 def _init_trainer(self, zo_args, kwargs, base_init) -> None:
     args = kwargs.get("args")
-    _refuse_what_cannot_apply(args, kwargs.get("optimizers"), kwargs.get("optimizer_cls_and_kwargs"))
+    _refuse_what_cannot_apply(args, kwargs.get("optimizers"), kwargs.get("optimizer_cls_and_kwargs"),
+                              kwargs.get("compute_loss_func"))
     kwargs.pop("optimizers", None)
     self._zo_init(zo_args)
     base_init(self, **kwargs)
+    self._train_batch_size = self.args.per_device_train_batch_size  # auto_find_batch_size starts from the micro-batch
     _quiet_replicas(self)
 
 
@@ -536,6 +583,12 @@ def _make_zo_sft_trainer():
     SFTTrainer takes, plus `zo_args`.""")
 
 
+def _empty_cache() -> None:
+    """torch_empty_cache_steps: the accelerator's cached blocks back to the driver."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def _store_callback_states(trainer) -> None:
     """The stateful callbacks' state (EarlyStoppingCallback's patience, the control) into
     trainer.state, for the checkpoint's trainer_state.json, as Trainer stores them."""
@@ -560,12 +613,13 @@ def _start_over(run_dir: Path) -> None:
 
 
 def _rotate(args, state, trainer) -> None:
-    """Trainer's save_total_limit: the oldest checkpoints go (the newest and the best stay); by step
-    number, which orders distzo's checkpoints exactly."""
+    """Trainer's save_total_limit: the oldest checkpoints go (the newest and the best stay), oldest by
+    modification time as Trainer orders them (by step number where the times are under a second
+    apart), so an earlier run's checkpoints of higher steps in the same output_dir go first."""
     try:
         from transformers.trainer_utils import rotate_checkpoints
     except ImportError:  # transformers before 5: a Trainer method
-        trainer._rotate_checkpoints(use_mtime=False, output_dir=args.output_dir)
+        trainer._rotate_checkpoints(use_mtime=True, output_dir=args.output_dir)
         return
     rotate_checkpoints(output_dir=args.output_dir, save_total_limit=args.save_total_limit,
-                       best_model_checkpoint=state.best_model_checkpoint, use_mtime=False)
+                       best_model_checkpoint=state.best_model_checkpoint, use_mtime=True)

@@ -336,6 +336,57 @@ def test_train_again_in_the_same_output_dir_starts_over(model_folder, tmp_path):
     assert steps == [1, 2, 3, 4]  # the last run's alone
 
 
+def test_tokens_seen_memory_metrics_model_only_checkpoints_and_rotation(model_folder, tmp_path):
+    """include_num_input_tokens_seen counts each step's tokens (the global batch's, as distzo logs
+    them); skip_memory_metrics=False adds train()'s memory figures; save_only_model=True writes the
+    model alone (no zo_state/), and resuming from it is refused naming the setting; an earlier run's
+    checkpoints of higher steps in the same output_dir (older files) are the first save_total_limit
+    removes, as Trainer orders them by time."""
+    import json
+    import os
+    import time
+
+    from distzo.hf import ZOTrainerError
+
+    out = tmp_path / "books"
+    for step in (18, 20):  # an earlier run's, an hour old
+        (out / f"checkpoint-{step}").mkdir(parents=True)
+        os.utime(out / f"checkpoint-{step}", (time.time() - 3600,) * 2)
+    training = dict(include_num_input_tokens_seen="non_padding", skip_memory_metrics=False, save_only_model=True)
+    trainer = example(SCRIPT).build(str(model_folder), str(out), 8, None, save_steps=4, training=training)
+    result = trainer.train()
+    lines = [json.loads(line) for line in (out / "zo" / "metrics.jsonl").read_text().splitlines()]
+    tokens = [line["tokens"] for line in lines if line.get("type") == "train"]
+    assert len(tokens) == 8 and trainer.state.num_input_tokens_seen == sum(tokens)
+    assert "train_mem_cpu_alloc_delta" in result.metrics and not trainer.is_in_train
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-8"]  # save_total_limit=2
+    assert (out / "checkpoint-8" / "model.safetensors").is_file() and not (out / "checkpoint-8" / "zo_state").exists()
+    again = example(SCRIPT).build(str(model_folder), str(out), 8, None, save_steps=4)
+    with pytest.raises(ZOTrainerError, match="has no zo_state/ .* save_only_model=True"):
+        again.train(resume_from_checkpoint=str(out / "checkpoint-8"))
+
+
+def test_a_second_train_trains_distzos_own_adapter_on(model_folder, tmp_path):
+    """ZOArguments(peft='lora') on a plain model: distzo attaches its LoRA at the first train(); a
+    second train() on the same model trains that adapter on (one hook a layer, B not reset to zero),
+    as a full model trains on from its weights; another adapter on it is refused in one line."""
+    from distzo.errors import DistzoError
+
+    trainer = example(SCRIPT).build(str(model_folder), str(tmp_path / "lora"), 4, None, peft="lora")
+    first = trainer.train().training_loss
+    q_proj = trainer.model.model.layers[0].self_attn.q_proj
+    assert float(q_proj.lora_B.abs().max()) > 0
+    again = trainer.train().training_loss
+    assert len(q_proj._forward_hooks) == 1 and again < first  # from where the first left it, not from B = 0
+    trainer.zo_args.overrides = ["peft.r=4"]
+    with pytest.raises(DistzoError, match=r"carries distzo's lora r=8 alpha=16 targets=\[q_proj, v_proj\] adapter .* "
+                                          r"peft=lora with r=4"):
+        trainer.train()
+    trainer.zo_args.overrides, trainer.zo_args.peft = [], "none"
+    with pytest.raises(DistzoError, match="peft=none would train the frozen model under it"):
+        trainer.train()
+
+
 def oom_above(trainer, micro: int, after_forwards: int = 0) -> list[int]:
     """A forward hook on a decoder layer raising the CUDA allocator's out-of-memory error while the
     run's micro-batch is above `micro` examples, once `after_forwards` forwards have run; returns
@@ -371,24 +422,36 @@ def test_auto_find_batch_size_halves_the_micro_batch_not_the_step(trained, model
     assert moved > 1e-3 and diff < 1e-4 * moved, (diff, moved)
 
 
-def test_auto_find_batch_size_does_not_retry_after_an_update(model_folder, tmp_path):
-    """An out-of-memory error after the first steps changed the weights, in a step or in an
-    evaluation: one error saying what to set, not a retry from weights the failed run had moved."""
+def test_auto_find_batch_size_does_not_retry_after_an_update(trained, model_folder, tmp_path):
+    """An out-of-memory error after the first steps changed the weights, or in any evaluation (a
+    smaller training micro-batch does not shrink it): one error saying what to set, not a retry. The
+    settings it names keep a step's batch, so the resume they lead to is accepted and ends with the
+    1x1 run's weights (within tests/e2e/test_micro_batches.py's bound, the micro-batches being
+    smaller)."""
     from distzo.hf import ZOTrainerError
 
-    trainer = example(SCRIPT).build(str(model_folder), str(tmp_path / "late"), STEPS, None,
+    out = tmp_path / "late"
+    trainer = example(SCRIPT).build(str(model_folder), str(out), STEPS, None, save_steps=2,
                                     training=dict(auto_find_batch_size=True))
     oom_above(trainer, 2, after_forwards=40)  # 4 probes x 4 micro-batches a step: during step 3
     with pytest.raises(ZOTrainerError, match=r"step 3 ran out of memory with micro-batches of 4 examples after 2 "
-                                             r"step\(s\) .* per_device_train_batch_size=2"):
+                                             r"step\(s\) .* per_device_train_batch_size=2 and "
+                                             r"gradient_accumulation_steps=8 \(the same 16 examples"):
         trainer.train()
+    resumed = example(SCRIPT).build(str(model_folder), str(out), STEPS, None, save_steps=2, per_device=2,
+                                    accumulation=8)
+    resumed.train(resume_from_checkpoint=str(out / "checkpoint-2"))
+    want, start = load_file(trained[4] / "final" / "model.safetensors"), load_file(model_folder / "model.safetensors")
+    got = resumed.model.state_dict()
+    moved = max(float((want[k] - start[k]).abs().max()) for k in want)
+    assert max(float((want[k] - got[k]).abs().max()) for k in want) < 1e-4 * moved
     evaluating = example(SCRIPT).build(str(model_folder), str(tmp_path / "eval"), STEPS, None,
-                                       training=dict(auto_find_batch_size=True))
+                                       training=dict(auto_find_batch_size=True, eval_on_start=True))
     evaluating.compute_metrics = lambda eval_pred: (_ for _ in ()).throw(
         torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB (simulated)"))
-    with pytest.raises(ZOTrainerError, match=r"the evaluation after step 8 ran out of memory after 8 step\(s\) .* "
+    with pytest.raises(ZOTrainerError, match=r"the evaluation after step 0 ran out of memory; .* "
                                              r"per_device_eval_batch_size=4"):
-        evaluating.train()
+        evaluating.train()  # eval_on_start: before any update, and still not retried
 
 
 def test_zosfttrainer_trains_a_lora_adapter_that_peft_loads_back(model_folder, tmp_path):
@@ -442,6 +505,9 @@ def test_load_best_model_at_end_loads_the_best_peft_adapter(model_folder, tmp_pa
     ({"lr_scheduler_type": "reduce_lr_on_plateau", "eval_strategy": "steps"}, {},
      "lr_scheduler_type='reduce_lr_on_plateau' sets the learning rate from the metrics"),
     ({"lr_scheduler_type": "greedy", "eval_strategy": "steps"}, {}, "lr_scheduler_type='greedy' sets the learning"),
+    ({"label_smoothing_factor": 0.1}, {}, "evaluation would score the label-smoothed loss"),
+    ({"train_sampling_strategy": "group_by_length"}, {}, "train_sampling_strategy='group_by_length': distzo's"),
+    ({"data_seed": 5, "seed": 0}, {}, r"data_seed=5: distzo draws .* set seed=5"),
 ])
 def test_what_cannot_apply_is_refused_in_one_line(model_folder, tmp_path, args, later, message):
     from transformers import AutoModelForCausalLM, TrainingArguments
@@ -454,23 +520,29 @@ def test_what_cannot_apply_is_refused_in_one_line(model_folder, tmp_path, args, 
         setattr(training_args, key, value)
     with pytest.raises(ZOTrainerError, match=message):
         ZOTrainer(model=model, args=training_args, train_dataset=[])
+    with pytest.raises(ZOTrainerError, match="evaluation would score your compute_loss_func"):
+        ZOTrainer(model=model, args=TrainingArguments(output_dir=str(tmp_path), report_to=[]), train_dataset=[],
+                  compute_loss_func=lambda outputs, labels, num_items_in_batch=None: outputs.loss)
     with pytest.raises(ZOTrainerError, match="a torch optimizer or scheduler cannot apply to a ZO step"):
         ZOTrainer(model=model, args=TrainingArguments(output_dir=str(tmp_path), report_to=[]), train_dataset=[],
                   optimizers=(torch.optim.SGD(model.parameters(), lr=0.1), None))
 
 
-def test_sft_packing_is_refused_in_one_line(model_folder, tmp_path):
+def test_sft_settings_that_change_the_rows_or_the_loss_are_refused_in_one_line(model_folder, tmp_path):
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig
 
     from distzo.hf import ZOSFTTrainer, ZOTrainerError
 
-    with pytest.raises(ZOTrainerError, match=r"packing=True.*set packing=False"):
-        ZOSFTTrainer(model=AutoModelForCausalLM.from_pretrained(model_folder),
-                     args=SFTConfig(output_dir=str(tmp_path), packing=True, bf16=False, report_to=[]),
-                     train_dataset=Dataset.from_dict(FORMATS["text"]),
-                     processing_class=AutoTokenizer.from_pretrained(model_folder))
+    for setting, message in [({"packing": True}, r"packing=True.*set packing=False"),
+                             ({"padding_free": True}, r"padding_free=True.*set padding_free=False"),
+                             ({"loss_type": "dft"}, r"would score loss_type='dft'.*loss_type='nll'")]:
+        with pytest.raises(ZOTrainerError, match=message):
+            ZOSFTTrainer(model=AutoModelForCausalLM.from_pretrained(model_folder),
+                         args=SFTConfig(output_dir=str(tmp_path), bf16=False, report_to=[], **setting),
+                         train_dataset=Dataset.from_dict(FORMATS["text"]),
+                         processing_class=AutoTokenizer.from_pretrained(model_folder))
 
 
 FORMATS = {

@@ -127,6 +127,7 @@ class ZOLoop:
         self.zo_args = zo_args or ZOArguments()
         self.zo = None  # the distzo.Trainer while training runs
         self._zo_evaluating = False  # inside evaluate() (what an out-of-memory error names)
+        self._zo_trial = None  # hyperparameter_search's trial while train() runs
 
     # --- distzo's configuration from the Trainer's ------------------------------------------------
 
@@ -262,7 +263,8 @@ class ZOLoop:
         # which process logs, reports and writes (the callbacks read these; a resumed state holds rank 0's)
         self.state.is_local_process_zero = self.is_local_process_zero()
         self.state.is_world_process_zero = self.is_world_process_zero()
-        run_dir = Path(args.output_dir) / ZO_RUN
+        self._zo_trial = trial  # hyperparameter_search's: its own output folder (run-<n>/), its reports
+        run_dir = self._zo_output_dir() / ZO_RUN
         if snapshot is None and self.is_world_process_zero():
             _start_over(run_dir)
         model = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model  # PEFT
@@ -340,7 +342,7 @@ class ZOLoop:
             self._load_best_model()
         if self.is_world_process_zero() and state.best_model_checkpoint is not None and args.save_total_limit == 1:
             best = Path(state.best_model_checkpoint).resolve()
-            for folder in Path(args.output_dir).glob("checkpoint-*"):
+            for folder in self._zo_output_dir().glob("checkpoint-*"):
                 if folder.is_dir() and folder.resolve() != best:
                     shutil.rmtree(folder, ignore_errors=True)
         self.control = self.callback_handler.on_train_end(args, state, self.control)
@@ -358,7 +360,7 @@ class ZOLoop:
             return
         found = None
         if mesh.is_main:
-            for candidate in (Path(best), Path(self.args.output_dir) / Path(best).name):
+            for candidate in (Path(best), self._zo_output_dir() / Path(best).name):
                 if (candidate / "trainer_state.json").is_file():
                     found = str(candidate)
                     break
@@ -374,6 +376,10 @@ class ZOLoop:
         if mesh.is_main:
             log.warning("The best checkpoint %s recorded in the state does not exist any more; ignoring it", best)
         self.state.best_model_checkpoint = None
+
+    def _zo_output_dir(self) -> Path:
+        """output_dir, or a hyperparameter_search trial's run-<n>/ in it (Trainer's _get_output_dir)."""
+        return Path(self._get_output_dir(self._zo_trial))
 
     def _zo_micro_batch(self, batch_size: int | None) -> int:
         """The examples of one forward pass. auto_find_batch_size calls the loop again with a smaller
@@ -429,11 +435,12 @@ class ZOLoop:
             metrics = self.evaluate(ignore_keys=ignore_keys_for_eval)  # resets should_evaluate (on_evaluate)
             self.control.should_evaluate = False
             # metric_for_best_model: state.best_metric / best_global_step, as Trainer keeps them
-            new_best = self._determine_best_metric(metrics=metrics, trial=None)
+            self._report_to_hp_search(self._zo_trial, self.state.global_step, metrics)  # optuna's pruning
+            new_best = self._determine_best_metric(metrics=metrics, trial=self._zo_trial)
             if self.args.save_strategy == SaveStrategy.BEST:
                 self.control.should_save = new_best
         if self.control.should_save:
-            self._save_checkpoint(self.model, None)  # on_save resets should_save
+            self._save_checkpoint(self.model, self._zo_trial)  # on_save resets should_save
             self.control.should_save = False
 
     # --- checkpoints in Trainer's layout, with distzo's state ----------------------------------------
@@ -447,7 +454,7 @@ class ZOLoop:
         half-written (transformers' get_last_checkpoint takes the newest folder of that name)."""
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-        final = Path(self.args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        final = self._zo_output_dir() / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         folder = final.with_name(f"tmp-{final.name}")
         writes, state = self.is_world_process_zero(), self.state
         if writes:
@@ -471,7 +478,7 @@ class ZOLoop:
             log.info("Checkpoint at step %d complete: %s", self.state.global_step, final)
             if self.args.push_to_hub:
                 self._push_from_checkpoint(str(final))
-            _rotate(self.args, self.state, self)
+            _rotate(final.parent, self.args, self.state, self)
         self.control = self.callback_handler.on_save(self.args, self.state, self.control)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
@@ -612,14 +619,14 @@ def _start_over(run_dir: Path) -> None:
         shutil.rmtree(run_dir)
 
 
-def _rotate(args, state, trainer) -> None:
+def _rotate(output_dir: Path, args, state, trainer) -> None:
     """Trainer's save_total_limit: the oldest checkpoints go (the newest and the best stay), oldest by
     modification time as Trainer orders them (by step number where the times are under a second
     apart), so an earlier run's checkpoints of higher steps in the same output_dir go first."""
     try:
         from transformers.trainer_utils import rotate_checkpoints
     except ImportError:  # transformers before 5: a Trainer method
-        trainer._rotate_checkpoints(use_mtime=True, output_dir=args.output_dir)
+        trainer._rotate_checkpoints(use_mtime=True, output_dir=str(output_dir))
         return
-    rotate_checkpoints(output_dir=args.output_dir, save_total_limit=args.save_total_limit,
+    rotate_checkpoints(output_dir=str(output_dir), save_total_limit=args.save_total_limit,
                        best_model_checkpoint=state.best_model_checkpoint, use_mtime=True)

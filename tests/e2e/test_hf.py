@@ -387,6 +387,46 @@ def test_a_second_train_trains_distzos_own_adapter_on(model_folder, tmp_path):
         trainer.train()
 
 
+def test_hyperparameter_search_gives_each_trial_its_folder_and_reports_its_evaluations(model_folder, tmp_path):
+    """Trainer.hyperparameter_search (optuna) over the learning rate: each trial trains a fresh
+    model_init model in output_dir/run-<n>/ (its checkpoints and distzo's zo/), reports every
+    evaluation to optuna (what its pruners read), and its objective is its last evaluation's."""
+    import json
+
+    import optuna
+    from transformers import AutoModelForCausalLM
+
+    class Recorder(optuna.pruners.BasePruner):
+        """Prunes nothing; records what each trial reported when asked."""
+
+        def __init__(self):
+            self.reports = {}
+
+        def prune(self, study, trial):
+            self.reports[trial.number] = dict(trial.intermediate_values)
+            return False
+
+    out, recorder = tmp_path / "search", Recorder()
+    trainer = example(SCRIPT).build(str(model_folder), str(out), 8, None, save_steps=4,
+                                    training=dict(eval_steps=4, save_total_limit=None))
+    trainer.model_init = lambda trial=None: AutoModelForCausalLM.from_pretrained(model_folder)
+    best = trainer.hyperparameter_search(
+        hp_space=lambda trial: {"learning_rate": trial.suggest_categorical("learning_rate", [1e-3, 1e-4])},
+        compute_objective=lambda metrics: metrics["eval_loss"], n_trials=2, direction="minimize", backend="optuna",
+        pruner=recorder, sampler=optuna.samplers.TPESampler(seed=0))
+    objectives = {}
+    for n in (0, 1):
+        run = out / f"run-{n}"
+        assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-8"]
+        assert (run / "zo" / "metrics.jsonl").is_file()
+        history = json.loads((run / "checkpoint-8" / "trainer_state.json").read_text())["log_history"]
+        losses = {h["step"]: h["eval_loss"] for h in history if "eval_loss" in h}
+        assert recorder.reports[n] == losses  # every evaluation reported at its step
+        objectives[n] = losses[8]
+    assert not list(out.glob("checkpoint-*"))  # none in output_dir itself
+    assert best.objective == min(objectives.values()) and best.run_id == str(min(objectives, key=objectives.get))
+
+
 def oom_above(trainer, micro: int, after_forwards: int = 0) -> list[int]:
     """A forward hook on a decoder layer raising the CUDA allocator's out-of-memory error while the
     run's micro-batch is above `micro` examples, once `after_forwards` forwards have run; returns

@@ -260,10 +260,9 @@ class ZOLoop:
             self._load_callback_state()  # stateful callbacks (EarlyStoppingCallback's patience), as Trainer does
         # the micro-batch in use: where Trainer.train() restarts auto_find_batch_size's search on resume
         self.state.train_batch_size = cfg.micro_batch_size
-        # which process logs, reports and writes (the callbacks read these; a resumed state holds rank 0's)
-        self.state.is_local_process_zero = self.is_local_process_zero()
-        self.state.is_world_process_zero = self.is_world_process_zero()
         self._zo_trial = trial  # hyperparameter_search's: its own output folder (run-<n>/), its reports
+        if trial is not None:
+            _check_search(self)
         run_dir = self._zo_output_dir() / ZO_RUN
         if snapshot is None and self.is_world_process_zero():
             _start_over(run_dir)
@@ -282,10 +281,14 @@ class ZOLoop:
         finally:
             zo.close()
             self.zo = None
-        # skip_memory_metrics=False: train()'s memory (its tracker accepts calls from this method's name)
-        self._memory_tracker.stop_and_update_metrics(output.metrics)
-        self.log(output.metrics)
-        self._zo_finish()  # the engine released: the model's own parameters hold the weights now
+        try:
+            # skip_memory_metrics=False: train()'s memory (its tracker accepts calls from this method's name)
+            self._memory_tracker.stop_and_update_metrics(output.metrics)
+            self.log(output.metrics)
+            self._zo_finish()  # the engine released: the model's own parameters hold the weights now
+        except RuntimeError as exc:
+            self._zo_refuse_a_late_retry(zo, first_step, exc, ended=True)
+            raise
         return output
 
     def _zo_loop(self, zo, steps: int, task: TrainerDataTask, ignore_keys_for_eval, TrainOutput):
@@ -295,10 +298,13 @@ class ZOLoop:
         args, state, callbacks = self.args, self.state, self.callback_handler
         start, first_step = time.time(), zo.step_count
         per_epoch = self.zo_steps_per_epoch(task.size("train"))
-        state.max_steps, state.num_train_epochs = steps, math.ceil(steps / per_epoch)
+        # the steps and epochs, the trial's name and parameters, and which process logs, reports and writes
+        # (the callbacks read these; a resumed state holds rank 0's)
+        state.init_training_references(self, steps, math.ceil(steps / per_epoch), self._zo_trial)
         self.control = callbacks.on_train_begin(args, state, self.control)
         if args.eval_on_start:  # the weights before this session's first step (not a candidate for the best)
-            self.evaluate(ignore_keys=ignore_keys_for_eval)
+            metrics = self.evaluate(ignore_keys=ignore_keys_for_eval)
+            self._report_to_hp_search(self._zo_trial, state.global_step, metrics)
         self._zo_losses = [0.0, 0, 0.0]  # since the last log: sum, count; this session's sum
         self.control = callbacks.on_epoch_begin(args, state, self.control)
         while zo.step_count < steps and not self.control.should_training_stop:
@@ -392,13 +398,13 @@ class ZOLoop:
             micro = batch_size
         return micro
 
-    def _zo_refuse_a_late_retry(self, zo, first_step: int, exc: RuntimeError) -> None:
+    def _zo_refuse_a_late_retry(self, zo, first_step: int, exc: RuntimeError, ended: bool = False) -> None:
         """With auto_find_batch_size, an out-of-memory error that a smaller micro-batch cannot mend
         from where the run began is not handed to Trainer's retry: one in an evaluation (a smaller
         training micro-batch does not shrink it; Trainer refuses it too), and one after this session's
         first update (the retry would begin from weights the failed run had changed). One in a step
         before any update finds the model as it was (a resumed run restores its checkpoint), so it is
-        retried."""
+        retried. ended: after the last step (loading the best, the callbacks' on_train_end)."""
         from accelerate.utils.memory import should_reduce_batch_size
 
         a = self.args
@@ -410,12 +416,21 @@ class ZOLoop:
                                  f"{max(1, a.per_device_eval_batch_size // 2)}") from exc
         if zo.step_count == first_step:
             return
+        if ended:
+            raise ZOTrainerError(f"after the last step ({zo.step_count}) training had finished, then ran out of memory "
+                                 "(loading the best checkpoint, or in a callback's on_train_end); auto_find_batch_size "
+                                 "retries a run from its start, and this one's weights have changed: free memory "
+                                 "there (the trained weights are in the checkpoints)") from exc
+        from transformers.trainer_utils import get_last_checkpoint
+
         micro = zo.cfg.micro_batch_size or a.per_device_train_batch_size
         per_rank = a.per_device_train_batch_size * a.gradient_accumulation_steps  # a data rank's examples a step
         smaller = max(d for d in range(1, max(1, micro // 2) + 1) if per_rank % d == 0)
+        last = get_last_checkpoint(str(self._zo_output_dir())) if self._zo_output_dir().is_dir() else None
+        then = f"resume from {last}" if last else "train again (no checkpoint was saved)"
         raise ZOTrainerError(f"step {zo.step_count + 1} ran out of memory with micro-batches of {micro} examples after "
                              f"{zo.step_count - first_step} step(s) had changed the weights, so auto_find_batch_size "
-                             "cannot start again from where it began; resume from the last checkpoint with "
+                             f"cannot start again from where it began; {then} with "
                              f"per_device_train_batch_size={smaller} and gradient_accumulation_steps="
                              f"{per_rank // smaller} (the same {per_rank} examples a data rank per step, in "
                              "micro-batches that fit)") from exc
@@ -434,9 +449,13 @@ class ZOLoop:
         if self.control.should_evaluate:
             metrics = self.evaluate(ignore_keys=ignore_keys_for_eval)  # resets should_evaluate (on_evaluate)
             self.control.should_evaluate = False
-            # metric_for_best_model: state.best_metric / best_global_step, as Trainer keeps them
             self._report_to_hp_search(self._zo_trial, self.state.global_step, metrics)  # optuna's pruning
+            # metric_for_best_model: state.best_metric / best_global_step, as Trainer keeps them, rank 0's
+            # for every rank (a save_strategy="best" checkpoint is collective)
             new_best = self._determine_best_metric(metrics=metrics, trial=self._zo_trial)
+            state = self.state
+            new_best, state.best_metric, state.best_global_step = self.zo.mesh.broadcast_object(
+                (new_best, state.best_metric, state.best_global_step))
             if self.args.save_strategy == SaveStrategy.BEST:
                 self.control.should_save = new_best
         if self.control.should_save:
@@ -446,12 +465,14 @@ class ZOLoop:
     # --- checkpoints in Trainer's layout, with distzo's state ----------------------------------------
 
     def _save_checkpoint(self, model, trial) -> None:
-        """checkpoint-<step>/: the model or the adapter (`save_model`), trainer_state.json, and
-        distzo's snapshot of the step (`zo_state/`: trainable weights, the optimizer's state, the
-        run's seed; the trajectory is in output_dir/zo/), which `resume_from_checkpoint` continues.
-        It is written as tmp-checkpoint-<step>/ and renamed when complete, so a run killed while
-        writing it leaves no checkpoint-<step>/ for `resume_from_checkpoint=True` to pick up
-        half-written (transformers' get_last_checkpoint takes the newest folder of that name)."""
+        """checkpoint-<step>/ (in output_dir, or a search trial's run-<n>/): the model or the adapter
+        (`save_model`), trainer_state.json (with the best checkpoint recorded and the stateful
+        callbacks' state), and distzo's snapshot of the step (`zo_state/`: trainable weights, the
+        optimizer's state, the run's seed; the trajectory is in zo/), which `resume_from_checkpoint`
+        continues; not with save_only_model. It is written as tmp-checkpoint-<step>/ and renamed when
+        complete, so a run killed while writing it leaves no checkpoint-<step>/ for
+        `resume_from_checkpoint=True` to pick up half-written (transformers' get_last_checkpoint takes
+        the newest folder of that name); then save_total_limit rotates the checkpoints. Collective."""
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
         final = self._zo_output_dir() / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
@@ -464,11 +485,12 @@ class ZOLoop:
                 pass  # collective, as the snapshot would have been: save_model below reads current weights
         else:
             self.zo.snapshot(folder / ZO_STATE)  # collective: every rank materialises the weights
-        if state.best_global_step:  # Trainer's rule: the best's checkpoint, this one or an earlier one still there
-            best = final.with_name(f"{PREFIX_CHECKPOINT_DIR}-{state.best_global_step}")
-            there = (best == final or best.is_dir()) if writes else None
-            if self.zo.mesh.broadcast_object(there):  # rank 0's answer, every rank's state
-                state.best_model_checkpoint = str(best)
+        # Trainer's rule: the best's checkpoint, this one or an earlier one still there (rank 0's answer, every
+        # rank's state; asked on every rank whatever its figures)
+        best = final.with_name(f"{PREFIX_CHECKPOINT_DIR}-{state.best_global_step}")
+        there = bool(state.best_global_step) and (best == final or best.is_dir()) if writes else None
+        if self.zo.mesh.broadcast_object(there):
+            state.best_model_checkpoint = str(best)
         self.save_model(str(folder), _internal_call=True)  # collective as well; rank 0 writes
         if writes:
             _store_callback_states(self)
@@ -590,10 +612,31 @@ def _make_zo_sft_trainer():
     SFTTrainer takes, plus `zo_args`.""")
 
 
+def _check_search(trainer) -> None:
+    """hyperparameter_search's trials run one after another in this process, each a whole ZO run:
+    with optuna, on one process (on several, each rank would run its own study, its own trials'
+    settings)."""
+    from transformers.trainer_utils import HPSearchBackend
+
+    from ..parallel.launch_env import launched_world_size
+
+    if trainer.hp_search_backend != HPSearchBackend.OPTUNA:
+        backend = str(getattr(trainer.hp_search_backend, "value", trainer.hp_search_backend))
+        raise ZOTrainerError(f"hyperparameter_search(backend={backend!r}) is not supported by ZOTrainer (its reports "
+                             "save checkpoints through Trainer's optimizer, which a ZO step has none of); use "
+                             "backend='optuna', or distzo's own sweeps (python -m distzo sweep, docs/configuration.md)")
+    if launched_world_size() > 1:
+        raise ZOTrainerError("hyperparameter_search under torchrun or srun: each rank would run its own study and "
+                             "train its own trials' settings; search on one process, then train the chosen "
+                             "settings on the mesh")
+
+
 def _empty_cache() -> None:
-    """torch_empty_cache_steps: the accelerator's cached blocks back to the driver."""
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    """torch_empty_cache_steps: the accelerator's cached blocks back to the driver (any device kind,
+    as Trainer does it)."""
+    from accelerate.utils import clear_device_cache
+
+    clear_device_cache()
 
 
 def _store_callback_states(trainer) -> None:
@@ -613,10 +656,14 @@ def _store_callback_states(trainer) -> None:
 def _start_over(run_dir: Path) -> None:
     """A fresh train() in an output_dir that holds an earlier run's distzo files (a second train() in a
     notebook, a script run again): they start over, as Trainer writes its checkpoints over an earlier
-    run's. Rank 0 alone, before distzo's run claims the folder (the other ranks never read it)."""
+    run's. The earlier run's zo/ is kept as zo.previous/ (replacing an older one), so a train() that
+    then fails its checks has lost nothing. Rank 0 alone, before distzo's run claims the folder (the
+    other ranks never read it)."""
     if (run_dir / "metrics.jsonl").exists() or (run_dir / "run.json").exists():
-        log.info("%s holds an earlier run's logs; this train() starts them over", run_dir)
-        shutil.rmtree(run_dir)
+        previous = run_dir.with_name(f"{run_dir.name}.previous")
+        shutil.rmtree(previous, ignore_errors=True)
+        os.replace(run_dir, previous)
+        log.info("%s held an earlier run's logs, now in %s; this train() starts them over", run_dir, previous)
 
 
 def _rotate(output_dir: Path, args, state, trainer) -> None:

@@ -12,7 +12,7 @@ from torch import nn
 
 from ..config.schema import PeftConfig
 from ..errors import DistzoError
-from .lora import attach_lora, lora_layers
+from .lora import attach_lora, linear_features, lora_layers
 from .prefix import attach_prefix
 
 
@@ -29,9 +29,11 @@ def apply_peft(model: nn.Module, cfg: PeftConfig) -> None:
                               "would train the frozen model under it; keep that run's peft settings, or load a fresh "
                               "model")
         return
+    if carried is not None:
+        _check_kept(model, cfg, carried)  # before anything changes: a refused run leaves the model as it was
     model.requires_grad_(False)
     if carried is not None:
-        _keep(model, cfg, carried)
+        _train_kept(model, method)
     elif method in ("lora", "lora_fa"):
         attach_lora(model, list(cfg.targets), cfg.r, cfg.alpha, cfg.init_seed, train_a=method == "lora")
     elif method == "prefix":
@@ -41,36 +43,46 @@ def apply_peft(model: nn.Module, cfg: PeftConfig) -> None:
 
 
 def attached_peft(model: nn.Module) -> str | None:
-    """What distzo's adapters on `model` are, as settings ("lora r=8 alpha=16 targets=[q_proj, v_proj]",
-    "prefix prefix_tokens=5"), or None."""
+    """What distzo's adapter on `model` is, as its settings ("lora r=8 alpha=16 targets=[q_proj, v_proj]",
+    "lora_fa ...", "prefix prefix_tokens=5"), or None."""
     layers = lora_layers(model)
     if layers:
         module = layers[0][1]
-        r = module.lora_B.shape[1]
+        method = "lora" if module.lora_A.requires_grad else "lora_fa"
         targets = sorted({name.rsplit(".", 1)[-1] for name, _ in layers})
-        return f"lora r={r} alpha={module.lora_scale * r:g} targets=[{', '.join(targets)}]"
-    prefixes = [m for m in model.modules() if hasattr(m, "prefix_keys")]
+        return _lora_settings(method, module.lora_B.shape[1], module.lora_scale * module.lora_B.shape[1], targets)
+    prefixes = [m for m in model.modules() if hasattr(m, "prefix_keys") and hasattr(m, "prefix_cache_argument")]
     if prefixes:
         return f"prefix prefix_tokens={prefixes[0].prefix_keys.shape[-2]}"
     return None
 
 
-def _keep(model: nn.Module, cfg: PeftConfig, carried: str) -> None:
-    """The adapter already on `model` as the trainable set, if it is the one `cfg` describes."""
+def _lora_settings(method: str, r: int, alpha: float, targets) -> str:
+    return f"{method} r={r} alpha={alpha:g} targets=[{', '.join(sorted(set(targets)))}]"
+
+
+def _check_kept(model: nn.Module, cfg: PeftConfig, carried: str) -> None:
+    """The adapter already on `model` is the one `cfg` describes (its targets: the layers they
+    select, as attach_lora selects them)."""
     method = str(cfg.method)
     if method in ("lora", "lora_fa"):
-        wanted = f"lora r={cfg.r} alpha={cfg.alpha:g} targets=[{', '.join(sorted(set(cfg.targets)))}]"
+        selected = {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                    if linear_features(module) is not None and name.rsplit(".", 1)[-1] in set(cfg.targets)}
+        wanted = _lora_settings(method, cfg.r, cfg.alpha, selected)
     else:
         wanted = f"prefix prefix_tokens={cfg.prefix_tokens}"
     if carried != wanted:
         raise DistzoError(f"this model carries distzo's {carried} adapter from an earlier run on it, and this run asks "
-                          f"for peft={method} with {wanted.split(' ', 1)[1]}; keep that run's peft settings, or load a "
-                          "fresh model")
+                          f"for {wanted}; keep that run's peft settings, or load a fresh model")
+
+
+def _train_kept(model: nn.Module, method: str) -> None:
+    """The adapter already on `model` as the trainable set (the rest frozen by the caller)."""
+    for _, module in lora_layers(model):
+        module.lora_A.requires_grad_(method == "lora")  # lora_fa: A frozen
+        module.lora_B.requires_grad_(True)
     for module in model.modules():
-        if hasattr(module, "lora_B"):
-            module.lora_A.requires_grad_(method == "lora")  # lora_fa: A frozen
-            module.lora_B.requires_grad_(True)
-        if hasattr(module, "prefix_keys"):
+        if hasattr(module, "prefix_keys") and hasattr(module, "prefix_cache_argument"):
             module.prefix_keys.requires_grad_(True)
             module.prefix_values.requires_grad_(True)
 

@@ -86,8 +86,11 @@ def attach_lora(model: nn.Module, targets: list[str], r: int, alpha: float, init
 
 
 def lora_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """(name, module) of every linear layer carrying LoRA, in module order."""
-    return [(n, m) for n, m in model.named_modules() if linear_features(m) is not None and hasattr(m, "lora_B")]
+    """(name, module) of every linear layer carrying distzo's LoRA (`attach_lora`'s: a lora_scale beside
+    lora_A and lora_B; another library's LoRA linear layer, loralib's or MeZO's, has lora_B too), in
+    module order."""
+    return [(n, m) for n, m in model.named_modules()
+            if linear_features(m) is not None and hasattr(m, "lora_B") and hasattr(m, "lora_scale")]
 
 
 @contextmanager

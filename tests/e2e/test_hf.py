@@ -334,6 +334,7 @@ def test_train_again_in_the_same_output_dir_starts_over(model_folder, tmp_path):
     assert second.train().training_loss == loss  # a new trainer (the model as loaded) trains as the first did
     steps = [json.loads(line)["step"] for line in (out / "zo" / "trajectory.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4]  # the last run's alone
+    assert (out / "zo.previous" / "trajectory.jsonl").is_file()  # the one before it, set aside
 
 
 def test_tokens_seen_memory_metrics_model_only_checkpoints_and_rotation(model_folder, tmp_path):
@@ -380,11 +381,18 @@ def test_a_second_train_trains_distzos_own_adapter_on(model_folder, tmp_path):
     assert len(q_proj._forward_hooks) == 1 and again < first  # from where the first left it, not from B = 0
     trainer.zo_args.overrides = ["peft.r=4"]
     with pytest.raises(DistzoError, match=r"carries distzo's lora r=8 alpha=16 targets=\[q_proj, v_proj\] adapter .* "
-                                          r"peft=lora with r=4"):
+                                          r"asks for lora r=4 alpha=16"):
         trainer.train()
+    trainer.zo_args.overrides, trainer.zo_args.peft = [], "lora_fa"
+    with pytest.raises(DistzoError, match=r"asks for lora_fa r=8"):
+        trainer.train()
+    # a target that selects nothing on this model is no difference (attach_lora skips it as well)
+    trainer.zo_args.peft, trainer.zo_args.overrides = "lora", ["peft.targets=[v_proj,q_proj,c_attn]"]
+    assert trainer.train().training_loss < again
     trainer.zo_args.overrides, trainer.zo_args.peft = [], "none"
     with pytest.raises(DistzoError, match="peft=none would train the frozen model under it"):
         trainer.train()
+    assert (tmp_path / "lora" / "zo.previous" / "metrics.jsonl").is_file()  # the refused train()s lost no logs
 
 
 def test_hyperparameter_search_gives_each_trial_its_folder_and_reports_its_evaluations(model_folder, tmp_path):

@@ -58,7 +58,8 @@ TOP_FOLDERS = ("distzo", "tests", "conf", "benchmarks", "examples", "slurm", "la
 
 # Other libraries' classes, methods and modules the docs cite by name (transformers, peft, datasets, torch).
 EXTERNAL_CLASSES = {"AutoModelForCausalLM", "PeftModel", "Dataset", "DatasetDict"}
-EXTERNAL_CALLS = {"from_pretrained", "save_pretrained", "get_input_embeddings", "get_output_embeddings", "nonzero"}
+EXTERNAL_CALLS = {"from_pretrained", "save_pretrained", "get_input_embeddings", "get_output_embeddings", "nonzero",
+                  "hyperparameter_search"}
 EXTERNAL_MODULES = {"torch", "numpy", "np", "transformers", "peft", "datasets", "trl"}
 
 FENCE = re.compile(r"^ {0,3}(```|~~~).*?^ {0,3}\1", re.M | re.S)

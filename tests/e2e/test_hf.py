@@ -3,7 +3,10 @@ script from transformers' documentation with `Trainer` swapped for `ZOTrainer` (
 trains, evaluates, saves, calls its callback back and ends with the weights `distzo.train` gives on the
 same data, order and seed; the same script on a 2x2 mesh equals its 1x1 run; ZOSFTTrainer trains a
 LoRA adapter on prompt/completion pairs that PEFT loads back; a Trainer checkpoint resumes bitwise
-after SIGKILL; what cannot apply to a ZO step is refused in one line each."""
+after SIGKILL; load_best_model_at_end, save_strategy="best" and EarlyStoppingCallback end with the best
+evaluation's weights (also resumed, on a LoRA adapter, on a 2x1 mesh); auto_find_batch_size shrinks the
+micro-batch only; hyperparameter_search gives each trial its folder; a second train() starts over;
+what cannot apply to a ZO step is refused in one line each."""
 
 from __future__ import annotations
 

@@ -128,6 +128,7 @@ class ZOLoop:
         self.zo = None  # the distzo.Trainer while training runs
         self._zo_evaluating = False  # inside evaluate() (what an out-of-memory error names)
         self._zo_trial = None  # hyperparameter_search's trial while train() runs
+        self._zo_resumable = None  # the newest checkpoint this train() wrote with distzo's state
 
     # --- distzo's configuration from the Trainer's ------------------------------------------------
 
@@ -261,8 +262,6 @@ class ZOLoop:
         # the micro-batch in use: where Trainer.train() restarts auto_find_batch_size's search on resume
         self.state.train_batch_size = cfg.micro_batch_size
         self._zo_trial = trial  # hyperparameter_search's: its own output folder (run-<n>/), its reports
-        if trial is not None:
-            _check_search(self)
         run_dir = self._zo_output_dir() / ZO_RUN
         if snapshot is None and self.is_world_process_zero():
             _start_over(run_dir)
@@ -270,7 +269,7 @@ class ZOLoop:
         zo = distzo.Trainer(cfg, run_dir=run_dir, model=model, tokenizer=self.processing_class, task=task,
                             validate_config=False, lr_at=self.zo_lr_at(steps), resume_from=snapshot)
         self.zo = zo
-        first_step, self._zo_evaluating = zo.step_count, False
+        first_step, self._zo_evaluating, self._zo_resumable = zo.step_count, False, None
         try:
             if snapshot is not None:
                 self._zo_find_best_checkpoint(zo.mesh)
@@ -383,6 +382,17 @@ class ZOLoop:
             log.warning("The best checkpoint %s recorded in the state does not exist any more; ignoring it", best)
         self.state.best_model_checkpoint = None
 
+    def hyperparameter_search(self, hp_space=None, compute_objective=None, n_trials: int = 20,
+                              direction="minimize", backend=None, hp_name=None, **kwargs):
+        """Trainer's search, each trial a ZO run (docs/hf.md): optuna, on one process; any other backend
+        or a launched job is refused before a trial starts."""
+        from transformers.hyperparameter_search import default_hp_search_backend
+        from transformers.trainer_utils import HPSearchBackend
+
+        _check_search(HPSearchBackend(backend if backend is not None else default_hp_search_backend()))
+        return super().hyperparameter_search(hp_space, compute_objective, n_trials, direction, backend, hp_name,
+                                             **kwargs)
+
     def _zo_output_dir(self) -> Path:
         """output_dir, or a hyperparameter_search trial's run-<n>/ in it (Trainer's _get_output_dir)."""
         return Path(self._get_output_dir(self._zo_trial))
@@ -421,13 +431,11 @@ class ZOLoop:
                                  "(loading the best checkpoint, or in a callback's on_train_end); auto_find_batch_size "
                                  "retries a run from its start, and this one's weights have changed: free memory "
                                  "there (the trained weights are in the checkpoints)") from exc
-        from transformers.trainer_utils import get_last_checkpoint
-
         micro = zo.cfg.micro_batch_size or a.per_device_train_batch_size
         per_rank = a.per_device_train_batch_size * a.gradient_accumulation_steps  # a data rank's examples a step
         smaller = max(d for d in range(1, max(1, micro // 2) + 1) if per_rank % d == 0)
-        last = get_last_checkpoint(str(self._zo_output_dir())) if self._zo_output_dir().is_dir() else None
-        then = f"resume from {last}" if last else "train again (no checkpoint was saved)"
+        last = self._zo_resumable
+        then = f"resume from {last}" if last is not None else "train again (no checkpoint to resume from was saved)"
         raise ZOTrainerError(f"step {zo.step_count + 1} ran out of memory with micro-batches of {micro} examples after "
                              f"{zo.step_count - first_step} step(s) had changed the weights, so auto_find_batch_size "
                              f"cannot start again from where it began; {then} with "
@@ -485,6 +493,7 @@ class ZOLoop:
                 pass  # collective, as the snapshot would have been: save_model below reads current weights
         else:
             self.zo.snapshot(folder / ZO_STATE)  # collective: every rank materialises the weights
+            self._zo_resumable = final  # what an out-of-memory refusal names to resume from
         # Trainer's rule: the best's checkpoint, this one or an earlier one still there (rank 0's answer, every
         # rank's state; asked on every rank whatever its figures)
         best = final.with_name(f"{PREFIX_CHECKPOINT_DIR}-{state.best_global_step}")
@@ -612,7 +621,7 @@ def _make_zo_sft_trainer():
     SFTTrainer takes, plus `zo_args`.""")
 
 
-def _check_search(trainer) -> None:
+def _check_search(backend) -> None:
     """hyperparameter_search's trials run one after another in this process, each a whole ZO run:
     with optuna, on one process (on several, each rank would run its own study, its own trials'
     settings)."""
@@ -620,8 +629,8 @@ def _check_search(trainer) -> None:
 
     from ..parallel.launch_env import launched_world_size
 
-    if trainer.hp_search_backend != HPSearchBackend.OPTUNA:
-        backend = str(getattr(trainer.hp_search_backend, "value", trainer.hp_search_backend))
+    if backend != HPSearchBackend.OPTUNA:
+        backend = str(getattr(backend, "value", backend))
         raise ZOTrainerError(f"hyperparameter_search(backend={backend!r}) is not supported by ZOTrainer (its reports "
                              "save checkpoints through Trainer's optimizer, which a ZO step has none of); use "
                              "backend='optuna', or distzo's own sweeps (python -m distzo sweep, docs/configuration.md)")
@@ -661,9 +670,17 @@ def _start_over(run_dir: Path) -> None:
     other ranks never read it)."""
     if (run_dir / "metrics.jsonl").exists() or (run_dir / "run.json").exists():
         previous = run_dir.with_name(f"{run_dir.name}.previous")
-        shutil.rmtree(previous, ignore_errors=True)
-        os.replace(run_dir, previous)
-        log.info("%s held an earlier run's logs, now in %s; this train() starts them over", run_dir, previous)
+        if previous.is_symlink() or previous.is_file():
+            previous.unlink()
+        elif previous.exists():
+            shutil.rmtree(previous)
+        try:
+            os.replace(run_dir, previous)  # zo/ itself may be a symlink (to scratch space): the link moves
+        except OSError as exc:
+            log.warning("%s could not be kept as %s (%s); removing it", run_dir, previous, exc)
+            shutil.rmtree(run_dir)
+        else:
+            log.info("%s held an earlier run's logs, now in %s; this train() starts them over", run_dir, previous)
 
 
 def _rotate(output_dir: Path, args, state, trainer) -> None:

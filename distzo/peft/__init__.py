@@ -12,8 +12,8 @@ from torch import nn
 
 from ..config.schema import PeftConfig
 from ..errors import DistzoError
-from .lora import attach_lora, linear_features, lora_layers
-from .prefix import attach_prefix
+from .lora import attach_lora, check_lora_targets, linear_features, lora_layers
+from .prefix import attach_prefix, prefix_modules
 
 
 def apply_peft(model: nn.Module, cfg: PeftConfig) -> None:
@@ -29,8 +29,11 @@ def apply_peft(model: nn.Module, cfg: PeftConfig) -> None:
                               "would train the frozen model under it; keep that run's peft settings, or load a fresh "
                               "model")
         return
+    # checked before anything changes: a refused run leaves the model as it was
     if carried is not None:
-        _check_kept(model, cfg, carried)  # before anything changes: a refused run leaves the model as it was
+        _check_kept(model, cfg, carried)
+    elif method in ("lora", "lora_fa"):
+        check_lora_targets(model, list(cfg.targets))
     model.requires_grad_(False)
     if carried is not None:
         _train_kept(model, method)
@@ -51,7 +54,7 @@ def attached_peft(model: nn.Module) -> str | None:
         method = "lora" if module.lora_A.requires_grad else "lora_fa"
         targets = sorted({name.rsplit(".", 1)[-1] for name, _ in layers})
         return _lora_settings(method, module.lora_B.shape[1], module.lora_scale * module.lora_B.shape[1], targets)
-    prefixes = [m for m in model.modules() if hasattr(m, "prefix_keys") and hasattr(m, "prefix_cache_argument")]
+    prefixes = prefix_modules(model)
     if prefixes:
         return f"prefix prefix_tokens={prefixes[0].prefix_keys.shape[-2]}"
     return None
@@ -81,10 +84,9 @@ def _train_kept(model: nn.Module, method: str) -> None:
     for _, module in lora_layers(model):
         module.lora_A.requires_grad_(method == "lora")  # lora_fa: A frozen
         module.lora_B.requires_grad_(True)
-    for module in model.modules():
-        if hasattr(module, "prefix_keys") and hasattr(module, "prefix_cache_argument"):
-            module.prefix_keys.requires_grad_(True)
-            module.prefix_values.requires_grad_(True)
+    for module in prefix_modules(model):
+        module.prefix_keys.requires_grad_(True)
+        module.prefix_values.requires_grad_(True)
 
 
 __all__ = ["apply_peft", "attach_lora", "attach_prefix", "attached_peft", "lora_layers"]

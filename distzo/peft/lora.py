@@ -57,9 +57,22 @@ def _lora_hook(module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
     return output + module.lora_scale * delta
 
 
+def check_lora_targets(model: nn.Module, targets: list[str]) -> None:
+    """No targeted layer carries another library's LoRA (loralib's, MeZO's: lora_B on the layer), whose
+    forward would still apply its own pair after distzo's replaced it."""
+    for name, module in model.named_modules():
+        if linear_features(module) is not None and name.rsplit(".", 1)[-1] in targets and hasattr(module, "lora_B"):
+            from ..errors import DistzoError
+
+            raise DistzoError(f"peft.targets: {name} already carries another library's LoRA ({type(module).__name__} "
+                              "with lora_B), and distzo's would replace its pair while its forward still applies it; "
+                              "train the model's own adapter with peft=none, or load the model without it")
+
+
 def attach_lora(model: nn.Module, targets: list[str], r: int, alpha: float, init_seed: int, train_a: bool) -> int:
     """Attach LoRA to every linear layer (nn.Linear or Conv1D) whose attribute name is in `targets`;
     returns how many."""
+    check_lora_targets(model, targets)
     count = 0
     for name, module in model.named_modules():
         features = linear_features(module)

@@ -157,6 +157,12 @@ def _check(model: nn.Module, probe: torch.Tensor, positions: torch.Tensor, expec
                           "peft=lora_fa")
 
 
+def prefix_modules(model: nn.Module) -> list[nn.Module]:
+    """The attention modules carrying distzo's prefix (`attach_prefix`'s: prefix_keys beside the
+    cache argument its hook fills)."""
+    return [m for m in model.modules() if hasattr(m, "prefix_keys") and hasattr(m, "prefix_cache_argument")]
+
+
 def has_prefix(model: nn.Module) -> bool:
     """Whether prefix tuning's hooks are attached (generation then decodes without a KV cache)."""
-    return any(hasattr(m, "prefix_keys") for m in model.modules())
+    return bool(prefix_modules(model))

@@ -436,6 +436,10 @@ def test_hyperparameter_search_gives_each_trial_its_folder_and_reports_its_evalu
         objectives[n] = losses[8]
     assert not list(out.glob("checkpoint-*"))  # none in output_dir itself
     assert best.objective == min(objectives.values()) and best.run_id == str(min(objectives, key=objectives.get))
+    from distzo.hf import ZOTrainerError
+
+    with pytest.raises(ZOTrainerError, match=r"hyperparameter_search\(backend='ray'\) is not supported by ZOTrainer"):
+        trainer.hyperparameter_search(n_trials=1, backend="ray")  # refused before a trial starts (no ray here)
 
 
 def oom_above(trainer, micro: int, after_forwards: int = 0) -> list[int]:

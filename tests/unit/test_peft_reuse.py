@@ -68,4 +68,9 @@ def test_another_librarys_lora_layer_is_not_distzos():
 
     model = nn.Sequential(ForeignLoRALinear())
     assert attached_peft(model) is None
-    apply_peft(model, lora("none"))  # its own trainable set: nothing to refuse
+    before = {n: p.requires_grad for n, p in model.named_parameters()}
+    apply_peft(model, lora("none"))  # its own trainable set: nothing to refuse, nothing changed
+    assert {n: p.requires_grad for n, p in model.named_parameters()} == before
+    with pytest.raises(DistzoError, match=r"0 already carries another library's LoRA \(ForeignLoRALinear"):
+        apply_peft(model, lora(targets=["0"]))  # distzo's pair would replace its own, applied twice
+    assert {n: p.requires_grad for n, p in model.named_parameters()} == before  # refused before freezing

@@ -3,11 +3,11 @@
 steps (LoRA on an int8 and an int4 quantized base among them, resident and streamed), the Triton
 draw kernel against the streams' definitions, reduced-precision streaming with the host far ahead
 of the GPU, bench on the 1B preset and the table's workload in miniature (float16 OPT at 2,048
-tokens). Skipped with one reason on machines without CUDA (the CPU suite covers the same logic
-there). Tolerances: bitwise wherever both sides run the same kernels on the same shapes (offloaded
-against resident, two ranks against one); the Gaussian stream within 5e-5 of its float64 definition
-(the GPU's approximate ln, cos and sin); training runs check their own bookkeeping, not values. Last run: an
-H100, BENCHMARKS.md "On a GPU"."""
+tokens), ZOTrainer offloaded against resident. Skipped with one reason on machines without CUDA
+(the CPU suite covers the same logic there). Tolerances: bitwise wherever both sides run the same
+kernels on the same shapes (offloaded against resident, two ranks against one); the Gaussian stream
+within 5e-5 of its float64 definition (the GPU's approximate ln, cos and sin); training runs check
+their own bookkeeping, not values. Last run: an H100, BENCHMARKS.md "On a GPU"."""
 
 from __future__ import annotations
 
@@ -369,3 +369,28 @@ def test_a_row_wider_than_the_grid_limit_is_drawn_whole():
         seed, n = d.chunk_seed(1, 0, key, ref.index), ref.stop - ref.start
         tail = z.view(-1)[ref.stop - 1000:ref.stop].cpu()
         assert torch.equal(tail, stream_signs(seed, n - 1000, 1000))
+
+
+def test_zotrainer_offloaded_on_cuda_equals_resident(tmp_path):
+    """examples/hf_trainer.py's ZOTrainer with ZOArguments(offload="cpu") on the GPU, evaluating every 4
+    steps through Trainer's own evaluation loop, against the same script resident: the same weights,
+    bitwise (offloaded = resident, the same kernels on the same shapes), and the same evaluations.
+    Not yet run on a GPU: Trainer places the model on the device at construction and prepares it for
+    each evaluation, while offloading keeps its blocks in host memory (docs/hf.md)."""
+    from distzo.models.loading import load_tokenizer, random_model
+    from tests.e2e.test_hf import SCRIPT, example
+
+    folder = tmp_path / "tiny-llama"
+    tokenizer = load_tokenizer("smollm2")
+    random_model("llama", len(tokenizer), {}, 0, torch.float32).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    runs = {}
+    for offload in ("none", "cpu"):
+        trainer = example(SCRIPT).build(str(folder), str(tmp_path / offload), 8, None, offload=offload,
+                                        training=dict(eval_steps=4))
+        trainer.train()
+        runs[offload] = (trainer.model.state_dict(), [h["eval_loss"] for h in trainer.state.log_history
+                                                      if "eval_loss" in h])
+    (resident, resident_evals), (offloaded, offloaded_evals) = runs["none"], runs["cpu"]
+    assert all(torch.equal(resident[k].cpu(), offloaded[k].cpu()) for k in resident)
+    assert offloaded_evals == resident_evals and len(resident_evals) == 2

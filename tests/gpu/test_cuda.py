@@ -377,13 +377,9 @@ def test_zotrainer_offloaded_on_cuda_equals_resident(tmp_path):
     bitwise (offloaded = resident, the same kernels on the same shapes), and the same evaluations.
     Not yet run on a GPU: Trainer places the model on the device at construction and prepares it for
     each evaluation, while offloading keeps its blocks in host memory (docs/hf.md)."""
-    from distzo.models.loading import load_tokenizer, random_model
-    from tests.e2e.test_hf import SCRIPT, example
+    from tests.e2e.test_hf import SCRIPT, example, save_tiny_llama
 
-    folder = tmp_path / "tiny-llama"
-    tokenizer = load_tokenizer("smollm2")
-    random_model("llama", len(tokenizer), {}, 0, torch.float32).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    folder = save_tiny_llama(tmp_path / "tiny-llama")
     runs = {}
     for offload in ("none", "cpu"):
         trainer = example(SCRIPT).build(str(folder), str(tmp_path / offload), 8, None, offload=offload,

@@ -12,7 +12,7 @@ from torch import nn
 
 from ..config.schema import PeftConfig
 from ..errors import DistzoError
-from .lora import attach_lora, check_lora_targets, linear_features, lora_layers
+from .lora import attach_lora, check_lora_targets, lora_layers, targeted_layers
 from .prefix import attach_prefix, prefix_modules
 
 
@@ -69,8 +69,7 @@ def _check_kept(model: nn.Module, cfg: PeftConfig, carried: str) -> None:
     select, as attach_lora selects them)."""
     method = str(cfg.method)
     if method in ("lora", "lora_fa"):
-        selected = {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
-                    if linear_features(module) is not None and name.rsplit(".", 1)[-1] in set(cfg.targets)}
+        selected = {name.rsplit(".", 1)[-1] for name, _ in targeted_layers(model, list(cfg.targets))}
         wanted = _lora_settings(method, cfg.r, cfg.alpha, selected)
     else:
         wanted = f"prefix prefix_tokens={cfg.prefix_tokens}"

@@ -57,11 +57,18 @@ def _lora_hook(module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
     return output + module.lora_scale * delta
 
 
+def targeted_layers(model: nn.Module, targets: list[str]) -> list[tuple[str, nn.Module]]:
+    """(name, module) of every linear layer (nn.Linear or Conv1D) whose attribute name is in `targets`,
+    in module order: the layers LoRA adapts."""
+    return [(name, module) for name, module in model.named_modules()
+            if linear_features(module) is not None and name.rsplit(".", 1)[-1] in targets]
+
+
 def check_lora_targets(model: nn.Module, targets: list[str]) -> None:
     """No targeted layer carries another library's LoRA (loralib's, MeZO's: lora_B on the layer), whose
     forward would still apply its own pair after distzo's replaced it."""
-    for name, module in model.named_modules():
-        if linear_features(module) is not None and name.rsplit(".", 1)[-1] in targets and hasattr(module, "lora_B"):
+    for name, module in targeted_layers(model, targets):
+        if hasattr(module, "lora_B"):
             from ..errors import DistzoError
 
             raise DistzoError(f"peft.targets: {name} already carries another library's LoRA ({type(module).__name__} "
@@ -74,11 +81,8 @@ def attach_lora(model: nn.Module, targets: list[str], r: int, alpha: float, init
     returns how many."""
     check_lora_targets(model, targets)
     count = 0
-    for name, module in model.named_modules():
-        features = linear_features(module)
-        if features is None or name.rsplit(".", 1)[-1] not in targets:
-            continue
-        in_features, out_features = features
+    for name, module in targeted_layers(model, targets):
+        in_features, out_features = linear_features(module)
         w = module.weight
         gen = torch.Generator().manual_seed((init_seed * 1_000_003 + param_key(name)) % (2**63))
         a = torch.empty(r, in_features, dtype=torch.float32)

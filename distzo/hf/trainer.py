@@ -531,10 +531,9 @@ class ZOLoop:
 
     def is_local_process_zero(self) -> bool:
         """The first process on its node (torchrun's or srun's LOCAL_RANK)."""
-        from ..parallel.launch_env import adopt_slurm_environment
+        from ..parallel.launch_env import launched_local_rank
 
-        adopt_slurm_environment()
-        return int(os.environ.get("LOCAL_RANK", "0")) == 0
+        return launched_local_rank() == 0
 
     def evaluate(self, *a, **kw):
         """Trainer's evaluation (its loop, `compute_metrics`, `on_evaluate`) at the current weights."""

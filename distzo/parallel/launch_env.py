@@ -95,6 +95,12 @@ def launched_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def launched_local_rank() -> int:
+    """This process's index on its node (torchrun's or srun's LOCAL_RANK; 0 when run plainly)."""
+    adopt_slurm_environment()
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
 def launched_world_size() -> int:
     """Processes in this job as torchrun or srun report them; 1 when run plainly."""
     adopt_slurm_environment()

@@ -20,7 +20,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from .launch_env import launched_world_size
+from .launch_env import launched_local_rank, launched_world_size
 from .node import Node
 from .shape import MeshError, MeshShape
 
@@ -116,7 +116,7 @@ class Mesh:
             return cls(shape, torch.device(device_kind))
         from torch.distributed.device_mesh import init_device_mesh
 
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        local_rank = launched_local_rank()
         timeout = datetime.timedelta(seconds=timeout_s)
         if device_kind == "cuda":
             if local_rank >= torch.cuda.device_count():

@@ -61,6 +61,21 @@ def test_an_srun_task_on_the_second_node_gets_torchs_variables(clean_env):
     assert launcher() == "srun" and adopt_slurm_environment() is False  # idempotent
 
 
+def test_the_launched_place_is_read_from_srun_before_anything_adopted_it(clean_env):
+    """launched_rank / launched_local_rank / launched_world_size adopt SLURM's variables themselves:
+    the first caller (the mesh, ZOTrainer's is_local_process_zero) need not know about srun."""
+    env = {"SLURM_STEP_NUM_TASKS": "8", "SLURM_PROCID": "6", "SLURM_LOCALID": "2", "SLURM_NODEID": "1",
+           "SLURM_STEP_TASKS_PER_NODE": "4(x2)", "SLURM_STEP_NODELIST": "gpu[07-08]"}
+    for k, v in env.items():
+        clean_env.setenv(k, v)
+    assert launch_env.launched_local_rank() == 2
+    assert (launch_env.launched_rank(), launch_env.launched_world_size()) == (6, 8)
+
+
+def test_a_plain_process_is_rank_zero_of_one(clean_env):
+    assert (launch_env.launched_rank(), launch_env.launched_local_rank(), launch_env.launched_world_size()) == (0, 0, 1)
+
+
 def test_a_set_master_address_and_port_win(clean_env):
     for k, v in {"SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
                  "SLURM_STEP_TASKS_PER_NODE": "2", "MASTER_ADDR": "10.0.0.9", "MASTER_PORT": "29511"}.items():

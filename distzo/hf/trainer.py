@@ -363,13 +363,9 @@ class ZOLoop:
         best = self.state.best_model_checkpoint
         if best is None:
             return
-        found = None
-        if mesh.is_main:
-            for candidate in (Path(best), self._zo_output_dir() / Path(best).name):
-                if (candidate / "trainer_state.json").is_file():
-                    found = str(candidate)
-                    break
-        found = mesh.broadcast_object(found)
+        candidates = (Path(best), self._zo_output_dir() / Path(best).name)
+        found = mesh.decided_on_main(lambda: next((str(c) for c in candidates if (c / "trainer_state.json").is_file()),
+                                                  None))
         if found is not None:
             self.state.best_model_checkpoint = found
             return
@@ -497,8 +493,7 @@ class ZOLoop:
         # Trainer's rule: the best's checkpoint, this one or an earlier one still there (rank 0's answer, every
         # rank's state; asked on every rank whatever its figures)
         best = final.with_name(f"{PREFIX_CHECKPOINT_DIR}-{state.best_global_step}")
-        there = bool(state.best_global_step) and (best == final or best.is_dir()) if writes else None
-        if self.zo.mesh.broadcast_object(there):
+        if self.zo.mesh.decided_on_main(lambda: bool(state.best_global_step) and (best == final or best.is_dir())):
             state.best_model_checkpoint = str(best)
         self.save_model(str(folder), _internal_call=True)  # collective as well; rank 0 writes
         if writes:

@@ -15,15 +15,17 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
 
+from ..errors import DistzoError
 from .launch_env import launched_local_rank, launched_world_size
 from .node import Node
 from .shape import MeshError, MeshShape
 
+T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
@@ -204,6 +206,31 @@ class Mesh:
         box = [obj]
         dist.broadcast_object_list(box, src=0)
         return box[0]
+
+    def decided_on_main(self, question: Callable[[], T]) -> T:
+        """question() asked on rank 0 alone and its answer returned on every rank: for what every rank
+        must agree on and one process should read (a shared folder, whose view may differ between
+        nodes for a while; a log; the hub). Where rank 0 raises, every rank raises, so none waits out
+        the timeout for an answer that never comes: a DistzoError as itself (the same line on each
+        rank), anything else as a RuntimeError naming it (rank 0 raises the original)."""
+        if not self.distributed:
+            return question()
+        answer, error, failure = None, None, None
+        if self.is_main:
+            try:
+                answer = question()
+            except DistzoError as exc:
+                error = exc
+            except Exception as exc:
+                failure = exc
+        answer, error, problem = self.broadcast_object((answer, error, None if failure is None else repr(failure)))
+        if failure is not None:
+            raise failure
+        if error is not None:
+            raise error
+        if problem is not None:
+            raise RuntimeError(f"rank 0 failed where every rank waits on its answer: {problem}")
+        return answer
 
     def all_gather_object(self, obj: Any, patient: bool = False) -> list[Any]:
         """Every rank's object, in rank order. patient: over a group that waits up to a day instead of

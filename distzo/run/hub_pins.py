@@ -66,17 +66,13 @@ def fetch_hub_pins(cfg: Config, mesh: Mesh, recorded: HubPins | None = None, *, 
     if not uses_hub(cfg, model, data):
         return HubPins()
     recorded = recorded or HubPins()
-    plan, error = None, None
-    if mesh.is_main:
-        try:
-            plan = [*(model_fetches(cfg.model, recorded.pins) if model else []),
-                    dataset_fetch(cfg.task, recorded.get("dataset")) if data else None]
-            plan = [f for f in plan if f is not None]
-        except DistzoError as exc:
-            error = exc
-    plan, error = mesh.broadcast_object((plan, error))
-    if error is not None:
-        raise error
+
+    def fetches() -> list:
+        plan = [*(model_fetches(cfg.model, recorded.pins) if model else []),
+                dataset_fetch(cfg.task, recorded.get("dataset")) if data else None]
+        return [f for f in plan if f is not None]
+
+    plan = mesh.decided_on_main(fetches)
     error = None
     if mesh.node.local_rank == 0:
         try:

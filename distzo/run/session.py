@@ -68,17 +68,8 @@ class Session:
     def _claim(self, run_dir: RunDirectory | str | Path | None) -> RunDirectory:
         """Rank 0 claims the directory and tells every rank which it is, or what is wrong with it
         (so every rank fails with the same line instead of waiting for rank 0)."""
-        claimed, error = None, None
-        if self.mesh.is_main:
-            try:
-                claimed = run_dir if isinstance(run_dir, RunDirectory) else RunDirectory.claim(
-                    self.cfg, run_dir, key="run_dir", continuing=self.continuing)
-            except DistzoError as exc:
-                error = exc
-        claimed, error = self.mesh.broadcast_object((claimed, error))
-        if error is not None:
-            raise error
-        return claimed
+        return self.mesh.decided_on_main(lambda: run_dir if isinstance(run_dir, RunDirectory) else RunDirectory.claim(
+            self.cfg, run_dir, key="run_dir", continuing=self.continuing))
 
     def _log_to_run_dir(self) -> None:
         """The run's log in <run_dir>/train.log, and on the console when nothing else prints it."""

@@ -181,7 +181,7 @@ class Trainer:
                               "end of the run, and this trainer was handed a model object; drop keep_best (and pick "
                               "among the run's snapshots), or name the model in the configuration")
         if self.resume_from is not None:
-            point = mesh.broadcast_object(resume_point_at(cfg, Path(self.resume_from)) if mesh.is_main else None)
+            point = mesh.decided_on_main(lambda: resume_point_at(cfg, Path(self.resume_from)))
         else:
             point = find_resume_point(cfg, run_dir, mesh)
         self.seed = self.session.seed(check_identity(cfg, point.snapshot or str(run_dir), point.identity)
@@ -239,18 +239,15 @@ class Trainer:
         """keep_best on resume, before anything is built or the logs are cut: the best so far
         (metrics.jsonl, read by rank 0 as it reads the resume point) and its weights (`plan_resume`);
         every rank raises the same ResumeError where they are gone, or where rank 0 failed to read."""
-        mesh = self.mesh
-        if mesh.is_main:
+        def plan() -> tuple[tuple[set[int], bool, str | None], Any]:
             try:
-                plan = self.best.plan_resume(step), self.best.best, None
-            except ResumeError as exc:
-                plan = None, None, str(exc)
-            except Exception as exc:  # the others wait on this broadcast: they raise it too
-                plan = None, None, f"keep_best={self.best.metric}: reading the best so far failed: {exc!r}"
-        outcome, best, error = mesh.broadcast_object(plan if mesh.is_main else None)
-        if error is not None:
-            raise ResumeError(error)
-        self.best.best = best
+                return self.best.plan_resume(step), self.best.best
+            except DistzoError:
+                raise
+            except Exception as exc:
+                raise ResumeError(f"keep_best={self.best.metric}: reading the best so far failed: {exc!r}") from exc
+
+        outcome, self.best.best = self.mesh.decided_on_main(plan)
         return outcome
 
     def _continue_best(self, evaluated: set[int], save: bool, adopt: str | None) -> None:
@@ -455,7 +452,7 @@ class Trainer:
         weights are verified first; then the last step's model is closed and its storage released, so
         the two are never held together. Collective."""
         best, mesh = self.best.best, self.mesh
-        held = mesh.broadcast_object(self.best.held() if mesh.is_main else None)
+        held = mesh.decided_on_main(self.best.held)
         if held != best.step:
             what = f"step {held}" if isinstance(held, int) else held
             raise TrainingError(f"keep_best={self.best.metric}: the best evaluation, step {best.step}, has no weights "

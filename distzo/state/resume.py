@@ -220,10 +220,9 @@ def logged_steps_after(run_dir: Path, step: int) -> list[dict[str, Any]]:
 def find_resume_point(cfg: Config, run_dir: Path, mesh: Mesh) -> ResumePoint | None:
     """With resume=auto, rank 0 finds where the run in `run_dir` continues (None: a fresh run) and
     every rank receives it."""
-    found = None
-    if cfg.resume == "auto" and mesh.is_main:
-        found = _resume_point(cfg, run_dir, mesh.device)
-    return mesh.broadcast_object(found)
+    if cfg.resume != "auto":
+        return None
+    return mesh.decided_on_main(lambda: _resume_point(cfg, run_dir, mesh.device))
 
 
 def resume_point_at(cfg: Config, snapshot: Path) -> ResumePoint:

@@ -192,6 +192,52 @@ def test_replica_guard_catches_a_corrupted_replica(tmp_path):
         assert corrupted.startswith("replica weights diverged at step 7: ranks [2] differ from rank 0"), corrupted
 
 
+# --- rank 0 decides for every rank ------------------------------------------------------------------
+
+def _decided_worker(rank, world, port, out_dir):
+    """Three questions only rank 0 is asked: one it answers, one it refuses with a DistzoError, one
+    that fails with a bug; each rank writes what it got."""
+    set_rank_env(rank, world, port)
+    from distzo.errors import ConfigError
+    from distzo.parallel.mesh import Mesh
+
+    mesh = Mesh.create(f"1x{world}", "cpu", timeout_s=60)
+    asked = []
+
+    def answer():
+        asked.append(rank)
+        return {"rank": rank}
+
+    def refuse():
+        raise ConfigError("run_dir=/x is taken; pick another")
+
+    def bug():
+        return {}["missing"]
+
+    got = [repr(mesh.decided_on_main(answer))]
+    for question in (refuse, bug):
+        try:
+            mesh.decided_on_main(question)
+            got.append("no error")
+        except Exception as exc:
+            got.append(f"{type(exc).__name__}: {exc}")
+    got.append(repr(asked))
+    (out_dir / f"rank{rank}.txt").write_text("\n".join(got))
+    mesh.close()
+
+
+def test_what_rank_0_decides_every_rank_receives_and_its_errors_every_rank_raises(tmp_path):
+    """Mesh.decided_on_main: rank 0's answer on every rank (the question asked on rank 0 alone); a
+    refusal raised on every rank with rank 0's line, and a bug named on the others instead of leaving
+    them to wait out the timeout for an answer."""
+    store = hosted_store(2, 120)
+    start_ranks(_decided_worker, 2, (2, store.port, tmp_path))
+    rank0, rank1 = ((tmp_path / f"rank{r}.txt").read_text().split("\n") for r in range(2))
+    assert rank0 == ["{'rank': 0}", "ConfigError: run_dir=/x is taken; pick another", "KeyError: 'missing'", "[0]"]
+    assert rank1 == ["{'rank': 0}", "ConfigError: run_dir=/x is taken; pick another",
+                     "RuntimeError: rank 0 failed where every rank waits on its answer: KeyError('missing')", "[]"]
+
+
 # --- bad input and failures end the job --------------------------------------------------------------
 
 @pytest.mark.parametrize("mesh,nproc,message", [

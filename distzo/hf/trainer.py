@@ -126,7 +126,7 @@ class ZOLoop:
     def _zo_init(self, zo_args: ZOArguments | None) -> None:
         self.zo_args = zo_args or ZOArguments()
         self.zo = None  # the distzo.Trainer while training runs
-        self._zo_evaluating = False  # inside evaluate() (what an out-of-memory error names)
+        self._zo_doing = None  # 'evaluation' or 'checkpoint' while one runs (what an out-of-memory error names)
         self._zo_trial = None  # hyperparameter_search's trial while train() runs
         self._zo_resumable = None  # the newest checkpoint this train() wrote with distzo's state
 
@@ -269,7 +269,7 @@ class ZOLoop:
         zo = distzo.Trainer(cfg, run_dir=run_dir, model=model, tokenizer=self.processing_class, task=task,
                             validate_config=False, lr_at=self.zo_lr_at(steps), resume_from=snapshot)
         self.zo = zo
-        first_step, self._zo_evaluating, self._zo_resumable = zo.step_count, False, None
+        first_step, self._zo_doing, self._zo_resumable = zo.step_count, None, None
         try:
             if snapshot is not None:
                 self._zo_find_best_checkpoint(zo.mesh)
@@ -416,10 +416,16 @@ class ZOLoop:
         a = self.args
         if not (a.auto_find_batch_size and should_reduce_batch_size(exc)):
             return
-        if self._zo_evaluating:
+        if self._zo_doing == "evaluation":
             raise ZOTrainerError(f"the evaluation after step {zo.step_count} ran out of memory; auto_find_batch_size "
                                  "shrinks the training micro-batch only: set per_device_eval_batch_size="
                                  f"{max(1, a.per_device_eval_batch_size // 2)}") from exc
+        last = self._zo_resumable
+        then = f"resume from {last}" if last is not None else "train again (no checkpoint to resume from was saved)"
+        if self._zo_doing == "checkpoint":
+            raise ZOTrainerError(f"writing the checkpoint of step {zo.step_count} ran out of memory (it gathers the "
+                                 "whole weights); auto_find_batch_size shrinks the training micro-batch only, which "
+                                 f"does not shrink a checkpoint: free memory for it, then {then}") from exc
         if zo.step_count == first_step:
             return
         if ended:
@@ -430,8 +436,6 @@ class ZOLoop:
         micro = zo.cfg.micro_batch_size or a.per_device_train_batch_size
         per_rank = a.per_device_train_batch_size * a.gradient_accumulation_steps  # a data rank's examples a step
         smaller = max(d for d in range(1, max(1, micro // 2) + 1) if per_rank % d == 0)
-        last = self._zo_resumable
-        then = f"resume from {last}" if last is not None else "train again (no checkpoint to resume from was saved)"
         raise ZOTrainerError(f"step {zo.step_count + 1} ran out of memory with micro-batches of {micro} examples after "
                              f"{zo.step_count - first_step} step(s) had changed the weights, so auto_find_batch_size "
                              f"cannot start again from where it began; {then} with "
@@ -482,6 +486,7 @@ class ZOLoop:
         final = self._zo_output_dir() / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         folder = final.with_name(f"tmp-{final.name}")
         writes, state = self.is_world_process_zero(), self.state
+        self._zo_doing = "checkpoint"  # stays set if it raises: the out-of-memory refusal reads it
         if writes:
             shutil.rmtree(folder, ignore_errors=True)  # a kill's leftover
         if self.args.save_only_model:  # the model alone, as Trainer leaves out its optimizer: nothing resumes from it
@@ -489,7 +494,6 @@ class ZOLoop:
                 pass  # collective, as the snapshot would have been: save_model below reads current weights
         else:
             self.zo.snapshot(folder / ZO_STATE)  # collective: every rank materialises the weights
-            self._zo_resumable = final  # what an out-of-memory refusal names to resume from
         # Trainer's rule: the best's checkpoint, this one or an earlier one still there (rank 0's answer, every
         # rank's state; asked on every rank whatever its figures)
         best = final.with_name(f"{PREFIX_CHECKPOINT_DIR}-{state.best_global_step}")
@@ -505,6 +509,9 @@ class ZOLoop:
             if self.args.push_to_hub:
                 self._push_from_checkpoint(str(final))
             _rotate(final.parent, self.args, self.state, self)
+        self._zo_doing = None
+        if not self.args.save_only_model:
+            self._zo_resumable = final  # complete: what an out-of-memory refusal names to resume from
         self.control = self.callback_handler.on_save(self.args, self.state, self.control)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
@@ -532,10 +539,10 @@ class ZOLoop:
 
     def evaluate(self, *a, **kw):
         """Trainer's evaluation (its loop, `compute_metrics`, `on_evaluate`) at the current weights."""
-        self._zo_evaluating = True  # stays set if it raises: the out-of-memory refusal reads it
+        self._zo_doing = "evaluation"  # stays set if it raises: the out-of-memory refusal reads it
         with self._at_current_weights():
             metrics = super().evaluate(*a, **kw)
-        self._zo_evaluating = False
+        self._zo_doing = None
         return metrics
 
     def _at_current_weights(self):

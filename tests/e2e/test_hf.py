@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -311,8 +312,9 @@ def test_auto_find_batch_size_halves_the_micro_batch_not_the_step(trained, model
 
 
 def test_auto_find_batch_size_does_not_retry_after_an_update(trained, model_folder, tmp_path):
-    """An out-of-memory error after the first steps changed the weights, or in any evaluation (a
-    smaller training micro-batch does not shrink it): one error saying what to set, not a retry. The
+    """An out-of-memory error after the first steps changed the weights, or in any evaluation or while
+    writing a checkpoint (a smaller training micro-batch shrinks neither): one error saying what to
+    set, not a retry, naming the newest complete checkpoint to resume from. The
     settings it names keep a step's batch, so the resume they lead to is accepted and ends with the
     1x1 run's weights (within tests/e2e/test_micro_batches.py's bound, the micro-batches being
     smaller)."""
@@ -340,6 +342,21 @@ def test_auto_find_batch_size_does_not_retry_after_an_update(trained, model_fold
     with pytest.raises(ZOTrainerError, match=r"the evaluation after step 0 ran out of memory; .* "
                                              r"per_device_eval_batch_size=4"):
         evaluating.train()  # eval_on_start: before any update, and still not retried
+    saving = example(SCRIPT).build(str(model_folder), str(tmp_path / "save"), STEPS, None, save_steps=1,
+                                   training=dict(auto_find_batch_size=True))
+    save_model, saves = saving.save_model, []
+
+    def save_then_run_out(*a, **kw):  # the second checkpoint's model file: out of memory
+        saves.append(a)
+        if len(saves) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB (simulated)")
+        return save_model(*a, **kw)
+
+    saving.save_model = save_then_run_out
+    with pytest.raises(ZOTrainerError, match=r"writing the checkpoint of step 2 ran out of memory .* then resume "
+                                             rf"from {re.escape(str(tmp_path / 'save' / 'checkpoint-1'))}$"):
+        saving.train()
+    assert not (tmp_path / "save" / "checkpoint-2").exists()
 
 
 def test_zosfttrainer_trains_a_lora_adapter_that_peft_loads_back(model_folder, tmp_path):

@@ -75,6 +75,9 @@ def folders(tmp_path_factory, hub_server):
     r = run_forked(1, ["train", "model=tiny", "task=synthetic-cue", "steps=2", "checkpoint.every=2", "eval_every=0",
                        "task.val_size=16", "task.test_size=16", f"hydra.run.dir={other}"], cwd=root, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
+    broken_run = root / "broken-run"  # a run whose identity file was cut off, and no snapshot
+    broken_run.mkdir()
+    (broken_run / "run.json").write_text('{"model": ')
     no_weights = root / "no-weights"  # a llama config and nothing else
     no_weights.mkdir()
     (no_weights / "config.json").write_text(json.dumps({"model_type": "llama"}))
@@ -125,6 +128,7 @@ def folders(tmp_path_factory, hub_server):
     (shadowing / "task").mkdir(parents=True)
     (shadowing / "task" / "mr-polarity.yaml").write_text((Path(config_dir()) / "task" / "mr-polarity.yaml").read_text())
     return {"$CLIP": str(clip), "$MAMBA": str(mamba), "$USED_RUN": str(used), "$OTHER_RUN": str(other),
+            "$BROKEN_RUN": str(broken_run),
             "$EMPTY_DIR": str(empty),
             "$NO_WEIGHTS": str(no_weights), "$BAD_CONFIG": str(bad_config), "$NO_FINAL_RUN": str(no_final),
             "$NO_SNAPSHOT_RUN": str(no_snapshot),

@@ -13,7 +13,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-# The suite runs on three pytest-xdist workers (pyproject's addopts): each takes its share of the
+# The suite runs on two pytest-xdist workers (pyproject's addopts): each takes its share of the
 # cores for the ops it runs in-process (the processes tests launch set their own threads).
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, min(2, (os.cpu_count() or 2) // _WORKERS)))

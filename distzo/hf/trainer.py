@@ -269,7 +269,9 @@ class ZOLoop:
         zo = distzo.Trainer(cfg, run_dir=run_dir, model=model, tokenizer=self.processing_class, task=task,
                             validate_config=False, lr_at=self.zo_lr_at(steps), resume_from=snapshot)
         self.zo = zo
-        first_step, self._zo_doing, self._zo_resumable = zo.step_count, None, None
+        # the checkpoint this session continues from is complete: an out-of-memory refusal names it until a newer one is
+        first_step, self._zo_doing = zo.step_count, None
+        self._zo_resumable = Path(resume_from_checkpoint) if snapshot is not None else None
         try:
             if snapshot is not None:
                 self._zo_find_best_checkpoint(zo.mesh)
@@ -407,8 +409,9 @@ class ZOLoop:
     def _zo_refuse_a_late_retry(self, zo, first_step: int, exc: RuntimeError, ended: bool = False) -> None:
         """With auto_find_batch_size, an out-of-memory error that a smaller micro-batch cannot mend
         from where the run began is not handed to Trainer's retry: one in an evaluation (a smaller
-        training micro-batch does not shrink it; Trainer refuses it too), and one after this session's
-        first update (the retry would begin from weights the failed run had changed). One in a step
+        training micro-batch does not shrink it; Trainer refuses it too), one while writing a checkpoint
+        (it gathers the whole weights), and one after this session's first update (the retry would
+        begin from weights the failed run had changed). One in a step
         before any update finds the model as it was (a resumed run restores its checkpoint), so it is
         retried. ended: after the last step (loading the best, the callbacks' on_train_end)."""
         from accelerate.utils.memory import should_reduce_batch_size
@@ -511,7 +514,9 @@ class ZOLoop:
             _rotate(final.parent, self.args, self.state, self)
         self._zo_doing = None
         if not self.args.save_only_model:
-            self._zo_resumable = final  # complete: what an out-of-memory refusal names to resume from
+            # complete (on the ranks that do not write: once rank 0's save_model returned, which its write
+            # and rename follow): what an out-of-memory refusal names to resume from
+            self._zo_resumable = final
         self.control = self.callback_handler.on_save(self.args, self.state, self.control)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:

@@ -357,6 +357,13 @@ def test_auto_find_batch_size_does_not_retry_after_an_update(trained, model_fold
                                              rf"from {re.escape(str(tmp_path / 'save' / 'checkpoint-1'))}$"):
         saving.train()
     assert not (tmp_path / "save" / "checkpoint-2").exists()
+    resuming = example(SCRIPT).build(str(model_folder), str(tmp_path / "save"), STEPS, None, save_steps=1,
+                                     training=dict(auto_find_batch_size=True))
+    resuming.save_model = lambda *a, **kw: (_ for _ in ()).throw(
+        torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB (simulated)"))
+    with pytest.raises(ZOTrainerError, match=r"writing the checkpoint of step 2 ran out of memory .* then resume "
+                                             rf"from {re.escape(str(tmp_path / 'save' / 'checkpoint-1'))}$"):
+        resuming.train(resume_from_checkpoint=str(tmp_path / "save" / "checkpoint-1"))  # the one it continues
 
 
 def test_zosfttrainer_trains_a_lora_adapter_that_peft_loads_back(model_folder, tmp_path):

@@ -276,6 +276,11 @@ def test_hyperparameter_search_gives_each_trial_its_folder_and_reports_its_evalu
         trainer.hyperparameter_search(n_trials=1, backend="ray")  # refused before a trial starts (no ray here)
 
 
+def run_out_of_memory(*args, **kwargs):
+    """What the CUDA caching allocator raises when an allocation does not fit (simulated, on any device)."""
+    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+
+
 def oom_above(trainer, micro: int, after_forwards: int = 0) -> list[int]:
     """A forward hook on a decoder layer raising the CUDA allocator's out-of-memory error while the
     run's micro-batch is above `micro` examples, once `after_forwards` forwards have run; returns
@@ -285,7 +290,7 @@ def oom_above(trainer, micro: int, after_forwards: int = 0) -> list[int]:
     def hook(module, inputs, output):
         seen.append(trainer.zo.cfg.micro_batch_size)
         if len(seen) > after_forwards and seen[-1] > micro:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+            run_out_of_memory()
 
     trainer.model.model.layers[0].register_forward_hook(hook)
     return seen
@@ -337,8 +342,7 @@ def test_auto_find_batch_size_does_not_retry_after_an_update(trained, model_fold
     assert max(float((want[k] - got[k]).abs().max()) for k in want) < 1e-4 * moved
     evaluating = example(SCRIPT).build(str(model_folder), str(tmp_path / "eval"), STEPS, None,
                                        training=dict(auto_find_batch_size=True, eval_on_start=True))
-    evaluating.compute_metrics = lambda eval_pred: (_ for _ in ()).throw(
-        torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB (simulated)"))
+    evaluating.compute_metrics = run_out_of_memory
     with pytest.raises(ZOTrainerError, match=r"the evaluation after step 0 ran out of memory; .* "
                                              r"per_device_eval_batch_size=4"):
         evaluating.train()  # eval_on_start: before any update, and still not retried
@@ -349,7 +353,7 @@ def test_auto_find_batch_size_does_not_retry_after_an_update(trained, model_fold
     def save_then_run_out(*a, **kw):  # the second checkpoint's model file: out of memory
         saves.append(a)
         if len(saves) == 2:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB (simulated)")
+            run_out_of_memory()
         return save_model(*a, **kw)
 
     saving.save_model = save_then_run_out
@@ -359,8 +363,7 @@ def test_auto_find_batch_size_does_not_retry_after_an_update(trained, model_fold
     assert not (tmp_path / "save" / "checkpoint-2").exists()
     resuming = example(SCRIPT).build(str(model_folder), str(tmp_path / "save"), STEPS, None, save_steps=1,
                                      training=dict(auto_find_batch_size=True))
-    resuming.save_model = lambda *a, **kw: (_ for _ in ()).throw(
-        torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB (simulated)"))
+    resuming.save_model = run_out_of_memory
     with pytest.raises(ZOTrainerError, match=r"writing the checkpoint of step 2 ran out of memory .* then resume "
                                              rf"from {re.escape(str(tmp_path / 'save' / 'checkpoint-1'))}$"):
         resuming.train(resume_from_checkpoint=str(tmp_path / "save" / "checkpoint-1"))  # the one it continues

@@ -25,6 +25,14 @@ from ..telemetry.jsonl import read_jsonl
 BEST_FOLDER = "best"  # beside the step-N snapshots, under a name their listing does not match
 
 
+class BestWeightsGone(ResumeError):
+    """The best evaluation's weights are neither in best/ nor in a snapshot of its step."""
+
+    def __init__(self, step: int, evaluated: set[int], message: str):
+        super().__init__(message)
+        self.step, self.evaluated = step, evaluated
+
+
 @dataclass
 class Best:
     """A candidate evaluation: its step and its metrics (`Evaluator.run`'s result)."""
@@ -99,7 +107,8 @@ class BestValidation:
         whether the best's weights are to be written once that step's are current (the best is that
         step: the interruption came while writing them); and where best/ does not hold the best, the
         run's own snapshot of that step to copy there (once the run has started: `adopt`). Failing
-        those, ResumeError names the cause."""
+        those, BestWeightsGone names the cause (the trainer then rebuilds them by re-applying the
+        logged steps where it can)."""
         evaluated = self.read_logs(up_to)
         if self.best is None:
             return evaluated, False, None
@@ -118,9 +127,8 @@ class BestValidation:
                      f"{held} that checkpoints/best/ holds, and keeps no snapshot of step {step}")
         else:
             cause = f"checkpoints/best/ holds {f'step {held}' if isinstance(held, int) else held}"
-        raise ResumeError(f"keep_best={self.metric}: the best evaluation up to step {up_to}, {self.describe()}, has no "
-                          f"weights left: {cause}. Start the run afresh in a new directory, or drop keep_best (the "
-                          "last step's weights are then the result)")
+        raise BestWeightsGone(step, evaluated, f"keep_best={self.metric}: the best evaluation up to step {up_to}, "
+                                    f"{self.describe()}, has no weights left: {cause}")
 
     def adopt(self, snapshot: str) -> None:
         """best/ from the weights of one of the run's snapshots (`plan_resume`'s; rank 0)."""

@@ -34,9 +34,11 @@ from ..parallel.consistency import check_replicas
 from ..state.checkpointer import Checkpointer
 from ..state.resume import (
     ResumeError,
+    ResumePoint,
     catch_up,
     check_identity,
     find_resume_point,
+    replay_point,
     resume_point_at,
     run_identity,
     truncate_logs,
@@ -60,7 +62,7 @@ from .components import Components, build_components
 from .evaluation import Evaluator, headline
 from .hub_pins import HubPins, fetch_hub_pins
 from .rundir import RunDirectory
-from .selection import BestValidation
+from .selection import BestValidation, BestWeightsGone
 from .session import Session
 from .signals import Stopped, StopRequests
 
@@ -188,7 +190,9 @@ class Trainer:
                                       if point is not None else None)
         self.best = BestValidation(None if cfg.keep_best is None else str(cfg.keep_best), run_dir)
         self._restored = False  # keep_best: the engine holds the best evaluation's weights, not the last step's
-        best_resume = self._plan_best_resume(point.step) if self.best.enabled and point is not None else None
+        best_resume = None
+        if self.best.enabled and point is not None:
+            point, best_resume = self._plan_best_resume(point, run_dir)
         # The hub commits the run read before it was interrupted, not a branch's newer one.
         sources = fetch_hub_pins(cfg, mesh, HubPins.from_record(point.identity.get("sources")) if point else None,
                                 model=model is None, data=task is None)
@@ -196,18 +200,9 @@ class Trainer:
                                                model=model, tokenizer=tokenizer, task=task,
                                                optimizer_state=point.optimizer_state() if point is not None else None,
                                                sources=sources)
-        self.start_step, self._nonfinite = 0, 0
-        if point is not None:
-            if point.snapshot is not None:
-                log.info("Resuming from %s (step %d of %d)", point.snapshot, point.snapshot_step, cfg.steps)
-            if point.records:
-                log.info("Re-applying the %d step(s) logged after %s (trajectory.jsonl), no forward passes",
-                         len(point.records), "it" if point.snapshot else "the initial weights")
-            self._nonfinite = catch_up(c.engine, point.records, point.nonfinite_in_a_row, mesh.is_main,
-                                       c.optimizer)
-            self.start_step = point.step
-            if mesh.is_main:
-                truncate_logs(run_dir, self.start_step)
+        self.start_step, self._nonfinite = (point.step, point.nonfinite_in_a_row) if point is not None else (0, 0)
+        if point is not None and mesh.is_main:
+            truncate_logs(run_dir, self.start_step)  # what came after the step reached is written again
         sinks = open_sinks(cfg, run_dir, {"world_size": mesh.world_size, "pert": mesh.shape.pert,
                                           "data": mesh.shape.data, "nodes": mesh.world_size // mesh.node.size,
                                           "seed": self.seed}) if mesh.is_main else []
@@ -218,6 +213,8 @@ class Trainer:
                                         run_dir, mesh, self.trajectory)
         if point is None:
             self.checkpoints.start()
+        else:
+            self._catch_up(point, best_resume[3] if best_resume is not None else None)
         self.evaluator = Evaluator(c.task, c.engine, mesh, cfg.eval_batch_size, self.metrics)
         self.step_count = self.start_step  # updates done
         self.should_stop = False  # set by a callback, on every rank alike, to end `fit` after this step
@@ -233,22 +230,54 @@ class Trainer:
                             "the only candidate, so the result is the last step's weights; set eval_every below "
                             "steps (MeZO validates every steps/5)", cfg.keep_best, cfg.eval_every, cfg.steps)
             if best_resume is not None:
-                self._continue_best(*best_resume)
+                self._continue_best(*best_resume[:3])
 
-    def _plan_best_resume(self, step: int) -> tuple[set[int], bool, str | None]:
+    def _catch_up(self, point: ResumePoint, rebuild_best: int | None) -> None:
+        """Resume: the logged steps after the point's snapshot (or the initial weights) re-applied,
+        without data or forward passes; with `rebuild_best`, best/ written from the weights of that
+        step as they pass. Collective."""
+        c, records = self.components, point.records
+        if point.snapshot is not None:
+            log.info("Resuming from %s (step %d of %d)", point.snapshot, point.snapshot_step, self.cfg.steps)
+        if records:
+            log.info("Re-applying the %d step(s) logged after %s (trajectory.jsonl), no forward passes",
+                     len(records), "it" if point.snapshot else "the initial weights")
+        nonfinite = point.nonfinite_in_a_row
+        if rebuild_best is not None:
+            before = [r for r in records if r["step"] <= rebuild_best]
+            nonfinite = catch_up(c.engine, before, nonfinite, self.mesh.is_main, c.optimizer)
+            self.checkpoints.save(c.engine, rebuild_best, nonfinite, self.best.path, weights_only=True)
+            if self.mesh.is_main:
+                log.info("keep_best=%s: the best so far, %s, rebuilt by re-applying the logged steps",
+                         self.best.metric, self.best.describe())
+            records = records[len(before):]
+        self._nonfinite = catch_up(c.engine, records, nonfinite, self.mesh.is_main, c.optimizer)
+
+    def _plan_best_resume(self, point: ResumePoint,
+                          run_dir: Path) -> tuple[ResumePoint, tuple[set[int], bool, str | None, int | None]]:
         """keep_best on resume, before anything is built or the logs are cut: the best so far
-        (metrics.jsonl, read by rank 0 as it reads the resume point) and its weights (`plan_resume`);
-        every rank raises the same ResumeError where they are gone, or where rank 0 failed to read."""
-        def plan() -> tuple[tuple[set[int], bool, str | None], Any]:
+        (metrics.jsonl, read by rank 0 as it reads the resume point) and its weights (`plan_resume`).
+        Where they are gone, the resume re-applies the logged steps from a start at or before the
+        best's step (`replay_point`; the point returned) and writes best/ as it passes that step (the
+        last field). Every rank raises the same ResumeError where that cannot be, or where rank 0 failed
+        to read."""
+        def plan():
             try:
-                return self.best.plan_resume(step), self.best.best
+                return point, (*self.best.plan_resume(point.step), None), self.best.best
+            except BestWeightsGone as gone:
+                start, why = replay_point(self.cfg, run_dir, point, gone.step, self.mesh.device)
+                if start is None:
+                    raise ResumeError(f"{gone}; nor can re-applying the logged steps rebuild them: {why}. Start the "
+                                      "run afresh in a new directory, or drop keep_best (the last step's weights are "
+                                      "then the result)") from None
+                return start, (gone.evaluated, False, None, gone.step), self.best.best
             except DistzoError:
                 raise
             except Exception as exc:
                 raise ResumeError(f"keep_best={self.best.metric}: reading the best so far failed: {exc!r}") from exc
 
-        outcome, self.best.best = self.mesh.decided_on_main(plan)
-        return outcome
+        point, outcome, self.best.best = self.mesh.decided_on_main(plan)
+        return point, outcome
 
     def _continue_best(self, evaluated: set[int], save: bool, adopt: str | None) -> None:
         """keep_best on resume, the weights of the step reached current and the logs cut to it: best/

@@ -263,22 +263,60 @@ def _resume_point(cfg: Config, run_dir: Path, device: torch.device) -> ResumePoi
         return _start_over(run_dir, f"it has no valid snapshot and no {RUN_FILE}")
     where = point.snapshot or str(identity_file)
     check_identity(cfg, where, point.identity)
-    here = gaussian_generator_id(device)
-    drawn_elsewhere = (point.identity.get("distribution") == "gaussian"
-                       and point.identity.get("gaussian_generator", point.identity.get("device_type", "cpu")) != here)
-    replayable = estimator_type(cfg.estimator.name).replayable
-    if replayable and not drawn_elsewhere:
+    why = not_replayable(cfg, point.identity, device)
+    if why is None:
         point.records = logged_steps_after(run_dir, point.snapshot_step)
     else:
-        why = (f"estimator={cfg.estimator.name}'s directions depend on each step's activations" if not replayable else
-               "its Gaussian directions were drawn by "
-               f"{point.identity.get('gaussian_generator') or point.identity.get('device_type')}, "
-               f"this run draws by {here}")
         log.warning("resume=auto: the steps logged after the snapshot cannot be re-applied (%s); continuing from "
                     "the snapshot", why)
         if point.snapshot is None:
             return _start_over(run_dir, "it has no snapshot to continue from")
     return point
+
+
+def not_replayable(cfg: Config, identity: dict[str, Any], device: torch.device) -> str | None:
+    """Why the logged steps of the run `identity` describes cannot be re-applied here, or None where
+    they can (their directions are a function of the seed and the step, drawn as this process draws)."""
+    if not estimator_type(cfg.estimator.name).replayable:
+        return f"estimator={cfg.estimator.name}'s directions depend on each step's activations"
+    here = gaussian_generator_id(device)
+    if identity.get("distribution") == "gaussian" and identity.get("gaussian_generator",
+                                                                    identity.get("device_type", "cpu")) != here:
+        return (f"its Gaussian directions were drawn by "
+                f"{identity.get('gaussian_generator') or identity.get('device_type')}, this run draws by {here}")
+    return None
+
+
+def replay_point(cfg: Config, run_dir: Path, point: ResumePoint, step: int,
+                 device: torch.device) -> tuple[ResumePoint | None, str]:
+    """A start from which re-applying the logged steps passes through `step` (earlier than
+    `point.step`) and reaches `point.step`: `point` itself where it starts at or before `step`, else the
+    newest valid step-N snapshot at or before `step`, else the run's initial weights. Returns it, or
+    None with the reason where the steps cannot be re-applied or trajectory.jsonl has a gap (rank 0:
+    it reads the run directory)."""
+    why = not_replayable(cfg, point.identity, device)
+    if why is not None:
+        return None, why
+    if point.snapshot_step <= step and (point.records or step == point.snapshot_step):
+        return point, ""
+    starts: list[ResumePoint] = []
+    for path in reversed(list_snapshots(run_dir)):
+        try:
+            _, state = read_snapshot(path)
+        except CorruptSnapshot:
+            continue
+        if int(state["step"]) <= step and not state.get("weights_only"):
+            check_identity(cfg, str(path), {k: state.get(k) for k in IDENTITY_KEYS})
+            starts.append(ResumePoint(point.identity, str(path), int(state["step"]),
+                                      int(state.get("nonfinite_in_a_row", 0))))
+            break
+    starts.append(ResumePoint(point.identity))  # the initial weights (the run's model and seed rebuild them)
+    for start in starts:
+        records = [r for r in logged_steps_after(run_dir, start.snapshot_step) if r["step"] <= point.step]
+        if (records[-1]["step"] if records else start.snapshot_step) == point.step:
+            start.records = records
+            return start, ""
+    return None, f"trajectory.jsonl does not hold every step from {starts[0].snapshot_step + 1} to {point.step}"
 
 
 def _start_over(run_dir: Path, why: str) -> None:

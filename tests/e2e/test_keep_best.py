@@ -141,23 +141,61 @@ def test_a_run_interrupted_at_its_best_step_resumes_to_the_same_result(tmp_path,
     assert_same_weights(run, best_runs["accuracy"])
 
 
-def test_a_best_whose_snapshot_was_removed_is_refused_on_resume_before_anything_is_cut(tmp_path, best_runs):
+def test_a_best_whose_weights_were_removed_is_rebuilt_from_the_logged_steps_on_resume(tmp_path, best_runs):
+    """best/ gone (removed, or a run started without keep_best): the resume re-applies the logged
+    steps from the initial weights (this run keeps no snapshot), writes best/ from the weights of the
+    best step as they pass, and continues; the result is the uninterrupted run's, bitwise."""
     best = summary(best_runs["accuracy"])["best_step"]
     run = killed_copy(best_runs["accuracy"], tmp_path / "run", 18)
     shutil.rmtree(run / "checkpoints" / "best")
     with open(run / "metrics.jsonl", "a") as fh:  # step 19's line, written before the kill cut its trajectory record
         fh.write(json.dumps({"type": "train", "step": 19, "loss": 0.5}) + "\n")
-    logs = {name: (run / name).read_bytes() for name in ("metrics.jsonl", "trajectory.jsonl")}
     r = torchrun(1, *RUN, "steps=20", "keep_best=accuracy", "resume=auto", f"hydra.run.dir={run}", cwd=tmp_path)
-    assert r.returncode != 0
-    assert "the best evaluation up to step 18, validation accuracy" in r.stderr and f"at step {best}, has no " \
-        "weights left: there is no checkpoints/best/: the run was started without keep_best, or it was removed. " \
-        "Start the run afresh" in r.stderr, r.stderr[-2000:]
-    # refused before anything was cut (resume would have dropped step 19's line) or built
-    assert {name: (run / name).read_bytes() for name in logs} == logs and "Model tiny" not in r.stdout + r.stderr
-    with pytest.raises(ResumeError, match="it holds the weights alone"):  # nor does a run start from best/
-        distzo.Trainer(distzo.compose(*RUN, "steps=20"), run_dir=tmp_path / "other",
-                       resume_from=best_runs["accuracy"] / "checkpoints" / "best")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"at step {best}, rebuilt by re-applying the logged steps" in r.stdout + r.stderr, r.stderr[-2000:]
+    assert summary(run)["best_step"] == best and read_snapshot(run / "checkpoints" / "best")[1]["step"] == best
+    assert [e["step"] for e in evals(run, "validation")] == [e["step"] for e in evals(best_runs["accuracy"],
+                                                                                       "validation")]
+    assert_same_weights(run, best_runs["accuracy"])
+
+
+def test_a_best_before_the_newest_snapshot_is_rebuilt_from_an_earlier_one_or_refused(tmp_path, caplog):
+    """The best's weights gone and the run continuing from a snapshot after the best step: the resume
+    starts from the newest snapshot before it, re-applies the logged steps to the best step (best/),
+    then on to where the run was, and ends as the uninterrupted run. Where trajectory.jsonl no longer
+    holds those steps: one error naming the gap, before anything is cut or built."""
+    cfg = distzo.compose(*RUN, "steps=20", "keep_best=accuracy", "checkpoint.every=4", "checkpoint.keep=100")
+    whole = tmp_path / "whole"
+    distzo.train(cfg, run_dir=whole)
+    best = summary(whole)["best_step"]
+    assert best % 4 and 4 < best < 16, best  # between snapshots, with one before it and one after it
+    caplog.set_level("INFO", logger="distzo")
+    for name, gap in (("rebuilt", False), ("refused", True)):
+        run = killed_copy(whole, tmp_path / name, 18)
+        shutil.rmtree(run / "checkpoints" / "best")
+        before = best // 4 * 4  # the newest snapshot at or before the best step
+        if gap:  # the steps after that snapshot, up to the best, no longer logged
+            kept = [r for r in read_jsonl(run / "trajectory.jsonl") if not before < r["step"] <= best]
+            (run / "trajectory.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
+        logs = {n: (run / n).read_bytes() for n in ("metrics.jsonl", "trajectory.jsonl")}
+        if gap:
+            with pytest.raises(ResumeError, match=rf"at step {best}, has no weights left: there is no "
+                               rf"checkpoints/best/.*; nor can re-applying the logged steps rebuild them: "
+                               rf"trajectory.jsonl does not hold every step from {before + 1} to 18\. Start the run"):
+                distzo.Trainer(distzo.compose(*RUN, "steps=20", "keep_best=accuracy", "checkpoint.every=4",
+                                              "checkpoint.keep=100", "resume=auto"), run_dir=run)
+            assert {n: (run / n).read_bytes() for n in logs} == logs
+            continue
+        with distzo.Trainer(distzo.compose(*RUN, "steps=20", "keep_best=accuracy", "checkpoint.every=4",
+                                           "checkpoint.keep=100", "resume=auto"), run_dir=run) as trainer:
+            assert trainer.start_step == 18
+            assert (f"Resuming from {run / 'checkpoints' / f'step-{before:08d}'} (step {before} of 20)" in caplog.text
+                    and f"Re-applying the {18 - before} step(s)" in caplog.text), caplog.text[-2000:]
+            held = read_snapshot(run / "checkpoints" / "best")
+            assert held[1]["step"] == best and not held[1].get("pending_update")
+            assert all(torch.equal(held[0][k], v) for k, v in read_snapshot(whole / "checkpoints" / "best")[0].items())
+            assert trainer.fit()["best_step"] == best
+        assert_same_weights(run, whole)
 
 
 def test_resuming_before_the_best_step_takes_the_best_so_far_from_the_runs_own_snapshot(tmp_path, best_runs):

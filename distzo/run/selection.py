@@ -32,6 +32,9 @@ class BestWeightsGone(ResumeError):
         super().__init__(message)
         self.step, self.evaluated = step, evaluated
 
+    def __reduce__(self):  # as its constructor takes it (an exception pickles its args alone)
+        return type(self), (self.step, self.evaluated, str(self))
+
 
 @dataclass
 class Best:

@@ -265,7 +265,12 @@ class Trainer:
             try:
                 return point, (*self.best.plan_resume(point.step), None), self.best.best
             except BestWeightsGone as gone:
-                start, why = replay_point(self.cfg, run_dir, point, gone.step, self.mesh.device)
+                try:
+                    start, why = replay_point(self.cfg, run_dir, point, gone.step, self.mesh.device)
+                except DistzoError as exc:
+                    start, why = None, str(exc)
+                except Exception as exc:
+                    start, why = None, f"reading the run's snapshots failed: {exc!r}"
                 if start is None:
                     raise ResumeError(f"{gone}; nor can re-applying the logged steps rebuild them: {why}. Start the "
                                       "run afresh in a new directory, or drop keep_best (the last step's weights are "

@@ -44,6 +44,7 @@ from .snapshots import (
     read_optimizer_state,
     read_snapshot,
     snapshots_dir,
+    verify_snapshot,
 )
 
 log = logging.getLogger("distzo")
@@ -291,32 +292,58 @@ def replay_point(cfg: Config, run_dir: Path, point: ResumePoint, step: int,
                  device: torch.device) -> tuple[ResumePoint | None, str]:
     """A start from which re-applying the logged steps passes through `step` (earlier than
     `point.step`) and reaches `point.step`: `point` itself where it starts at or before `step`, else the
-    newest valid step-N snapshot at or before `step`, else the run's initial weights. Returns it, or
-    None with the reason where the steps cannot be re-applied or trajectory.jsonl has a gap (rank 0:
-    it reads the run directory)."""
+    newest valid step-N snapshot at or before `step`, else the run's initial weights (run.json). Returns
+    it, or None with the reason where the steps cannot be re-applied here or trajectory.jsonl has a gap
+    (rank 0: it reads the run directory)."""
     why = not_replayable(cfg, point.identity, device)
     if why is not None:
         return None, why
     if point.snapshot_step <= step and (point.records or step == point.snapshot_step):
         return point, ""
-    starts: list[ResumePoint] = []
-    for path in reversed(list_snapshots(run_dir)):
+    snapshots = [(int(path.name.split("-")[1]), path) for path in list_snapshots(run_dir)]
+    # A session that drew by another generator continued from a snapshot without re-applying the steps
+    # after it (resume=auto), so every snapshot between the start and the point names who drew: each
+    # must have drawn as this process draws.
+    for at, path in snapshots:
+        identity = _saved_identity(path / "state.json")
+        if step < at <= point.snapshot_step and identity is not None:
+            why = not_replayable(cfg, identity, device)
+            if why is not None:
+                return None, f"{why} (snapshot {path.name})"
+    start = None
+    for at, path in reversed(snapshots):
+        if at > step:
+            continue
         try:
-            _, state = read_snapshot(path)
+            state = verify_snapshot(path)
         except CorruptSnapshot:
             continue
-        if int(state["step"]) <= step and not state.get("weights_only"):
-            check_identity(cfg, str(path), {k: state.get(k) for k in IDENTITY_KEYS})
-            starts.append(ResumePoint(point.identity, str(path), int(state["step"]),
-                                      int(state.get("nonfinite_in_a_row", 0))))
+        if not state.get("weights_only"):
+            start = ResumePoint({k: state.get(k) for k in IDENTITY_KEYS}, str(path), at,
+                                int(state.get("nonfinite_in_a_row", 0)))
             break
-    starts.append(ResumePoint(point.identity))  # the initial weights (the run's model and seed rebuild them)
-    for start in starts:
-        records = [r for r in logged_steps_after(run_dir, start.snapshot_step) if r["step"] <= point.step]
-        if (records[-1]["step"] if records else start.snapshot_step) == point.step:
-            start.records = records
-            return start, ""
-    return None, f"trajectory.jsonl does not hold every step from {starts[0].snapshot_step + 1} to {point.step}"
+    if start is None:  # the initial weights: the run's model and seed rebuild them
+        identity = _saved_identity(run_dir / RUN_FILE)
+        if identity is None:
+            return None, f"no valid snapshot at or before step {step}, and {RUN_FILE} is missing or unreadable"
+        start = ResumePoint(identity)
+    why = not_replayable(cfg, start.identity, device)
+    if why is not None:
+        return None, f"{why} ({Path(start.snapshot).name if start.snapshot else RUN_FILE})"
+    check_identity(cfg, start.snapshot or str(run_dir / RUN_FILE), start.identity)
+    records = [r for r in logged_steps_after(run_dir, start.snapshot_step) if r["step"] <= point.step]
+    if (records[-1]["step"] if records else start.snapshot_step) != point.step:
+        return None, f"trajectory.jsonl does not hold every step from {start.snapshot_step + 1} to {point.step}"
+    start.records = records
+    return start, ""
+
+
+def _saved_identity(path: Path) -> dict[str, Any] | None:
+    """A snapshot's state.json or run.json as a run identity; None where it is unreadable."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
 
 
 def _start_over(run_dir: Path, why: str) -> None:

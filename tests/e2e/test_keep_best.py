@@ -163,25 +163,33 @@ def test_a_best_before_the_newest_snapshot_is_rebuilt_from_an_earlier_one_or_ref
     """The best's weights gone and the run continuing from a snapshot after the best step: the resume
     starts from the newest snapshot before it, re-applies the logged steps to the best step (best/),
     then on to where the run was, and ends as the uninterrupted run. Where trajectory.jsonl no longer
-    holds those steps: one error naming the gap, before anything is cut or built."""
+    holds those steps, or the snapshot to start from records Gaussian directions drawn by another
+    generator: one error naming the cause, before anything is cut or built."""
     cfg = distzo.compose(*RUN, "steps=20", "keep_best=accuracy", "checkpoint.every=4", "checkpoint.keep=100")
     whole = tmp_path / "whole"
     distzo.train(cfg, run_dir=whole)
     best = summary(whole)["best_step"]
     assert best % 4 and 4 < best < 16, best  # between snapshots, with one before it and one after it
     caplog.set_level("INFO", logger="distzo")
-    for name, gap in (("rebuilt", False), ("refused", True)):
+    before = best // 4 * 4  # the newest snapshot at or before the best step
+    refusals = {
+        "gap": rf"trajectory.jsonl does not hold every step from {before + 1} to 18",
+        # a snapshot's record of who drew its Gaussian directions: another session, on another GPU
+        "generator": rf"its Gaussian directions were drawn by cuda-sm_80, this run draws by .* \(step-{before:08d}\)"}
+    for name in ("rebuilt", *refusals):
         run = killed_copy(whole, tmp_path / name, 18)
         shutil.rmtree(run / "checkpoints" / "best")
-        before = best // 4 * 4  # the newest snapshot at or before the best step
-        if gap:  # the steps after that snapshot, up to the best, no longer logged
+        if name == "gap":  # the steps after that snapshot, up to the best, no longer logged
             kept = [r for r in read_jsonl(run / "trajectory.jsonl") if not before < r["step"] <= best]
             (run / "trajectory.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
+        if name == "generator":
+            state_file = run / "checkpoints" / f"step-{before:08d}" / "state.json"
+            state_file.write_text(json.dumps(dict(json.loads(state_file.read_text()), gaussian_generator="cuda-sm_80")))
         logs = {n: (run / n).read_bytes() for n in ("metrics.jsonl", "trajectory.jsonl")}
-        if gap:
+        if name in refusals:
             with pytest.raises(ResumeError, match=rf"at step {best}, has no weights left: there is no "
                                rf"checkpoints/best/.*; nor can re-applying the logged steps rebuild them: "
-                               rf"trajectory.jsonl does not hold every step from {before + 1} to 18\. Start the run"):
+                               rf"{refusals[name]}\. Start the run"):
                 distzo.Trainer(distzo.compose(*RUN, "steps=20", "keep_best=accuracy", "checkpoint.every=4",
                                               "checkpoint.keep=100", "resume=auto"), run_dir=run)
             assert {n: (run / n).read_bytes() for n in logs} == logs

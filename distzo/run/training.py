@@ -266,7 +266,12 @@ class Trainer:
                 return point, (*self.best.plan_resume(point.step), None), self.best.best
             except BestWeightsGone as gone:
                 try:
-                    start, why = replay_point(self.cfg, run_dir, point, gone.step, self.mesh.device)
+                    if self.resume_from is not None:
+                        start, why = None, ("resume_from names the snapshot to continue from, and the rebuild "
+                                            "would start from an earlier one (resume=auto in the run's directory "
+                                            "rebuilds them)")
+                    else:
+                        start, why = replay_point(self.cfg, run_dir, point, gone.step, self.mesh.device)
                 except DistzoError as exc:
                     start, why = None, str(exc)
                 except Exception as exc:

@@ -157,45 +157,53 @@ def test_a_best_whose_weights_were_removed_is_rebuilt_from_the_logged_steps_on_r
     assert [e["step"] for e in evals(run, "validation")] == [e["step"] for e in evals(best_runs["accuracy"],
                                                                                        "validation")]
     assert_same_weights(run, best_runs["accuracy"])
+    with pytest.raises(ResumeError, match="it holds the weights alone"):  # nor does a run start from best/
+        distzo.Trainer(distzo.compose(*RUN, "steps=20"), run_dir=tmp_path / "other",
+                       resume_from=best_runs["accuracy"] / "checkpoints" / "best")
 
 
 def test_a_best_before_the_newest_snapshot_is_rebuilt_from_an_earlier_one_or_refused(tmp_path, caplog):
     """The best's weights gone and the run continuing from a snapshot after the best step: the resume
     starts from the newest snapshot before it, re-applies the logged steps to the best step (best/),
     then on to where the run was, and ends as the uninterrupted run. Where trajectory.jsonl no longer
-    holds those steps, or the snapshot to start from records Gaussian directions drawn by another
-    generator: one error naming the cause, before anything is cut or built."""
-    cfg = distzo.compose(*RUN, "steps=20", "keep_best=accuracy", "checkpoint.every=4", "checkpoint.keep=100")
+    holds those steps, or the snapshot to start from or one after it records Gaussian directions drawn
+    by another generator: one error naming the cause, before anything is cut or built. Nor does a
+    resume_from that names a snapshot after the best step rebuild them (it is where to continue from)."""
+    settings = [*RUN, "steps=20", "keep_best=accuracy", "checkpoint.every=2", "checkpoint.keep=100"]
     whole = tmp_path / "whole"
-    distzo.train(cfg, run_dir=whole)
+    distzo.train(distzo.compose(*settings), run_dir=whole)
     best = summary(whole)["best_step"]
-    assert best % 4 and 4 < best < 16, best  # between snapshots, with one before it and one after it
+    assert best % 2 and 2 < best < 16, best  # between snapshots, one before it and two after it up to step 18
     caplog.set_level("INFO", logger="distzo")
-    before = best // 4 * 4  # the newest snapshot at or before the best step
+    before = best // 2 * 2  # the newest snapshot at or before the best step
+    # a snapshot's record of who drew its Gaussian directions (another session, on another GPU): the
+    # start's, or that of one between the best step and the snapshot the run continues from
+    other = {"start-generator": before, "generator": best + 1}
     refusals = {
         "gap": rf"trajectory.jsonl does not hold every step from {before + 1} to 18",
-        # a snapshot's record of who drew its Gaussian directions: another session, on another GPU
-        "generator": rf"its Gaussian directions were drawn by cuda-sm_80, this run draws by .* \(step-{before:08d}\)"}
+        "start-generator": rf"directions were drawn by cuda-sm_80, this run draws by .* \(step-{before:08d}\)",
+        "generator": rf"directions were drawn by cuda-sm_80, this run draws by .* \(snapshot step-{best + 1:08d}\)",
+        "resume_from": r"resume_from names the snapshot to continue from"}
     for name in ("rebuilt", *refusals):
         run = killed_copy(whole, tmp_path / name, 18)
         shutil.rmtree(run / "checkpoints" / "best")
         if name == "gap":  # the steps after that snapshot, up to the best, no longer logged
             kept = [r for r in read_jsonl(run / "trajectory.jsonl") if not before < r["step"] <= best]
             (run / "trajectory.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
-        if name == "generator":
-            state_file = run / "checkpoints" / f"step-{before:08d}" / "state.json"
+        if name in other:
+            state_file = run / "checkpoints" / f"step-{other[name]:08d}" / "state.json"
             state_file.write_text(json.dumps(dict(json.loads(state_file.read_text()), gaussian_generator="cuda-sm_80")))
         logs = {n: (run / n).read_bytes() for n in ("metrics.jsonl", "trajectory.jsonl")}
         if name in refusals:
+            how = dict(resume_from=run / "checkpoints" / "step-00000018") if name == "resume_from" else {}
             with pytest.raises(ResumeError, match=rf"at step {best}, has no weights left: there is no "
                                rf"checkpoints/best/.*; nor can re-applying the logged steps rebuild them: "
-                               rf"{refusals[name]}\. Start the run"):
-                distzo.Trainer(distzo.compose(*RUN, "steps=20", "keep_best=accuracy", "checkpoint.every=4",
-                                              "checkpoint.keep=100", "resume=auto"), run_dir=run)
+                               rf".*{refusals[name]}.* Start the run"):
+                distzo.Trainer(distzo.compose(*settings, "resume=never" if how else "resume=auto"), run_dir=run,
+                               **how)
             assert {n: (run / n).read_bytes() for n in logs} == logs
             continue
-        with distzo.Trainer(distzo.compose(*RUN, "steps=20", "keep_best=accuracy", "checkpoint.every=4",
-                                           "checkpoint.keep=100", "resume=auto"), run_dir=run) as trainer:
+        with distzo.Trainer(distzo.compose(*settings, "resume=auto"), run_dir=run) as trainer:
             assert trainer.start_step == 18
             assert (f"Resuming from {run / 'checkpoints' / f'step-{before:08d}'} (step {before} of 20)" in caplog.text
                     and f"Re-applying the {18 - before} step(s)" in caplog.text), caplog.text[-2000:]

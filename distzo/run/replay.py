@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 from ..config.compose import typed
 from ..errors import DistzoError
 from ..parallel.mesh import Mesh
-from ..state.resume import catch_up
+from ..state.resume import catch_up, drawn_by
 from ..state.saved import RUN_FILE, load_run_config
 from ..state.snapshots import CorruptSnapshot, list_snapshots, read_optimizer_state, read_snapshot
 from ..telemetry.jsonl import read_jsonl
@@ -62,19 +62,6 @@ def replay(run_dir: Path, step: int | None = None, out: Path | None = None, devi
         raise ReplayError(f"{base} drew its {state['distribution']} directions with scheme "
                           f"{state.get('directions_version')}; this distzo draws scheme {DIRECTIONS_VERSION}, so "
                           "replay it with the distzo version that trained it")
-    if state["distribution"] == "gaussian" and state.get("device_type", "cpu") != torch.device(device).type:
-        raise ReplayError(f"the run drew its Gaussian directions on {state['device_type']}; replay with --device "
-                          f"{state['device_type']} (Gaussian generators differ between device types)")
-    # Snapshots from before the generator was recorded name only the device type, which no longer
-    # matches this distzo's generator (CUDA Gaussian z changed with DIRECTIONS_VERSION 4, CPU's with 6).
-    drawn_by = state.get("gaussian_generator") or state.get("device_type", "cpu")
-    if state["distribution"] == "gaussian" and drawn_by != gaussian_generator_id(torch.device(device)):
-        raise ReplayError(f"the run drew its Gaussian directions by {drawn_by}, and this machine draws by "
-                          f"{gaussian_generator_id(torch.device(device))} (the CPU's Gaussian scheme changed in "
-                          "distzo's directions version 6, CUDA's in version 5, and CUDA's uses the GPU "
-                          "architecture's own ln, cos and sin); replay with the distzo version that trained it "
-                          "(on a GPU of the recorded architecture for a CUDA run), or train with "
-                          "estimator.distribution=rademacher, whose directions are the same everywhere")
     todo = [r for r in records if state["step"] < r["step"] <= target]
     missing = sorted(set(range(state["step"] + 1, target + 1)) - {r["step"] for r in todo})
     if missing:
@@ -85,6 +72,23 @@ def replay(run_dir: Path, step: int | None = None, out: Path | None = None, devi
         raise ReplayError(f"{run_dir} was trained with estimator={cfg.estimator.name}, whose directions depend on "
                           "each step's activations (not only on the seed); it cannot be replayed from the trajectory "
                           "log, resume it from its snapshots instead")
+    here = gaussian_generator_id(torch.device(device))
+    foreign = [r for r in todo if state["distribution"] == "gaussian" and not r.get("skipped")
+               and drawn_by(state, r) != here]
+    if foreign:
+        # Records logged before they named their generator are taken as drawn by the snapshot's, and
+        # snapshots from before it was recorded name only the device type, which no longer matches this
+        # distzo's generator (CUDA Gaussian z changed with DIRECTIONS_VERSION 4, CPU's with 6).
+        drawn, first = drawn_by(state, foreign[0]), foreign[0]["step"]
+        if drawn.split(":")[0] != torch.device(device).type:
+            raise ReplayError(f"the run drew step {first}'s Gaussian directions on {drawn.split(':')[0]}; replay with "
+                              f"--device {drawn.split(':')[0]} (Gaussian generators differ between device types)")
+        raise ReplayError(f"the run drew step {first}'s Gaussian directions by {drawn}, and this machine draws by "
+                          f"{here} (the CPU's Gaussian scheme changed in distzo's directions version 6, CUDA's in "
+                          "version 5, and CUDA's uses the GPU architecture's own ln, cos and sin); replay with the "
+                          "distzo version that trained it (on a GPU of the recorded architecture for a CUDA run), "
+                          "or train with estimator.distribution=rademacher, whose directions are the same "
+                          "everywhere")
     # The same trainable set, built the same seeded way, on a resident engine of this process.
     optimizer_state = read_optimizer_state(base) if tensors is not None else None
     mesh = Mesh.single(device)

@@ -591,9 +591,11 @@ class Trainer:
                            projected_grads=list(result.grads), lr=lr, tokens=batch.tokens,
                            step_time_s=round(step_time, 4), tokens_per_s=round(batch.tokens / step_time, 1),
                            **transfers, peak_mem_bytes=peak_memory_bytes(self.mesh.device))
+        identity = self.checkpoints.identity  # Gaussian directions: who drew them (resume and replay compare)
+        drawn = {"drawn_by": identity["gaussian_generator"]} if identity["distribution"] == "gaussian" else {}
         self.trajectory.append({"step": step + 1, "update": step,
                                 "coefficients": [list(c) for c in out.coefficients], "lr": lr,
-                                "weight_decay": cfg.optim.weight_decay, "grads": list(result.grads)})
+                                "weight_decay": cfg.optim.weight_decay, "grads": list(result.grads), **drawn})
         ema = self._loss_ema
         self._loss_ema = result.loss if ema is None else 0.9 * ema + 0.1 * result.loss
         self._progress.update(step + 1, f"loss {self._loss_ema:.4f} lr {lr:.2e} {step_time:.2f}s/step",

@@ -264,28 +264,54 @@ def _resume_point(cfg: Config, run_dir: Path, device: torch.device) -> ResumePoi
         return _start_over(run_dir, f"it has no valid snapshot and no {RUN_FILE}")
     where = point.snapshot or str(identity_file)
     check_identity(cfg, where, point.identity)
-    why = not_replayable(cfg, point.identity, device)
-    if why is None:
-        point.records = logged_steps_after(run_dir, point.snapshot_step)
-    else:
-        log.warning("resume=auto: the steps logged after the snapshot cannot be re-applied (%s); continuing from "
-                    "the snapshot", why)
-        if point.snapshot is None:
-            return _start_over(run_dir, "it has no snapshot to continue from")
+    point.records, why = replayable_records(cfg, point.identity, logged_steps_after(run_dir, point.snapshot_step),
+                                            device)
+    if why is not None:
+        if point.snapshot is None and not point.records:
+            return _start_over(run_dir, f"it has no snapshot to continue from, and {why}")
+        log.warning("resume=auto: the steps logged after %s cannot be re-applied from step %d on (%s); continuing "
+                    "from step %d", "the snapshot" if point.snapshot else "the initial weights", point.step + 1, why,
+                    point.step)
     return point
 
 
+def drawn_by(identity: dict[str, Any], record: dict[str, Any] | None = None) -> str:
+    """Who drew a logged step's Gaussian directions: the generator its trajectory record names, else
+    (a record logged before distzo named it, or none given) the one its start, a snapshot or run.json,
+    records."""
+    named = record.get("drawn_by") if record is not None else None
+    return named or identity.get("gaussian_generator") or identity.get("device_type", "cpu")
+
+
 def not_replayable(cfg: Config, identity: dict[str, Any], device: torch.device) -> str | None:
-    """Why the logged steps of the run `identity` describes cannot be re-applied here, or None where
-    they can (their directions are a function of the seed and the step, drawn as this process draws)."""
+    """Why steps logged after the start `identity` describes (a snapshot or run.json), without a
+    generator of their own, cannot be re-applied here, or None where they can (their directions are a
+    function of the seed and the step, drawn as this process draws)."""
     if not estimator_type(cfg.estimator.name).replayable:
         return f"estimator={cfg.estimator.name}'s directions depend on each step's activations"
     here = gaussian_generator_id(device)
-    if identity.get("distribution") == "gaussian" and identity.get("gaussian_generator",
-                                                                    identity.get("device_type", "cpu")) != here:
-        return (f"its Gaussian directions were drawn by "
-                f"{identity.get('gaussian_generator') or identity.get('device_type')}, this run draws by {here}")
+    if identity.get("distribution") == "gaussian" and drawn_by(identity) != here:
+        return f"its Gaussian directions were drawn by {drawn_by(identity)}, this run draws by {here}"
     return None
+
+
+def replayable_records(cfg: Config, identity: dict[str, Any], records: list[dict[str, Any]],
+                       device: torch.device) -> tuple[list[dict[str, Any]], str | None]:
+    """The leading `records` (logged after the start `identity` describes) that this process can
+    re-apply, and why the next cannot (None: all can). A step's Gaussian directions must have been drawn
+    as this process draws: a session on another GPU architecture, or a CPU one, may have logged it."""
+    if not records:
+        return [], None
+    if not estimator_type(cfg.estimator.name).replayable:
+        return [], f"estimator={cfg.estimator.name}'s directions depend on each step's activations"
+    if identity.get("distribution") != "gaussian":
+        return list(records), None
+    here = gaussian_generator_id(device)
+    for i, record in enumerate(records):
+        if not record.get("skipped") and drawn_by(identity, record) != here:
+            return records[:i], (f"step {record['step']}'s Gaussian directions were drawn by "
+                                 f"{drawn_by(identity, record)}, this run draws by {here}")
+    return list(records), None
 
 
 def replay_point(cfg: Config, run_dir: Path, point: ResumePoint, step: int,
@@ -295,21 +321,11 @@ def replay_point(cfg: Config, run_dir: Path, point: ResumePoint, step: int,
     newest valid step-N snapshot at or before `step`, else the run's initial weights (run.json). Returns
     it, or None with the reason where the steps cannot be re-applied here or trajectory.jsonl has a gap
     (rank 0: it reads the run directory)."""
-    why = not_replayable(cfg, point.identity, device)
-    if why is not None:
-        return None, why
+    if not estimator_type(cfg.estimator.name).replayable:
+        return None, f"estimator={cfg.estimator.name}'s directions depend on each step's activations"
     if point.snapshot_step <= step and (point.records or step == point.snapshot_step):
         return point, ""
     snapshots = [(int(path.name.split("-")[1]), path) for path in list_snapshots(run_dir)]
-    # A session that drew by another generator continued from a snapshot without re-applying the steps
-    # after it (resume=auto), so every snapshot between the start and the point names who drew: each
-    # must have drawn as this process draws.
-    for at, path in snapshots:
-        identity = _saved_identity(path / "state.json")
-        if step < at <= point.snapshot_step and identity is not None:
-            why = not_replayable(cfg, identity, device)
-            if why is not None:
-                return None, f"{why} (snapshot {path.name})"
     start = None
     for at, path in reversed(snapshots):
         if at > step:
@@ -327,14 +343,25 @@ def replay_point(cfg: Config, run_dir: Path, point: ResumePoint, step: int,
         if identity is None:
             return None, f"no valid snapshot at or before step {step}, and {RUN_FILE} is missing or unreadable"
         start = ResumePoint(identity)
-    why = not_replayable(cfg, start.identity, device)
-    if why is not None:
-        return None, f"{why} ({Path(start.snapshot).name if start.snapshot else RUN_FILE})"
     check_identity(cfg, start.snapshot or str(run_dir / RUN_FILE), start.identity)
     records = [r for r in logged_steps_after(run_dir, start.snapshot_step) if r["step"] <= point.step]
     if (records[-1]["step"] if records else start.snapshot_step) != point.step:
         return None, f"trajectory.jsonl does not hold every step from {start.snapshot_step + 1} to {point.step}"
-    start.records = records
+    if any("drawn_by" not in r for r in records if not r.get("skipped")):
+        # Logged before records named their generator: they are taken as drawn by the start's, and a
+        # session that drew by another continued from a snapshot without re-applying the steps after
+        # it (resume=auto), so the start and every snapshot up to the point must have drawn as this
+        # process draws.
+        for at, path in [(start.snapshot_step, Path(start.snapshot) if start.snapshot else run_dir / RUN_FILE),
+                         *((at, path) for at, path in snapshots if step < at <= point.snapshot_step)]:
+            identity = start.identity if at == start.snapshot_step else _saved_identity(path / "state.json")
+            why = not_replayable(cfg, identity, device) if identity is not None else None
+            if why is not None:
+                return None, f"{why} ({'snapshot ' if at != start.snapshot_step else ''}{path.name})"
+    kept, why = replayable_records(cfg, start.identity, records, device)
+    if why is not None:
+        return None, why
+    start.records = kept
     return start, ""
 
 

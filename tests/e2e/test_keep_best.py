@@ -166,9 +166,10 @@ def test_a_best_before_the_newest_snapshot_is_rebuilt_from_an_earlier_one_or_ref
     """The best's weights gone and the run continuing from a snapshot after the best step: the resume
     starts from the newest snapshot before it, re-applies the logged steps to the best step (best/),
     then on to where the run was, and ends as the uninterrupted run. Where trajectory.jsonl no longer
-    holds those steps, or the snapshot to start from or one after it records Gaussian directions drawn
-    by another generator: one error naming the cause, before anything is cut or built. Nor does a
-    resume_from that names a snapshot after the best step rebuild them (it is where to continue from)."""
+    holds those steps, or one of them was drawn by another generator (its record says so, or for
+    records from before they named it, the snapshot to start from or one after it): one error naming
+    the cause, before anything is cut or built. Nor does a resume_from that names a snapshot after the
+    best step rebuild them (it is where to continue from)."""
     settings = [*RUN, "steps=20", "keep_best=accuracy", "checkpoint.every=2", "checkpoint.keep=100"]
     whole = tmp_path / "whole"
     distzo.train(distzo.compose(*settings), run_dir=whole)
@@ -176,13 +177,17 @@ def test_a_best_before_the_newest_snapshot_is_rebuilt_from_an_earlier_one_or_ref
     assert best % 2 and 2 < best < 16, best  # between snapshots, one before it and two after it up to step 18
     caplog.set_level("INFO", logger="distzo")
     before = best // 2 * 2  # the newest snapshot at or before the best step
-    # a snapshot's record of who drew its Gaussian directions (another session, on another GPU): the
-    # start's, or that of one between the best step and the snapshot the run continues from
+    # Who drew a step's Gaussian directions (another session, on another GPU): its trajectory record
+    # says; for records logged before they named it, the start's snapshot or one between the best step
+    # and the snapshot the run continues from says.
+    gpu = "cuda:gaussian-pairs:sm_90"
     other = {"start-generator": before, "generator": best + 1}
     refusals = {
         "gap": rf"trajectory.jsonl does not hold every step from {before + 1} to 18",
-        "start-generator": rf"directions were drawn by cuda-sm_80, this run draws by .* \(step-{before:08d}\)",
-        "generator": rf"directions were drawn by cuda-sm_80, this run draws by .* \(snapshot step-{best + 1:08d}\)",
+        "drawn_by": rf"step {best}'s Gaussian directions were drawn by {gpu}, this run draws by ",
+        "start-generator": rf"its Gaussian directions were drawn by {gpu}, this run draws by .* \(step-{before:08d}\)",
+        "generator": rf"its Gaussian directions were drawn by {gpu}, this run draws by .* \(snapshot "
+                     rf"step-{best + 1:08d}\)",
         "resume_from": r"resume_from names the snapshot to continue from"}
     for name in ("rebuilt", *refusals):
         run = killed_copy(whole, tmp_path / name, 18)
@@ -190,15 +195,20 @@ def test_a_best_before_the_newest_snapshot_is_rebuilt_from_an_earlier_one_or_ref
         if name == "gap":  # the steps after that snapshot, up to the best, no longer logged
             kept = [r for r in read_jsonl(run / "trajectory.jsonl") if not before < r["step"] <= best]
             (run / "trajectory.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
-        if name in other:
+        if name == "drawn_by":  # the best step drawn on a GPU
+            marked = [dict(r, drawn_by=gpu) if r["step"] == best else r for r in read_jsonl(run / "trajectory.jsonl")]
+            (run / "trajectory.jsonl").write_text("".join(json.dumps(r) + "\n" for r in marked))
+        if name in other:  # records from before they named their generator, and a snapshot drawn on a GPU
+            unnamed = [{k: v for k, v in r.items() if k != "drawn_by"} for r in read_jsonl(run / "trajectory.jsonl")]
+            (run / "trajectory.jsonl").write_text("".join(json.dumps(r) + "\n" for r in unnamed))
             state_file = run / "checkpoints" / f"step-{other[name]:08d}" / "state.json"
-            state_file.write_text(json.dumps(dict(json.loads(state_file.read_text()), gaussian_generator="cuda-sm_80")))
+            state_file.write_text(json.dumps(dict(json.loads(state_file.read_text()), gaussian_generator=gpu)))
         logs = {n: (run / n).read_bytes() for n in ("metrics.jsonl", "trajectory.jsonl")}
         if name in refusals:
             how = dict(resume_from=run / "checkpoints" / "step-00000018") if name == "resume_from" else {}
             with pytest.raises(ResumeError, match=rf"at step {best}, has no weights left: there is no "
                                rf"checkpoints/best/.*; nor can re-applying the logged steps rebuild them: "
-                               rf".*{refusals[name]}.* Start the run"):
+                               rf"{refusals[name]}.* Start the run"):
                 distzo.Trainer(distzo.compose(*settings, "resume=never" if how else "resume=auto"), run_dir=run,
                                **how)
             assert {n: (run / n).read_bytes() for n in logs} == logs

@@ -135,12 +135,80 @@ def test_a_run_drawn_by_the_earlier_cpu_gaussian_scheme_continues_from_its_snaps
         state = json.loads(recorded.read_text())
         assert state["gaussian_generator"] == "cpu:gaussian-pairs-series"  # this distzo's, recorded
         recorded.write_text(json.dumps({**state, "gaussian_generator": "cpu", "directions_version": 5}))
-    with pytest.raises(ReplayError, match=r"drew its Gaussian directions by cpu, and this machine draws by "
+    records = list(read_jsonl(old / "trajectory.jsonl"))
+    assert {r.pop("drawn_by") for r in records} == {"cpu:gaussian-pairs-series"}  # not logged then
+    (old / "trajectory.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    with pytest.raises(ReplayError, match=r"drew step 5's Gaussian directions by cpu, and this machine draws by "
                                           r"cpu:gaussian-pairs-series \(the CPU's Gaussian scheme changed"):
         distzo.replay(old, step=5)
     with caplog.at_level("WARNING", logger="distzo"):
         run("steps=6", "resume=auto")
-    assert ("cannot be re-applied (its Gaussian directions were drawn by cpu, this run draws by "
-            "cpu:gaussian-pairs-series); continuing from the snapshot") in caplog.text
+    assert ("cannot be re-applied from step 5 on (step 5's Gaussian directions were drawn by cpu, this run draws "
+            "by cpu:gaussian-pairs-series); continuing from step 4") in caplog.text
     assert json.loads((old / "summary.json").read_text())["resumed_from_step"] == 4  # step 5 not re-applied
     assert [r["step"] for r in read_jsonl(old / "trajectory.jsonl")] == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_run_continued_on_another_machine_re_applies_exactly_the_steps_drawn_as_this_process_draws(tmp_path,
+                                                                                                   caplog):
+    """Each trajectory record names the generator that drew its Gaussian directions. A session on
+    another machine (here: records and a snapshot marked as drawn by a GPU) may have continued the
+    run: resume=auto re-applies the logged steps up to the first drawn by another generator and
+    continues from there, whatever the snapshot records; so steps this process draws are re-applied
+    after another machine's snapshot, and the run ends as the uninterrupted one, bitwise. replay
+    refuses a foreign step, naming it."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file
+
+    import distzo
+    from distzo.run.replay import ReplayError
+    from distzo.telemetry.jsonl import read_jsonl
+
+    gpu = "cuda:gaussian-pairs:sm_90"
+
+    def run(where, *overrides):
+        cfg = distzo.compose("model=tiny", "task=synthetic-cue", "steps=8", "eval_every=0", "task.val_size=8",
+                             "task.test_size=8", "batch_size=8", "optim.lr=1e-3", "checkpoint.every=4",
+                             "threads=1", "log_every=1000", *overrides)
+        return distzo.train(cfg, where)
+
+    def final(where):
+        return load_file(where / "final" / "model.safetensors")
+
+    whole = tmp_path / "whole"
+    run(whole)
+    assert {r["drawn_by"] for r in read_jsonl(whole / "trajectory.jsonl")} == {"cpu:gaussian-pairs-series"}
+
+    def killed_at_7(name, marked_steps, snapshot_by=None):
+        """The run as killed after step 7: step 8's record, snapshot and final weights gone."""
+        where = tmp_path / name
+        shutil.copytree(whole, where)
+        shutil.rmtree(where / "checkpoints" / "step-00000008")
+        shutil.rmtree(where / "final")
+        (where / "summary.json").unlink()
+        records = [dict(r, drawn_by=gpu) if r["step"] in marked_steps else r
+                   for r in read_jsonl(where / "trajectory.jsonl") if r["step"] <= 7]
+        (where / "trajectory.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        if snapshot_by:
+            state_file = where / "checkpoints" / "step-00000004" / "state.json"
+            state_file.write_text(json.dumps(dict(json.loads(state_file.read_text()), gaussian_generator=snapshot_by)))
+        return where
+
+    # Steps 6 and 7 drawn on the GPU: step 5 is re-applied, 6 and 7 run again here.
+    gpu_tail = killed_at_7("gpu-tail", {6, 7})
+    with pytest.raises(ReplayError, match=r"drew step 6's Gaussian directions on cuda; replay with --device cuda"):
+        distzo.replay(gpu_tail, step=7)
+    with caplog.at_level("WARNING", logger="distzo"):
+        run(gpu_tail, "resume=auto")
+    assert (f"cannot be re-applied from step 6 on (step 6's Gaussian directions were drawn by {gpu}, this run "
+            "draws by cpu:gaussian-pairs-series); continuing from step 5") in caplog.text
+    assert json.loads((gpu_tail / "summary.json").read_text())["resumed_from_step"] == 5
+    # Step 4's snapshot written on the GPU, steps 5 to 7 drawn here: all three are re-applied.
+    gpu_snapshot = killed_at_7("gpu-snapshot", set(), snapshot_by=gpu)
+    run(gpu_snapshot, "resume=auto")
+    assert json.loads((gpu_snapshot / "summary.json").read_text())["resumed_from_step"] == 7
+    for resumed in (gpu_tail, gpu_snapshot):
+        assert [r["step"] for r in read_jsonl(resumed / "trajectory.jsonl")] == list(range(1, 9))
+        assert all(torch.equal(v, final(whole)[k]) for k, v in final(resumed).items())

@@ -168,6 +168,8 @@ class Trainer:
         self.session = Session(cfg, run_dir, continuing=resume_from is not None)
         self.mesh, self.run_dir = self.session.mesh, self.session.run_dir
         self.components: Components | None = None
+        self.metrics: MetricsWriter | None = None  # set by _start, which may fail before (a sink that cannot start)
+        self.trajectory: JsonlWriter | None = None
         try:
             self._start(model, tokenizer, task)
         except BaseException:
@@ -503,20 +505,15 @@ class Trainer:
                      headline(last), self.best.path)
         c, self.components, self.evaluator = self.components, None, None
         task, sources = c.task, c.sources
-        try:
-            c.close()
-            c.model.to("meta")  # its storage goes now, whoever still refers to the module (a callback, say)
-            del c
-            gc.collect()
-            if mesh.device.type == "cuda":
-                torch.cuda.empty_cache()
-            mesh.barrier()  # every rank's copy released (a node-shared master's too) before any is rebuilt
-            weights = load_file(self.best.path / "weights.safetensors")  # verified above
-            self.components = build_components(self.cfg, mesh, self.seed, weights, task=task, sources=sources)
-        except BaseException:
-            self.metrics.close()  # what close() does, which no longer sees components
-            self.trajectory.close()
-            raise
+        c.close()
+        c.model.to("meta")  # its storage goes now, whoever still refers to the module (a callback, say)
+        del c
+        gc.collect()
+        if mesh.device.type == "cuda":
+            torch.cuda.empty_cache()
+        mesh.barrier()  # every rank's copy released (a node-shared master's too) before any is rebuilt
+        weights = load_file(self.best.path / "weights.safetensors")  # verified above
+        self.components = build_components(self.cfg, mesh, self.seed, weights, task=task, sources=sources)
         self.evaluator = Evaluator(task, self.components.engine, mesh, self.cfg.eval_batch_size, self.metrics)
         self._restored = True
 
@@ -529,9 +526,10 @@ class Trainer:
 
     def close(self) -> None:
         """Release the engine's threads and buffers, the logs and the mesh (every rank together)."""
+        for writer in (self.metrics, self.trajectory):
+            if writer is not None:
+                writer.close()
         if self.components is not None:
-            self.metrics.close()
-            self.trajectory.close()
             self.components.close()
             self.components = None
         self.session.close()

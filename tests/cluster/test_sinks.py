@@ -69,13 +69,20 @@ def test_the_writer_forwards_every_record(tmp_path, fake_wandb):
 
 
 def test_a_wandb_that_cannot_start_is_one_clear_error(tmp_path, monkeypatch):
+    """The sink's own error, and a Trainer's: the same error (the model already built, its logs not
+    yet open), and the run directory it created taken away."""
     import wandb
 
+    import distzo
     from distzo.telemetry.sinks import SinkError
 
     def init(**kwargs):
         raise wandb.errors.UsageError("api_key not configured (no-tty). call wandb.login(key=[your_api_key])")
 
     monkeypatch.setattr(wandb, "init", init)
+    cfg = make_config("logger=wandb", "logger.mode=online")
     with pytest.raises(SinkError, match=r"could not start an online run \(api_key not configured .*logger=none"):
-        WandbSink(make_config("logger=wandb", "logger.mode=online"), tmp_path, {})
+        WandbSink(cfg, tmp_path, {})
+    with pytest.raises(SinkError, match=r"could not start an online run \(api_key not configured .*logger=none"):
+        distzo.Trainer(cfg, run_dir=tmp_path / "run")
+    assert not (tmp_path / "run").exists()

@@ -4,9 +4,10 @@ collated by the Trainer's data collator, become batches of the scoring contract
 
 Example i of a collated batch is the sequence of its real tokens (where `attention_mask` is 1; all
 of them without one); every position t whose next label is not -100 is scored with target
-labels[t + 1], one unit per example, readout `tokens`. The loss over a (global) batch is then the
-summed token NLL over its count, transformers' token mean: the shift and the -100 mask of
-`LlamaForCausalLM(labels=...)`, computed without padding."""
+labels[t + 1], one unit per example, readout `tokens`. A batch whose loss under transformers would
+differ (no labels, labels that score padding, rows packed with restarting position_ids) is refused.
+The loss over a (global) batch is then the summed token NLL over its count, transformers' token
+mean: the shift and the -100 mask of `LlamaForCausalLM(labels=...)`, computed without padding."""
 
 from __future__ import annotations
 
@@ -17,10 +18,16 @@ import torch
 from ..data.batches import Batch, Scores
 from ..data.batches import TokenSequence as Seq
 from ..data.objectives import objective_sums
+from ..errors import DistzoError
 
 IGNORE = -100  # transformers' label for a token that is not scored
 
 SPLITS = ("train", "validation", "test")
+
+
+class TrainerDataError(DistzoError):
+    """A Trainer's dataset or collated batch that distzo cannot score as transformers' causal-LM loss
+    does; the message says what to change."""
 
 
 class TrainerDataTask:
@@ -36,6 +43,11 @@ class TrainerDataTask:
 
     def __init__(self, train_dataset: Any, eval_dataset: Any, collator: Callable[[list], dict], pad_id: int,
                  describe_as: str = "the Trainer's train_dataset"):
+        if not (hasattr(train_dataset, "__len__") and hasattr(train_dataset, "__getitem__")):
+            raise TrainerDataError(f"{describe_as} is a {type(train_dataset).__name__} without len() or indexing (a "
+                                   "streaming dataset): distzo's sampler draws each step's examples by index, from a "
+                                   "shuffled order per epoch that a mesh and a resume repeat; materialise it first "
+                                   "(datasets.Dataset.from_generator, or list(dataset.take(n)))")
         held_out = eval_dataset if eval_dataset is not None else []
         self.datasets = {"train": train_dataset, "validation": held_out, "test": held_out}
         self.collator, self.pad_id, self.origin = collator, pad_id, describe_as
@@ -49,10 +61,7 @@ class TrainerDataTask:
         data = self.datasets[split]
         rows = [data[int(i)] for i in indices]
         collated = self.collator(rows)
-        ids = _tensor(collated, "input_ids")
-        labels = collated.get("labels")
-        mask = _mask(collated, ids)
-        labels = _tensor(collated, "labels") if labels is not None else ids.masked_fill(mask == 0, IGNORE)
+        ids, labels, mask = _checked(collated)
         sequences = []
         for e in range(ids.shape[0]):
             real = mask[e].nonzero().view(-1)
@@ -99,6 +108,40 @@ def _longest_input_ids(data: Any) -> int:
         if ids is not None:
             longest = max(longest, len(ids))
     return longest
+
+
+def _checked(collated: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """input_ids, labels and attention_mask of a collated batch, where distzo scores exactly the loss
+    transformers' causal-LM head computes on it (the shifted labels, -100 left out); otherwise one
+    error naming what differs."""
+    if "input_ids" not in collated:
+        raise TrainerDataError(f"the collated batch has no input_ids (it has {sorted(collated)}): ZOTrainer trains "
+                               "a causal LM on tokenized examples; tokenize the dataset (Dataset.map with the "
+                               "tokenizer) or use a collator that does")
+    ids = _tensor(collated, "input_ids")
+    if "labels" not in collated:
+        raise TrainerDataError("the collated batch has no labels, so Trainer's model would return no loss to train or "
+                               "evaluate; use a collator that makes them, such as "
+                               "DataCollatorForLanguageModeling(tokenizer, mlm=False), or add a labels column")
+    labels, mask = _tensor(collated, "labels"), _mask(collated, ids)
+    if ids.dim() != 2 or labels.shape != ids.shape:
+        raise TrainerDataError(f"labels of shape {list(labels.shape)} for input_ids of shape {list(ids.shape)}: "
+                               "ZOTrainer trains a causal LM on the labels of each token (a classification or "
+                               "sequence-to-sequence dataset has others); give AutoModelForCausalLM's data, labels "
+                               "the shape of input_ids")
+    if bool((labels[mask == 0] != IGNORE).any()):
+        raise TrainerDataError("labels at padded positions (attention_mask 0) are not -100: Trainer's loss would score "
+                               "the padding, and distzo scores the real tokens alone; set labels to -100 where "
+                               "attention_mask is 0 (DataCollatorForLanguageModeling does), or pad nothing")
+    positions = collated.get("position_ids")
+    if positions is not None:
+        expected = (mask.cumsum(-1) - 1).clamp(min=0)  # positions of the real tokens, as one sequence per row
+        if not torch.equal(_tensor(collated, "position_ids")[mask == 1], expected[mask == 1]):
+            raise TrainerDataError("the collator's position_ids restart inside a row (DataCollatorWithFlattening packs "
+                                   "several examples into one), which only padding-free attention keeps apart, and "
+                                   "distzo scores a row as one sequence; use a padding collator such as "
+                                   "DataCollatorForLanguageModeling(tokenizer, mlm=False)")
+    return ids, labels, mask
 
 
 def _tensor(collated: dict, key: str) -> torch.Tensor:

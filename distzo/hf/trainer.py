@@ -12,9 +12,11 @@ messages) and its completion-only labels. docs/hf.md maps every argument.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import os
+import re
 import shutil
 import time
 from contextlib import nullcontext
@@ -25,6 +27,7 @@ import torch
 
 from ..errors import DistzoError
 from ..registry import registry
+from ..state.resume import ResumeError
 from .arguments import ZOArguments, setting_overrides
 from .data import TrainerDataTask
 
@@ -89,6 +92,11 @@ def _refuse_what_cannot_apply(args: Any, optimizers: Any, optimizer_cls_and_kwar
                              "and a ZO run's rates are a function of the step (a mesh and a resume replay them); "
                              "choose a schedule of the step: linear, cosine, constant_with_warmup, "
                              "warmup_stable_decay, ...")
+    if getattr(getattr(args, "accelerator_config", None), "split_batches", False):
+        raise ZOTrainerError("accelerator_config.split_batches=True splits per_device_train_batch_size over the "
+                             "processes, and distzo's global batch is per_device_train_batch_size x "
+                             "gradient_accumulation_steps x D (docs/hf.md); drop split_batches and divide "
+                             "per_device_train_batch_size by D")
     if getattr(args, "save_on_each_node", False):
         raise ZOTrainerError("save_on_each_node writes each node's checkpoints on its own, and a ZOTrainer checkpoint "
                              "holds distzo's state written by rank 0 that every rank reads on resume: keep output_dir "
@@ -158,19 +166,28 @@ class ZOLoop:
         import distzo
 
         a, z = self.args, self.zo_args
-        lr_schedule = str(getattr(a.lr_scheduler_type, "value", a.lr_scheduler_type))
+        # Each step's rate comes from transformers' scheduler (zo_lr_at) and is logged with the step, so
+        # distzo's own schedule stays constant: a resume with another max_steps or warm-up continues, as
+        # Trainer's does, whatever the schedule.
         overrides = [
             "model=hf", *setting_overrides(z), f"peft={self.zo_peft()}", f"optim.lr={a.learning_rate}",
-            f"optim.weight_decay={a.weight_decay}",
-            f"optim.schedule={'linear' if lr_schedule == 'linear' else 'constant'}",
-            f"optim.warmup_steps={a.get_warmup_steps(steps)}", f"offload={z.offload}", f"mesh={self.zo_mesh()}",
-            f"engine.compute={_compute(a)}", f"device={z.device}", f"steps={steps}",
+            f"optim.weight_decay={a.weight_decay}", "optim.schedule=constant", "optim.warmup_steps=0",
+            f"offload={z.offload}", f"mesh={self.zo_mesh()}",
+            f"engine.compute={_compute(a)}", f"device={self.zo_device()}", f"steps={steps}",
             f"batch_size={self.zo_global_batch()}",
             f"micro_batch_size={micro_batch or a.per_device_train_batch_size}", f"seed={a.seed}", "eval_every=0",
             f"log_every={_every(a.logging_steps, steps)}", "checkpoint.every=0",
             "save_final=false", "task=custom", "task.kind=generation",
             "replica_check_every=0", *z.overrides]
         return distzo.compose(*overrides, validate=False)
+
+    def zo_device(self) -> str:
+        """ZOArguments.device; `auto` under TrainingArguments(use_cpu=True) is the CPU, where Trainer
+        evaluates."""
+        device = self.zo_args.device
+        if getattr(self.args, "use_cpu", False) and device == "auto":
+            return "cpu"
+        return device
 
     def zo_peft(self) -> str:
         """distzo's trainable set: ZOArguments.peft; else none for a model that brings its own (a PEFT
@@ -186,7 +203,7 @@ class ZOLoop:
 
     def zo_lr_at(self, steps: int):
         """Each step's learning rate, as transformers' scheduler of `lr_scheduler_type` (with its
-        warm-up) gives it to a torch optimizer; None where distzo's own schedule computes the same."""
+        warm-up) gives it to a torch optimizer."""
         from transformers import get_scheduler
 
         holder = torch.nn.Parameter(torch.zeros(1))
@@ -217,8 +234,11 @@ class ZOLoop:
             dataset = self._remove_unused_columns(dataset, description="training")
         else:
             collator = self._get_collator_with_removed_columns(collator, description="training")
-        return TrainerDataTask(dataset, self.eval_dataset, collator,
+        task = TrainerDataTask(dataset, self.eval_dataset, collator,
                                getattr(self.processing_class, "pad_token_id", None) or 0)
+        if task.size("train"):  # what the collator makes, checked before anything starts
+            task.train_batch(range(min(2, task.size("train"))))
+        return task
 
     def _zo_check(self, cfg) -> None:
         """The configuration's checks that apply here (the data and model are the Trainer's own)."""
@@ -266,8 +286,11 @@ class ZOLoop:
         if snapshot is None and self.is_world_process_zero():
             _start_over(run_dir)
         model = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model  # PEFT
-        zo = distzo.Trainer(cfg, run_dir=run_dir, model=model, tokenizer=self.processing_class, task=task,
-                            validate_config=False, lr_at=self.zo_lr_at(steps), resume_from=snapshot)
+        try:
+            zo = distzo.Trainer(cfg, run_dir=run_dir, model=model, tokenizer=self.processing_class, task=task,
+                                validate_config=False, lr_at=self.zo_lr_at(steps), resume_from=snapshot)
+        except ResumeError as exc:
+            raise ZOTrainerError(_in_trainer_terms(str(exc))) from None
         self.zo = zo
         # the checkpoint this session continues from is complete: an out-of-memory refusal names it until a newer one is
         first_step, self._zo_doing = zo.step_count, None
@@ -307,6 +330,7 @@ class ZOLoop:
             metrics = self.evaluate(ignore_keys=ignore_keys_for_eval)
             self._report_to_hp_search(self._zo_trial, state.global_step, metrics)
         self._zo_losses = [0.0, 0, 0.0]  # since the last log: sum, count; this session's sum
+        self._globalstep_last_logged = state.global_step  # Trainer's: one log a step at most
         self.control = callbacks.on_epoch_begin(args, state, self.control)
         while zo.step_count < steps and not self.control.should_training_stop:
             self.control = callbacks.on_step_begin(args, state, self.control)
@@ -323,6 +347,8 @@ class ZOLoop:
                                    self._zo_losses[2] + record.loss]
             self.control = callbacks.on_step_end(args, state, self.control)
             self._zo_log_evaluate_save(record, ignore_keys_for_eval)
+            if self.control.should_epoch_stop:
+                self._zo_ignore_epoch_stop()
             if zo.step_count % per_epoch == 0 or zo.step_count >= steps or self.control.should_training_stop:
                 self.control = callbacks.on_epoch_end(args, state, self.control)
                 self._zo_log_evaluate_save(record, ignore_keys_for_eval)
@@ -339,6 +365,17 @@ class ZOLoop:
                    "train_steps_per_second": round(done / max(runtime, 1e-9), 3), "train_loss": train_loss,
                    "epoch": state.epoch}
         return TrainOutput(state.global_step, train_loss, metrics)
+
+    def _zo_ignore_epoch_stop(self) -> None:
+        """control.should_epoch_stop (a callback's request to skip the rest of the epoch) is not
+        honoured: distzo's sampler gives each step the examples of its place in the run (a mesh and a
+        resume repeat them), so no epoch ends early. Said once; the request is cleared."""
+        if not getattr(self, "_zo_epoch_stop_said", False) and self.is_world_process_zero():
+            log.warning("A callback set control.should_epoch_stop at step %d: ZOTrainer does not end an epoch early "
+                        "(each step's examples are a function of the step); use should_training_stop to end the "
+                        "run", self.state.global_step)
+        self._zo_epoch_stop_said = True
+        self.control.should_epoch_stop = False
 
     def _zo_finish(self) -> None:
         """Trainer's end of training, after the engine is closed: with load_best_model_at_end the model
@@ -449,12 +486,13 @@ class ZOLoop:
     def _zo_log_evaluate_save(self, record, ignore_keys_for_eval) -> None:
         """What the control asks for after a step or an epoch: the mean loss since the last log, an
         evaluation, a checkpoint (Trainer's _maybe_log_save_evaluate)."""
-        if self.control.should_log:
+        if self.control.should_log and self.state.global_step > self._globalstep_last_logged:
             total, count, _ = self._zo_losses
             self.log({"loss": round(total / max(1, count), 6), "learning_rate": record.lr,
                       "projected_grad": record.projected_grads[0] if record.projected_grads else 0.0})
             self._zo_losses[:2] = [0.0, 0]
-            self.control.should_log = False
+            self._globalstep_last_logged = self.state.global_step
+        self.control.should_log = False
         from transformers.trainer_utils import SaveStrategy
 
         if self.control.should_evaluate:
@@ -521,10 +559,32 @@ class ZOLoop:
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """The model (or a PEFT model's adapter) as Trainer saves it, at the current weights, written by
-        rank 0 alone. Collective while training runs."""
+        rank 0 alone. Collective while training runs. With distzo's own LoRA (ZOArguments(peft=
+        "lora"|"lora_fa")) the folder also holds it as a PEFT adapter, so that from_pretrained(folder)
+        (transformers loads an adapter that sits beside the model) and PeftModel.from_pretrained give
+        the trained model; the model file keeps it under distzo's names, which load_best_model_at_end
+        reads."""
         with self._at_current_weights():
             if self.is_world_process_zero():
                 super().save_model(output_dir, _internal_call)
+                self._zo_save_adapter(Path(output_dir if output_dir is not None else self.args.output_dir),
+                                      _internal_call)
+
+    def _zo_save_adapter(self, folder: Path, internal: bool) -> None:
+        from ..peft.export import write_peft_lora
+        from ..peft.lora import lora_layers
+        from ..peft.prefix import prefix_modules
+
+        layers = lora_layers(self.model)
+        if layers:
+            module = layers[0][1]
+            r = module.lora_B.shape[1]
+            write_peft_lora(self.model, r, module.lora_scale * r, getattr(self.model, "name_or_path", None) or None,
+                            folder)
+        elif prefix_modules(self.model) and not internal:
+            log.warning("%s holds distzo's prefix (peft=prefix) under distzo's parameter names, which PEFT has no "
+                        "format for and from_pretrained leaves out; load it into a model that carries the same "
+                        "prefix (the checkpoint's load_best_model_at_end does), or train with peft='lora'", folder)
 
     # --- which process writes ----------------------------------------------------------------------
 
@@ -549,6 +609,14 @@ class ZOLoop:
             metrics = super().evaluate(*a, **kw)
         self._zo_doing = None
         return metrics
+
+    def predict(self, *a, **kw):
+        """Trainer's prediction (its loop, `compute_metrics`) at the current weights."""
+        self._zo_doing = "evaluation"
+        with self._at_current_weights():
+            output = super().predict(*a, **kw)
+        self._zo_doing = None
+        return output
 
     def _at_current_weights(self):
         """The model's parameters hold the current weights inside (distzo's engine may keep them
@@ -575,15 +643,44 @@ class ZOLoop:
         """distzo's snapshot in the checkpoint restores the weights and the optimizer's state."""
 
 
-def _init_trainer(self, zo_args, kwargs, base_init) -> None:
+def _init_trainer(self, zo_args, kwargs, base: type) -> None:
     args = kwargs.get("args")
     _refuse_what_cannot_apply(args, kwargs.get("optimizers"), kwargs.get("optimizer_cls_and_kwargs"),
                               kwargs.get("compute_loss_func"))
+    _refuse_own_loss(type(self), base)
     kwargs.pop("optimizers", None)
     self._zo_init(zo_args)
-    base_init(self, **kwargs)
+    base.__init__(self, **kwargs)
+    _refuse_what_the_model_adds(self.model)
+    if getattr(self.args, "use_cpu", False) and self.zo_args.device not in ("auto", "cpu"):
+        raise ZOTrainerError(f"TrainingArguments(use_cpu=True) with ZOArguments(device={self.zo_args.device!r}): "
+                             "Trainer would evaluate on the CPU and distzo train elsewhere; drop one of them")
     self._train_batch_size = self.args.per_device_train_batch_size  # auto_find_batch_size starts from the micro-batch
     _quiet_replicas(self)
+
+
+def _refuse_own_loss(cls: type, base: type) -> None:
+    """A subclass's own compute_loss or training_step: the ZO steps call neither (they compute the
+    labels' NLL in distzo's engine), while Trainer's evaluation calls compute_loss, so the logs would
+    rank another objective than the one trained."""
+    for method in ("compute_loss", "training_step"):
+        if getattr(cls, method) is not getattr(base, method):
+            raise ZOTrainerError(f"{cls.__name__} overrides {method}, which ZO steps never call (distzo's engine "
+                                 "computes the labels' token-mean negative log-likelihood, transformers' causal-LM "
+                                 f"loss, while Trainer's evaluation would call {cls.__name__}'s compute_loss); drop "
+                                 "the override, or for another objective write a distzo objective "
+                                 "(docs/estimators.md)")
+
+
+def _refuse_what_the_model_adds(model: Any) -> None:
+    """A model whose loss under Trainer adds a term distzo's ZO steps do not compute: a mixture of
+    experts' router auxiliary loss (output_router_logits)."""
+    config = getattr(model, "config", None)
+    if getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 0.0):
+        raise ZOTrainerError("model.config.output_router_logits=True adds the router's load-balancing loss "
+                             f"(router_aux_loss_coef={config.router_aux_loss_coef}) to the model's loss, and distzo's "
+                             "ZO steps minimise the labels' negative log-likelihood alone, so evaluation would rank "
+                             "another objective than the one trained; set model.config.output_router_logits=False")
 
 
 def _quiet_replicas(trainer) -> None:
@@ -603,10 +700,17 @@ def _zo_trainer_class(base: type, name: str, doc: str) -> type:
     """`base` (transformers' Trainer or TRL's SFTTrainer) with the ZO loop mixed in, constructed as
     `base` is, plus `zo_args`."""
 
+    positional = [p.name for p in list(inspect.signature(base.__init__).parameters.values())[1:]
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
     def __init__(self, *args, zo_args: ZOArguments | None = None, **kwargs):
-        if args:
-            kwargs.update(zip(("model", "args", "data_collator", "train_dataset", "eval_dataset"), args))
-        _init_trainer(self, zo_args, kwargs, base.__init__)
+        if len(args) > len(positional):
+            raise TypeError(f"{name}() takes at most {len(positional)} positional arguments ({len(args)} given)")
+        for key, value in zip(positional, args):  # as `base` binds them
+            if key in kwargs:
+                raise TypeError(f"{name}() got multiple values for argument '{key}'")
+            kwargs[key] = value
+        _init_trainer(self, zo_args, kwargs, base)
 
     return type(name, (ZOLoop, base), {"__init__": __init__, "__doc__": doc, "__module__": "distzo.hf",
                                        "__qualname__": name})
@@ -625,6 +729,24 @@ def _make_zo_sft_trainer():
     return _zo_trainer_class(SFTTrainer, "ZOSFTTrainer", """TRL's `SFTTrainer` (its dataset formats, its
     completion-only labels, `peft_config`) whose training steps are distzo's ZO steps. Everything an
     SFTTrainer takes, plus `zo_args`.""")
+
+
+# distzo's configuration keys that a resume refusal names, as a Trainer user sets them
+_TRAINER_NAMES = {"optim.lr": "learning_rate", "optim.weight_decay": "weight_decay",
+                  "engine.compute": "bf16/tf32", "batch_size": "the global batch (per_device_train_batch_size x "
+                  "gradient_accumulation_steps x D)", "micro_batch_size": "per_device_train_batch_size"}
+
+
+def _in_trainer_terms(message: str) -> str:
+    """A distzo resume refusal as a ZOTrainer user reads it: the settings by their TrainingArguments
+    names (distzo's key beside), and what to do in Trainer's terms."""
+    for key, name in _TRAINER_NAMES.items():
+        message = re.sub(rf"(?<![\w.]){re.escape(key)}(?=:)", f"{name} ({key})", message)
+    message = re.sub(r"seed=(\d+)", r"TrainingArguments(seed=\1)", message)
+    message = message.replace("run with the settings it was written with", "resume with the TrainingArguments and "
+                              "ZOArguments the checkpoint was written with")
+    return message.replace("use another hydra.run.dir to start afresh", "train without resume_from_checkpoint (in "
+                           "another output_dir to keep this run)")
 
 
 def _check_search(backend) -> None:

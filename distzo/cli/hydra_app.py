@@ -26,6 +26,9 @@ def claim_run_dir(cfg: Any):
     from ..run.rundir import RunDirectory
 
     raw = str(OmegaConf.to_container(cfg.hydra.run, resolve=False)["dir"])
+    if not raw.strip():  # Hydra would run in the current directory, among whatever else is there
+        fail("hydra.run.dir is empty; name the run's directory (hydra.run.dir=runs/a), or leave it out for the "
+             "timestamped default")
     if cfg.resume == "auto" and timestamped(raw):
         fail("resume=auto needs a fixed run directory that a restarted job finds again: add "
              "hydra.run.dir=/path/to/run")

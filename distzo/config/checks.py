@@ -98,6 +98,9 @@ def check_values(cfg: Config) -> None:
     if pe.method in ("lora", "lora_fa") and not pe.targets:
         raise ConfigError(f"peft={pe.method} needs at least one target layer name in peft.targets "
                           "(e.g. [q_proj,v_proj])")
+    if cfg.optim.warmup_steps > cfg.steps:
+        raise ConfigError(f"optim.warmup_steps={cfg.optim.warmup_steps} is longer than the run (steps={cfg.steps}), "
+                          f"whose learning rate would never reach optim.lr; set optim.warmup_steps <= {cfg.steps}")
     if cfg.offload.transfer_dtype is not None and cfg.offload.mode == "none":
         raise ConfigError("offload.transfer_dtype only applies to offloaded blocks; add offload=cpu")
     if cfg.keep_best is not None and not cfg.eval_every:

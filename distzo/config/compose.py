@@ -190,11 +190,43 @@ def compose_config(overrides: Sequence[str] = (), with_hydra: bool = False,
         overrides = search_path_override(user_config_dirs(config_dirs)) + overrides
     try:
         with initialize_config_dir(config_dir=config_dir(), version_base="1.3", job_name="distzo"):
-            return compose(config_name="config", overrides=overrides, return_hydra_config=with_hydra)
+            cfg = compose(config_name="config", overrides=overrides, return_hydra_config=with_hydra)
     except ConfigError:
         raise
     except Exception as exc:  # Hydra and OmegaConf raise many types; all are input errors here
         raise ConfigError(explain(exc)) from None
+    check_added_keys(cfg, overrides)
+    return cfg
+
+
+def check_added_keys(cfg: Any, overrides: Sequence[str]) -> None:
+    """`+key=value` adds a key even where the schema has no such field, and the typed configuration
+    would then drop it (a typo such as +optim.lrr=1 trained with the default) or fail on it: refused,
+    as an unknown key without + is. Keys may be added inside the open sections (model.arch_config)."""
+    from omegaconf import OmegaConf
+
+    for override in overrides:
+        key = override_key(override)
+        if not override.startswith("+") or key.startswith("hydra"):
+            continue
+        parent_key, _, leaf = key.rpartition(".")
+        parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg
+        schema = OmegaConf.get_type(parent) if OmegaConf.is_config(parent) else None
+        if schema is not None and is_dataclass(schema) and leaf not in {f.name for f in fields(schema)}:
+            raise ConfigError(unknown_key(key))
+
+
+def unknown_key(name: str) -> str:
+    """The refusal of a key the configuration does not have: the component whose setting it is, or
+    where the valid keys are listed."""
+    owners = setting_owners(name)
+    if owners:
+        group = name.split(".")[0]
+        named = [f"{group}={o}" for o in owners]
+        which = named[0] if len(named) == 1 else f"{', '.join(named[:-1])} or {named[-1]}"
+        return f"{name} is a setting of {which}, not of the chosen {group}; add {named[0]}"
+    return (f"unknown config key '{name}'; see `python -m distzo train --cfg job` for the valid keys (+ adds keys only "
+            "inside the open sections, such as model.arch_config)")
 
 
 def override_key(override: str) -> str:
@@ -269,21 +301,17 @@ def explain(exc: BaseException) -> str:
     if not_in_struct:
         key = not_in_struct.group(1)
         full = re.search(r"full_key: (\S+)", text)
-        name = full.group(1) if full else key
-        owners = setting_owners(name)
-        if owners:
-            group = name.split(".")[0]
-            named = [f"{group}={o}" for o in owners]
-            which = named[0] if len(named) == 1 else f"{', '.join(named[:-1])} or {named[-1]}"
-            return f"{name} is a setting of {which}, not of the chosen {group}; add {named[0]}"
-        return (f"unknown config key '{name}'; see `python -m distzo train --cfg job` for the valid keys "
-                f"(prefix with + only to add keys deliberately)")
+        return unknown_key(full.group(1) if full else key)
     conversion = re.search(r"Value '([^']*)' (?:of type '\w+' )?could not be converted to (\w+)", text)
     if conversion:
         value, kind = conversion.groups()
         full = re.search(r"full_key: (\S+)", text)
         where = f"{full.group(1)}=" if full else ""
         return f"{where}{value!s}: expected {kind.lower()}"
+    boolean = re.search(r"Value '([^']*)' is not a valid bool", text)
+    if boolean:
+        override = re.search(r"Error merging override (\S+?)=", text)
+        return f"{override.group(1) + '=' if override else ''}{boolean.group(1)}: expected true or false"
     choice = re.search(r"Invalid value '([^']*)', expected one of \[([^\]]*)\]", text)
     if choice:  # a choice field's Enum
         value, options = choice.groups()

@@ -111,7 +111,14 @@ class RecordFormatter:
         return out
 
     def format(self, template: str, row: dict[str, Any], where: str, key: str, **extra: Any) -> str:
-        """`template` filled from the record's fields (and `extra`); the mistakes name the setting `key`."""
+        """`template` filled from the record's fields (and `extra`); the mistakes name the setting `key`.
+        A field the template reads that a record lacks or holds null in (a file's records share its
+        columns, so a missing one reads as None) is refused: it would be trained on as the text "None"."""
+        empty = next((name for name in template_fields(template) if name not in extra and name in row
+                      and row[name] is None), None)
+        if empty is not None:
+            raise DataError(f"{where} has no value for the field {empty!r} (missing or null), which {key}={template!r} "
+                            f"reads; give every record its {empty!r}, or remove that record")
         try:
             return template.format(**{**row, **extra})
         except KeyError as exc:

@@ -286,10 +286,14 @@ def _read_file(path: Path, fmt: str, json_object: Callable[[dict[str, Any]], Rec
     try:
         with _quiet_datasets():
             ds = datasets.load_dataset(builder, data_files={"data": str(path)}, split="data", **kwargs)
+        return ds.to_list()  # arrow decodes a JSON file's strings here, so a byte that is not UTF-8 fails here
     except Exception as exc:  # the builders raise many kinds: arrow, pandas, json, OS errors
-        raise DataError(f"cannot read {path} as {kind}: {_first_line(exc)}; check the file, or set task.format to "
+        cause = _innermost(exc)
+        if isinstance(cause, UnicodeDecodeError):
+            raise DataError(f"cannot read {path}: it is not UTF-8 (byte 0x{cause.object[cause.start]:02x} does not "
+                            "decode); re-save it as UTF-8") from None
+        raise DataError(f"cannot read {path} as {kind}: {_first_line(cause)}; check the file, or set task.format to "
                         "its real format") from None
-    return ds.to_list()
 
 
 def _read_export(folder: Path) -> dict[str, Records]:
@@ -312,23 +316,36 @@ def _read_export(folder: Path) -> dict[str, Records]:
     return {"all": loaded.to_list()}
 
 
-def _first_line(exc: Exception) -> str:
+def _innermost(exc: BaseException) -> BaseException:
+    """The error at the bottom of `raise ... from` chains: `datasets` wraps what went wrong (arrow's or
+    pandas' parse error, naming the row) in a DatasetGenerationError that says only that one did."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    return exc
+
+
+def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return (text[0] if text else type(exc).__name__)[:300]
 
 
 class _quiet_datasets:
-    """`datasets` draws progress bars for every file it prepares; a task reads small files once."""
+    """`datasets` draws progress bars for every file it prepares (a task reads small files once), and
+    logs its own line for a file it cannot parse before raising: the DataError's line says it instead."""
 
     def __enter__(self):
         import datasets
 
         self._enabled = datasets.utils.logging.is_progress_bar_enabled()
         datasets.utils.logging.disable_progress_bar()
+        self._logger = logging.getLogger("datasets")
+        self._level = self._logger.level
+        self._logger.setLevel(logging.CRITICAL + 1)
         return self
 
     def __exit__(self, *exc):
         import datasets
 
+        self._logger.setLevel(self._level)
         if self._enabled:
             datasets.utils.logging.enable_progress_bar()

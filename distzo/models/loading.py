@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 
 from .. import hub
 from ..config.schema import ModelConfig
@@ -118,6 +119,18 @@ ENCODER_ONLY = ("bert", "roberta", "deberta", "deberta-v2", "distilbert", "elect
                 "t5", "mt5", "bart", "mbart", "pegasus", "marian", "whisper", "vit")
 
 
+# What transformers raises for a configuration it refuses: its own checks raise ValueError (and the
+# like), the configurations' strict-dataclass validators huggingface_hub's StrictDataclassError.
+CONFIG_ERRORS = (OSError, ValueError, TypeError, KeyError, RuntimeError, StrictDataclassError)
+
+
+def config_reason(exc: BaseException) -> str:
+    """Why a configuration was refused, in one line: a strict-dataclass validator's own error, which
+    huggingface_hub wraps in a message of several lines naming the validator."""
+    inner = exc.__cause__ if isinstance(exc, StrictDataclassError) and exc.__cause__ is not None else exc
+    return f"{type(inner).__name__}: {' '.join(str(inner).split())[:200]}"
+
+
 def _readable_dir(path: str, key: str, what: str) -> Path:
     folder = Path(os.path.expanduser(path))
     if not folder.is_dir():
@@ -155,6 +168,13 @@ def check_local_model(path: str, shown: str | None = None) -> None:
         raise ConfigError(f"model.path={path!r} has no weights (*.safetensors or *.bin); save the model with "
                           "save_pretrained into that folder")
     check_weight_files(folder, shown=shown)
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(folder)  # its checks (a hidden size the heads divide, ...) before anything loads
+    except CONFIG_ERRORS as exc:
+        raise ConfigError(f"model.path={path!r}: its config.json is not a valid {model_type} configuration "
+                          f"({config_reason(exc)}); fix it, or save the model again with save_pretrained") from None
 
 
 def check_weight_files(folder: str | Path, key: str = "model.path", shown: str | None = None) -> None:
@@ -175,7 +195,7 @@ def check_weight_files(folder: str | Path, key: str = "model.path", shown: str |
             raise ConfigError(f"{key}={name!r}: the shard index {index.name} names {missing[:3]}, which "
                               "the folder lacks; copy the missing shards into it")
     for path in sorted(folder.glob("*.safetensors")):
-        problem = _safetensors_problem(path)
+        problem = safetensors_problem(path)
         if problem:
             raise ConfigError(f"{key}={name!r}: {path.name} is {problem}; copy the model folder again (or "
                               "save it again with save_pretrained)" + (_refetch(shown) if shown else ""))
@@ -186,7 +206,7 @@ def _refetch(repo_id: str) -> str:
             "run fetches it again")
 
 
-def _safetensors_problem(path: Path) -> str | None:
+def safetensors_problem(path: Path) -> str | None:
     """Why a safetensors file cannot be whole (None: its header and sizes agree)."""
     size = path.stat().st_size
     try:
@@ -224,9 +244,8 @@ def load_tokenizer(spec: str | None, pin: hub.Pin | None = None):
         folder = os.path.expanduser(spec)
     try:
         tok = AutoTokenizer.from_pretrained(folder)
-    except (OSError, ValueError, TypeError, KeyError, RuntimeError) as exc:
-        reason = " ".join(str(exc).split())[:200]
-        raise ConfigError(f"cannot read a tokenizer from {folder} ({type(exc).__name__}: {reason}); "
+    except CONFIG_ERRORS as exc:  # a folder's config.json is read too (the tokenizer's class may come from it)
+        raise ConfigError(f"cannot read a tokenizer from {folder} ({config_reason(exc)}); "
                           "the folder needs the files a tokenizer's save_pretrained writes (tokenizer.json, "
                           "or the vocabulary files and tokenizer_config.json), "
                           "or name another folder with model.tokenizer=PATH") from None
@@ -252,8 +271,9 @@ def random_model(arch: str, vocab_size: int, overrides: dict[str, Any], init_see
         with torch.random.fork_rng(devices=cuda), on:
             torch.manual_seed(init_seed)
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    except (ValueError, TypeError, RuntimeError, AttributeError) as exc:
-        raise ConfigError(f"model.arch_config={overrides} does not make a valid {arch} model: {exc}") from None
+    except (ValueError, TypeError, RuntimeError, AttributeError, StrictDataclassError) as exc:
+        raise ConfigError(f"model.arch_config={overrides} does not make a valid {arch} model: "
+                          f"{config_reason(exc)}") from None
     return model.eval()  # dropout off: ZO forwards must be deterministic
 
 
@@ -292,9 +312,8 @@ def load_model(cfg: ModelConfig, pins: Mapping[str, hub.Pin] | None = None,
         check_weight_files(folder)
         try:
             model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
-        except (OSError, ValueError, RuntimeError, KeyError) as exc:  # safetensors, torch.load, config errors
-            reason = " ".join(str(exc).split())[:200]
-            raise ConfigError(f"cannot load the model in {folder} ({type(exc).__name__}: {reason}); check that the "
+        except (OSError, ValueError, RuntimeError, KeyError, StrictDataclassError) as exc:  # safetensors, configs
+            raise ConfigError(f"cannot load the model in {folder} ({config_reason(exc)}); check that the "
                               "folder is a complete save_pretrained copy of a causal LM") from None
     # ZO forwards must be deterministic: dropout off (MeZO runs its forwards in eval mode too).
     model.eval()

@@ -40,6 +40,22 @@ def check_estimator(cfg: Config) -> None:
                           "shrinks what streams)")
 
 
+# The evaluation figures a run's summary holds (distzo.run.training): each as validation_<figure>_before,
+# validation_<figure>_after and test_<figure> (f1 and perplexity where the task reports them).
+SUMMARY_FIGURES = ("accuracy", "f1", "perplexity")
+
+
+def check_sweep_metric(cfg: Config) -> None:
+    """sweep.metric, where it names an evaluation figure, is one the summary can hold: a typo is
+    refused before the run rather than after it (other summary fields are checked at its end)."""
+    metric = cfg.sweep.metric
+    figures = [f"{split}_{figure}{when}" for figure in SUMMARY_FIGURES
+               for split, when in (("validation", "_after"), ("validation", "_before"), ("test", ""))]
+    if metric.startswith(("validation_", "test_")) and metric not in figures:
+        raise ConfigError(f"sweep.metric={metric} is not an evaluation figure of the run's summary; use one of: "
+                          f"{', '.join(figures)}")
+
+
 def validate(cfg: Config | DictConfig, check_world: bool = True) -> None:
     """Check a configuration before any model or data is loaded. Raises ConfigError.
     check_world=False skips the mesh-vs-processes check (for commands that start no mesh). A
@@ -50,6 +66,7 @@ def validate(cfg: Config | DictConfig, check_world: bool = True) -> None:
     check_model_config(cfg.model)
     check_task_config(cfg.task, str(cfg.objective))
     check_estimator(cfg)
+    check_sweep_metric(cfg)
     try:
         shape = MeshShape.parse(cfg.mesh)
         if check_world:

@@ -25,7 +25,7 @@ from ..config.schema import Config
 from ..data.answers import exact_match, f1_score
 from ..data.objectives import accuracy_counts, objective_sums
 from ..engine import Engine
-from ..errors import DistzoError
+from ..errors import ConfigError, DistzoError
 from ..parallel.launch_env import launched_world_size
 from ..parallel.mesh import Mesh
 from ..state.saved import FINAL_ADAPTER, FINAL_MODEL, final_weights, load_run_config, recorded_sources
@@ -122,6 +122,17 @@ def evaluation_config(run: str | Path, cfg: DictConfig, overrides: Sequence[str]
     weights = final_weights(run)
     overrides = upgrade_overrides(list(overrides))  # what the command line set, in today's spelling
     keys = [o.key_or_group for o in OverridesParser.create().parse_overrides(overrides)]
+    # The run's trained weights are what eval.run evaluates (eval.json names the run): another model
+    # in their place would be scored under the run's name.
+    swapped = [k for k in ("model", "model.path", "model.source") if k in keys]
+    if weights.name == FINAL_MODEL and swapped:
+        raise ConfigError(f"eval.run={run} evaluates the run's trained weights ({weights}), and {swapped[0]}= on the "
+                          "command line would score another model in their place; drop it, or drop eval.run to "
+                          "evaluate that model with these settings")
+    if weights.name != FINAL_MODEL and "model" in keys:
+        raise ConfigError(f"eval.run={run} puts the run's adapter ({weights}) on the base model it was trained on "
+                          f"(model={run_cfg.model.name}), and model= on the command line would put it on another; drop "
+                          "it (model.path= names where the same base model lives now)")
     cfg = copy.deepcopy(cfg)
     for section in RUN_SECTIONS:
         if section in keys:  # a preset chosen on the command line (task=sst2): the command line's
@@ -132,7 +143,7 @@ def evaluation_config(run: str | Path, cfg: DictConfig, overrides: Sequence[str]
                 OmegaConf.update(mine, key[len(section) + 1:], OmegaConf.select(cfg, key), merge=False)
         with open_dict(cfg):
             cfg[section] = mine
-    if weights.name == FINAL_MODEL and "model" not in keys and "model.path" not in keys:
+    if weights.name == FINAL_MODEL:
         cfg.model.source, cfg.model.path = "local", str(weights.parent.resolve())
     return cfg
 

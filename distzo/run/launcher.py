@@ -126,12 +126,14 @@ def resolved_run_dir(cfg: DictConfig) -> str | None:
 
 def root_failure(failures: dict) -> tuple[int, Any]:
     """The (rank, failure) that caused a worker group to fail: the first. Timestamps are whole
-    seconds (no worker writes an error file), so one poll of the agent often sees two at once: a
-    worker killed by a signal the agent did not send, and a peer that then lost it and exited 1; the
-    killed one is the cause, and then the lowest rank."""
-    def order(kv) -> tuple[int, bool, int]:
+    seconds (no worker writes an error file), so one poll of the agent often sees several at once: a
+    worker killed by a signal the agent did not send, a peer that then lost it and exited 1, and the
+    workers the agent then stopped with SIGTERM. The cause is the killed one, else one that exited
+    with an error, and only then one stopped by SIGTERM; among equals, the lowest rank."""
+    def order(kv) -> tuple[int, int, int]:
         code = kv[1].exitcode
-        return kv[1].timestamp, not (code < 0 and code != -signal.SIGTERM), kv[0]
+        kind = 0 if code < 0 and code != -signal.SIGTERM else 2 if code == -signal.SIGTERM else 1
+        return kv[1].timestamp, kind, kv[0]
 
     return min(failures.items(), key=order)
 

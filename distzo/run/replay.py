@@ -35,6 +35,7 @@ from ..zo.directions import (
 from ..zo.estimators import estimator_type
 from .components import build_model_stack
 from .hub_pins import HubPins, fetch_hub_pins
+from .rundir import writable_ancestor
 
 log = logging.getLogger("distzo")
 
@@ -44,11 +45,15 @@ class ReplayError(DistzoError):
 
 
 def replay(run_dir: Path, step: int | None = None, out: Path | None = None, device: str = "cpu",
-           from_step: int | None = None) -> Path:
-    """Write <out> (default <run_dir>/replay/step-NNNNNNNN.safetensors): the trainable weights after
-    `step` updates (default: the last logged step), starting from the newest valid snapshot at or
-    before `from_step` (default: at or before `step`). Returns the written path."""
+           from_step: int | None = None, overwrite: bool = False) -> Path:
+    """Write <out> (default <run_dir>/replay/step-NNNNNNNN.safetensors, replaced if there): the
+    trainable weights after `step` updates (default: the last logged step), starting from the newest
+    valid snapshot at or before `from_step` (default: at or before `step`). An `out` that exists is
+    replaced only with `overwrite`, and never one of the run's own weights. Returns the written path."""
     run_dir = Path(run_dir)
+    _check_device(device)
+    if out is not None:
+        _check_out(Path(out), run_dir, overwrite)
     cfg = typed(load_run_config(run_dir))  # the run's saved configuration, converted once
     records = list(read_jsonl(run_dir / "trajectory.jsonl"))
     if not records:
@@ -66,7 +71,8 @@ def replay(run_dir: Path, step: int | None = None, out: Path | None = None, devi
     missing = sorted(set(range(state["step"] + 1, target + 1)) - {r["step"] for r in todo})
     if missing:
         raise ReplayError(f"trajectory.jsonl lacks steps {missing[:5]}{'...' if len(missing) > 5 else ''} "
-                          f"between the snapshot at step {state['step']} and step {target}")
+                          f"between the snapshot at step {state['step']} and step {target} (the last step it "
+                          f"logged is {records[-1]['step']})")
 
     if not estimator_type(cfg.estimator.name).replayable:
         raise ReplayError(f"{run_dir} was trained with estimator={cfg.estimator.name}, whose directions depend on "
@@ -107,6 +113,30 @@ def replay(run_dir: Path, step: int | None = None, out: Path | None = None, devi
     save_file(result, out, metadata={"step": str(target)})
     log.info("Wrote the weights after step %d to %s", target, out)
     return out
+
+
+def _check_device(device: str) -> None:
+    if device not in ("cpu", "cuda"):
+        raise ReplayError(f"--device {device}: replay draws the directions on cpu or cuda, the device type the run "
+                          "drew them on")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ReplayError(f"--device cuda: this machine has no CUDA device (torch {torch.__version__}); replay a CUDA "
+                          "run on a GPU of the architecture it trained on")
+
+
+def _check_out(out: Path, run_dir: Path, overwrite: bool) -> None:
+    """Before anything loads: `out` is a file this process may write, and not one of the run's own
+    weights (final/, checkpoints/), which a replay must never replace."""
+    if out.is_dir():
+        raise ReplayError(f"--out {out} is a directory; name a .safetensors file")
+    resolved = out.resolve()
+    for kept in ("final", "checkpoints"):
+        if resolved.is_relative_to((run_dir / kept).resolve()):
+            raise ReplayError(f"--out {out} is inside the run's {kept}/, whose weights a replay must not replace; "
+                              "write it elsewhere (the default is RUN_DIR/replay/)")
+    if out.exists() and not overwrite:
+        raise ReplayError(f"--out {out} exists; name another file, or pass --force to replace it")
+    writable_ancestor(out.parent, "--out")
 
 
 def _nearest_snapshot(run_dir: Path, target: int, initial: bool = False):

@@ -1,10 +1,11 @@
 """A run's directory: claimed before anything is written into it, and removed again when the command
 that created it fails before training starts.
 
-A directory is claimed when it can be created and written, holds no other run (unless resuming),
-and, when resuming, holds a run this configuration may continue. The command line claims it before
-Hydra creates it and writes `.hydra/` (so a mistake leaves nothing behind); the library claims it
-when a run starts. Both use `RunDirectory`.
+A directory is claimed when it can be created and written, holds no other run (a training run's
+metrics.jsonl, unless resuming; a benchmark's bench.json or an evaluation's eval.json, which nothing
+resumes), and, when resuming, holds a run this configuration may continue. The command line claims
+it before Hydra creates it and writes `.hydra/` (so a mistake leaves nothing behind); the library
+claims it when a run starts. Both use `RunDirectory`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ log = logging.getLogger("distzo")
 
 # What a failed start may leave in a directory it created, and takes away again: Hydra's files.
 STARTUP_FILES = {".hydra", "train.log"}
+# The results `bench` and `eval` write into their directory: a run of its own, which one more command
+# would overwrite, and which resume=auto does not continue.
+RESULT_FILES = ("bench.json", "eval.json")
 
 
 def default_run_dir() -> Path:
@@ -70,6 +74,9 @@ class RunDirectory:
         base = writable_ancestor(path, key)
         created_from = base.resolve() if not fixed or not path.exists() else None
         if fixed and not continuing:
+            for name in RESULT_FILES:  # resume=auto continues neither: refused whatever it says
+                if (path / name).exists():
+                    raise ConfigError(f"{path} already holds a run ({name}); choose another {key}")
             if (path / "metrics.jsonl").exists() and cfg.resume != "auto":
                 raise ConfigError(f"{path} already holds a run (metrics.jsonl); choose another {key} or add "
                                   "resume=auto to continue it")

@@ -9,6 +9,7 @@ log before the run starts; a run started from Python (or a notebook) gets the sa
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import sys
 from pathlib import Path
@@ -18,13 +19,32 @@ from omegaconf import OmegaConf
 
 from ..config.compose import saved_form
 from ..config.schema import Config
-from ..errors import DistzoError
+from ..errors import ConfigError, DistzoError
 from ..parallel.mesh import Mesh
 from .rundir import RunDirectory
 
 log = logging.getLogger("distzo")
 
 _DEFAULT_THREADS = torch.get_num_threads()  # torch's own default, before any run changes it
+
+
+OVERSUBSCRIBED = 4  # threads beyond this many per CPU are refused
+
+
+def _threads(threads: int | None) -> int:
+    """The run's torch CPU threads: `threads`. torch takes any count, and its first parallel region then
+    starts that many threads: a count far beyond the CPUs this process may run on exhausts memory (a
+    MemoryError or a crash) and is refused; one beyond them only slows the work, with a warning."""
+    if threads is None:
+        return _DEFAULT_THREADS
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if threads > OVERSUBSCRIBED * cpus:
+        raise ConfigError(f"threads={threads} is more than {OVERSUBSCRIBED} times the {cpus} CPUs this process may "
+                          f"use; set threads to at most {cpus}, or leave it unset for torch's default")
+    if threads > cpus:
+        log.warning("threads=%d is more than the %d CPUs this process may use, which slows the work; set threads "
+                    "to at most %d", threads, cpus, cpus)
+    return threads
 
 
 def under_hydra() -> bool:
@@ -44,8 +64,8 @@ class Session:
         self.continuing = continuing
         self.cfg = cfg
         self._handlers: list[logging.Handler] = []
-        torch.set_num_threads(cfg.threads or _DEFAULT_THREADS)  # set (or restored) per run: a sweep runs several
         try:
+            torch.set_num_threads(_threads(cfg.threads))  # set (or restored) per run: a sweep runs several
             self.mesh = Mesh.create(cfg.mesh, str(cfg.device), cfg.dist_timeout_s)
         except DistzoError:
             if isinstance(run_dir, RunDirectory):  # handed over by the command line, which created it

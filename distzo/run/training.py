@@ -14,6 +14,7 @@ fixed when `build_engine` picks its mode (docs/architecture.md#engines) and is n
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import math
 import statistics
@@ -57,7 +58,7 @@ from ..zo.directions import DIRECTIONS_VERSION
 from ..zo.optimizers import SGD
 from ..zo.schedule import learning_rate
 from .callbacks import Callback, CallbackList
-from .checks import validate
+from .checks import SUMMARY_FIGURES, validate
 from .components import Components, build_components
 from .evaluation import Evaluator, headline
 from .hub_pins import HubPins, fetch_hub_pins
@@ -445,10 +446,13 @@ class Trainer:
         c = self.components
         test = self.evaluate("test")
         step_times = self._step_times
+        # A resumed session evaluated nothing before training; one that ran no step (the run had
+        # finished) keeps the before-figures of the summary it rewrites.
+        earlier = self._earlier_before() if first is None and not step_times else {}
         summary = Summary({
             "steps": steps, "resumed_from_step": self.start_step, "seed": self.seed, "mesh": str(mesh.shape),
             "directions_version": DIRECTIONS_VERSION,
-            "validation_accuracy_before": first["accuracy"] if first else None,
+            "validation_accuracy_before": first["accuracy"] if first else earlier.get("validation_accuracy_before"),
             "validation_accuracy_after": result["accuracy"], "test_accuracy": test["accuracy"],
             "keep_best": self.best.metric, "best_step": self.best.best.step if self.best.best else None,
             "train_time_s": round(sum(step_times), 1),
@@ -461,9 +465,10 @@ class Trainer:
             **({"h2d_bytes_per_step": int(statistics.median(self._step_h2d))} if self._step_h2d else {}),
             "replica_checksums": replica_checksums,  # every rank's, in rank order: identical (checked)
         })
-        for key in ("f1", "perplexity"):  # generation: accuracy is the exact match (None for whole texts)
+        for key in SUMMARY_FIGURES[1:]:  # generation: accuracy is the exact match (None for whole texts)
             if key in result:
-                summary.update({f"validation_{key}_before": first[key] if first else None,
+                before = first[key] if first else earlier.get(f"validation_{key}_before")
+                summary.update({f"validation_{key}_before": before,
                                 f"validation_{key}_after": result[key], f"test_{key}": test[key]})
         if cfg.save_final:
             path = self._save()
@@ -479,6 +484,19 @@ class Trainer:
                  headline(first) if first else f"(resumed at step {self.start_step})", headline(result), steps, chosen,
                  pace, headline(test))
         return summary
+
+    def _earlier_before(self) -> dict[str, Any]:
+        """The validation_*_before figures of the run directory's summary.json ({} without one), read
+        on rank 0 for every rank. Collective."""
+        def read() -> dict[str, Any]:
+            try:
+                earlier = json.loads((self.run_dir / "summary.json").read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                return {}
+            return {k: v for k, v in earlier.items() if k.startswith("validation_") and k.endswith("_before")} \
+                if isinstance(earlier, dict) else {}
+
+        return self.mesh.decided_on_main(read)
 
     def _save_best(self) -> None:
         """keep_best: the weights of the step reached, the new best, into checkpoints/best. Collective."""

@@ -49,10 +49,17 @@ def recorded_sources(run_dir: str | Path) -> dict[str, Any] | None:
 
 
 def final_weights(run_dir: str | Path, key: str = "eval.run") -> Path:
-    """<run>/final/model.safetensors or <run>/final/adapter.safetensors, whichever the run saved."""
+    """<run>/final/model.safetensors or <run>/final/adapter.safetensors, whichever the run saved,
+    checked whole from its header (a copy cut short costs one line, not safetensors' traceback)."""
+    from ..models.loading import safetensors_problem
+
     final = Path(run_dir) / "final"
     for name in (FINAL_MODEL, FINAL_ADAPTER):
         if (final / name).is_file():
+            problem = safetensors_problem(final / name)
+            if problem:
+                raise RunFilesError(f"{key}={run_dir}: final/{name} is {problem}; copy the run directory again "
+                                    "from where it was written, or train the run again")
             return final / name
     raise RunFilesError(f"{key}={run_dir} has no trained weights ({final}/{FINAL_MODEL} or {FINAL_ADAPTER}); the run "
                         "must have finished with save_final=true")

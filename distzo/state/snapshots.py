@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -61,10 +62,23 @@ def _fsync_file(path: Path) -> None:
         os.fsync(fh.fileno())
 
 
+def finite_json(data: Any) -> Any:
+    """`data` with every non-finite float (NaN, inf) as None: JSON has no such numbers, and Python's
+    NaN token is refused by strict readers (jq, JavaScript, json.loads with parse_constant)."""
+    if isinstance(data, float) and not math.isfinite(data):
+        return None
+    if isinstance(data, dict):
+        return {k: finite_json(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [finite_json(v) for v in data]
+    return data
+
+
 def atomic_write_json(path: Path, data: Any) -> None:
+    """`data` as strict JSON (non-finite numbers as null) in `path`, whole or not at all."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(data, fh, indent=2, sort_keys=True)
+        json.dump(finite_json(data), fh, indent=2, sort_keys=True, allow_nan=False)
         fh.write("\n")
         fh.flush()
         os.fsync(fh.fileno())

@@ -123,15 +123,40 @@ def test_evaluate_a_run_as_the_cli_does(cli_run, tmp_path):
     assert result["split"] == "test" and result["examples"] == 16
     assert result["accuracy"] == json.loads((cli_run / "summary.json").read_text())["test_accuracy"]
     assert json.loads((tmp_path / "eval" / "eval.json").read_text())["accuracy"] == result["accuracy"]
+    for swap in ("model=tiny-opt", "model.path=/elsewhere"):  # another model scored under the run's name: refused
+        with pytest.raises(distzo.ConfigError, match=rf"evaluates the run's trained weights .*, and "
+                                                     rf"{swap.split('=')[0]}= on the command line would score "
+                                                     "another model in their place"):
+            distzo.evaluate(run=cli_run, run_dir=tmp_path / swap, overrides=[swap])
+        assert not (tmp_path / swap).exists()
 
 
 def test_replay_through_the_api(cli_run, tmp_path):
+    """The weights after the last step, bitwise; an --out that exists is replaced only when asked,
+    one inside the run's final/ or checkpoints/ never, and a device replay cannot draw on is refused,
+    each before anything loads."""
+    from distzo.run.replay import ReplayError
+
     out = distzo.replay(cli_run, step=4, out=tmp_path / "step4.safetensors")
     final = load_file(str(cli_run / "final" / "model.safetensors"))
     replayed = load_file(str(out))
     assert replayed and set(replayed) <= set(final)  # the trainable tensors (a tied head is saved once)
     for k in replayed:
         assert torch.equal(replayed[k], final[k]), k
+    kept = {path: path.read_bytes() for path in (cli_run / "final" / "model.safetensors", out)}
+    for where, message in [(out, r"step4.safetensors exists; name another file, or pass --force"),
+                           (tmp_path, "is a directory; name a .safetensors file"),
+                           (cli_run / "final" / "model.safetensors", r"inside the run's final/, whose weights"),
+                           (cli_run / "checkpoints" / "x.safetensors", r"inside the run's checkpoints/")]:
+        with pytest.raises(ReplayError, match=message):
+            distzo.replay(cli_run, step=2, out=where)
+    assert {path: path.read_bytes() for path in kept} == kept
+    assert distzo.replay(cli_run, step=4, out=out, overwrite=True) == out
+    with pytest.raises(ReplayError, match="--device foo: replay draws the directions on cpu or cuda"):
+        distzo.replay(cli_run, out=tmp_path / "x.safetensors", device="foo")
+    if not torch.cuda.is_available():
+        with pytest.raises(ReplayError, match="--device cuda: this machine has no CUDA device"):
+            distzo.replay(cli_run, out=tmp_path / "x.safetensors", device="cuda")
 
 
 def test_compose_sets_values_by_key_and_refuses_mistakes_in_one_line():
@@ -139,8 +164,22 @@ def test_compose_sets_values_by_key_and_refuses_mistakes_in_one_line():
     assert (cfg.task.name, cfg.steps, cfg.optim.lr, cfg.task.val_size) == ("synthetic-cue", 7, 1e-4, 8)
     with pytest.raises(distzo.ConfigError, match=r"^unknown config key 'optim.lrr'"):
         distzo.compose("model=tiny", "optim.lrr=1")
+    for added in ("+optim.lrr=1", "+lrr=1"):  # + adds a key the typed configuration would drop or fail on
+        with pytest.raises(distzo.ConfigError, match=rf"^unknown config key '{added[1:-2]}'.*\(\+ adds keys only"):
+            distzo.compose("model=tiny", added)
+    with pytest.raises(distzo.ConfigError, match=r"^estimator.rank is a setting of estimator=agzo, .*add estimator="):
+        distzo.compose("model=tiny", "+estimator.rank=2")
+    assert distzo.compose("model=tiny", "+model.arch_config.rope_theta=5000.0").model.arch_config == {
+        "rope_theta": 5000.0}  # an open section
     with pytest.raises(distzo.ConfigError, match=r"^unknown model preset 'gpt5'; available: "):
         distzo.compose(model="gpt5")
+    with pytest.raises(distzo.ConfigError, match=r"^sweep.metric=validation_acc_after is not an evaluation figure "
+                                                 r"of the run's summary; use one of: validation_accuracy_after, "):
+        distzo.compose("model=tiny", "sweep.metric=validation_acc_after")  # refused before training, not after
+    with pytest.raises(distzo.ConfigError, match=r"^optim.warmup_steps=50 is longer than the run \(steps=10\)"):
+        distzo.compose("model=tiny", "steps=10", "optim.warmup_steps=50")
+    with pytest.raises(distzo.ConfigError, match=r"^save_final=maybe: expected true or false$"):
+        distzo.compose("model=tiny", "save_final=maybe")
     with pytest.raises(distzo.ConfigError, match=r"^steps=-1 is out of range"):
         distzo.compose("model=tiny", steps=-1)
     with pytest.raises(distzo.ConfigError, match=r"quote the value: \"task.template='\{text\} It was'\""):

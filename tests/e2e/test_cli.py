@@ -53,13 +53,21 @@ def test_bad_configuration_writes_nothing(tmp_path, args):
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # no run directory, no outputs/, no multirun/
 
 
-def test_a_used_run_directory_is_refused_before_anything_is_written(tmp_path):
+@pytest.mark.parametrize("command,written", [("train", "metrics.jsonl"), ("bench", "bench.json"),
+                                             ("eval", "eval.json")])
+def test_a_used_run_directory_is_refused_before_anything_is_written(tmp_path, command, written):
+    """A training run's metrics, or the result a benchmark or an evaluation wrote (which resume=auto
+    does not continue, so it is refused with it too), is never written over."""
     out = tmp_path / "run"
     out.mkdir()
-    (out / "metrics.jsonl").write_text('{"type": "train", "step": 1}\n')
-    r = distzo("train", "model=tiny", f"hydra.run.dir={out}", cwd=tmp_path)
-    assert r.returncode == 2 and "already holds a run" in r.stderr
-    assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl"]  # no .hydra/ written over it
+    (out / written).write_text('{"type": "train", "step": 1}\n')
+    r = distzo(command, "model=tiny", f"hydra.run.dir={out}", cwd=tmp_path)
+    assert r.returncode == 2 and f"already holds a run ({written})" in r.stderr
+    assert sorted(p.name for p in out.iterdir()) == [written]  # no .hydra/ written over it
+    if written != "metrics.jsonl":
+        r = distzo(command, "model=tiny", f"hydra.run.dir={out}", "resume=auto", cwd=tmp_path)
+        assert r.returncode == 2 and f"already holds a run ({written}); choose another hydra.run.dir" in r.stderr
+        assert sorted(p.name for p in out.iterdir()) == [written]
 
 
 def test_prepare_help():

@@ -110,6 +110,20 @@ def folders(tmp_path_factory, hub_server):
     (broken["missing-shard"] / "model.safetensors.index.json").write_text(json.dumps(
         {"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}}))
     (broken["bad-tokenizer"] / "tokenizer.json").write_text("{ not json")
+    bad_shape = root / "bad-shape"  # a config.json that parses, with a hidden size the heads do not divide
+    shutil.copytree(good, bad_shape)
+    config = json.loads((bad_shape / "config.json").read_text())
+    (bad_shape / "config.json").write_text(json.dumps({**config, "hidden_size": 999}))
+    cut_adapter = root / "cut-adapter"  # a run whose final adapter was cut short
+    shutil.copytree(other, cut_adapter)
+    (cut_adapter / "final" / "model.safetensors").unlink()
+    from safetensors.torch import save_file
+
+    save_file({"lora_A": torch.zeros(64, 8)}, cut_adapter / "final" / "adapter.safetensors")
+    os.truncate(cut_adapter / "final" / "adapter.safetensors", 100)
+    bench_run = root / "bench-run"  # a directory a benchmark wrote
+    bench_run.mkdir()
+    (bench_run / "bench.json").write_text("{}\n")
     data = root / "data"
     data.mkdir()
     reviews = [{"text": f"review {i}", "label": "positive" if i % 2 else "negative"} for i in range(12)]
@@ -120,6 +134,9 @@ def folders(tmp_path_factory, hub_server):
           [{"q": f"q{i}", "options": ["a", "b"], "answer": 0} for i in range(8)] + [{"q": "x", "answer": 1}])
     (data / "not-json.jsonl").write_text('{"text": "a", "label": "negative"}\nthis is not JSON\n')
     (data / "nothing").mkdir()  # a folder with no data in it
+    (data / "latin1.jsonl").write_bytes('{"text": "caf\u00e9", "label": 0}\n'.encode("latin-1"))  # not UTF-8
+    (data / "empty.jsonl").write_text("")
+    write("missing-text.jsonl", reviews + [{"label": "negative"}])  # the template's field missing in one record
     empty_test = data / "empty-test"  # a training file and an empty validation file (the test split)
     empty_test.mkdir()
     (empty_test / "train.jsonl").write_text((data / "reviews.jsonl").read_text())
@@ -137,7 +154,10 @@ def folders(tmp_path_factory, hub_server):
             "$EMPTY_TEST": str(empty_test), "$SHADOWING_PRESETS": str(shadowing),
             "$NO_DATA": str(data / "nothing"), "$TRUNCATED_MODEL": str(broken["truncated"]),
             "$CORRUPT_MODEL": str(broken["corrupt"]), "$MISSING_SHARD": str(broken["missing-shard"]),
-            "$BAD_TOKENIZER": str(broken["bad-tokenizer"]), "$HUB": hub_server.url, "$NO_HUB": closed_endpoint()}
+            "$BAD_TOKENIZER": str(broken["bad-tokenizer"]), "$HUB": hub_server.url, "$NO_HUB": closed_endpoint(),
+            "$BAD_SHAPE_MODEL": str(bad_shape), "$CUT_ADAPTER_RUN": str(cut_adapter), "$BENCH_RUN": str(bench_run),
+            "$NOT_UTF8": str(data / "latin1.jsonl"), "$EMPTY_FILE": str(data / "empty.jsonl"),
+            "$MISSING_FIELD": str(data / "missing-text.jsonl")}
 
 
 def run(text: str, cwd: Path) -> tuple[subprocess.CompletedProcess, int]:

@@ -63,6 +63,21 @@ def test_run_directory_contents(tmp_path):
     assert "model.embed_tokens.weight" in weights and (out / "final" / "config.json").is_file()
 
 
+def test_resuming_a_finished_run_rewrites_a_valid_summary_with_its_figures(tmp_path):
+    """resume=auto on a run that has finished runs no step: summary.json is rewritten as strict JSON
+    (no step time to report is null, not NaN) and keeps the earlier session's figures before training."""
+    out, first = run(tmp_path, "done", "steps=2", "checkpoint.every=2")
+    _, again = run(tmp_path, "done", "steps=2", "checkpoint.every=2", "resume=auto")
+
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    written = json.loads((out / "summary.json").read_text(), parse_constant=refuse)
+    assert written["resumed_from_step"] == 2 and written["step_time_s"] is None
+    assert written["validation_accuracy_before"] == again["validation_accuracy_before"] == \
+        first["validation_accuracy_before"] is not None
+
+
 def test_final_folder_loads_back_as_a_local_model(tmp_path):
     out, _ = run(tmp_path, "first", "steps=3")
     from distzo.models import load_model

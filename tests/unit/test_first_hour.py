@@ -65,6 +65,13 @@ def test_set_sizes_are_used_as_given_and_a_pool_too_small_is_refused():
         split_pool(pool(2), None, None, None, 0, "f")
 
 
+def test_a_file_without_records_says_so(tokenizer, tmp_path):
+    """Not that the split sizes leave no training data, which no size would fix."""
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(DataError, match=r"^.*empty.jsonl holds no records; fill it, or point task.path at the data$"):
+        PromptTask(make_config("task=custom", f"task.path={tmp_path / 'empty.jsonl'}").task, tokenizer)
+
+
 def test_own_splits_are_cut_and_a_drawn_validation_split_is_a_tenth():
     s = make_splits({"train": pool(200), "test": pool(1500)}, None, None, None, 0, "f")
     assert (len(s.train), len(s.validation), len(s.test)) == (180, 20, 1000)

@@ -119,7 +119,8 @@ def test_a_self_launched_mesh_larger_than_the_gpus_is_one_line(clean_env, capsys
 
 def test_the_worker_a_signal_killed_is_the_cause_when_a_peer_failed_in_the_same_second():
     """torch's agent stamps failures in whole seconds: a peer that lost the killed worker and exited 1
-    in the same poll ties with it, and the launcher must name the kill (tests/cluster kills a worker)."""
+    in the same poll ties with it, and the launcher must name the kill (tests/cluster kills a worker);
+    the workers the agent then stopped (SIGTERM) come after a worker that exited with an error."""
     from types import SimpleNamespace as Failure
 
     from distzo.run.launcher import root_failure
@@ -127,5 +128,7 @@ def test_the_worker_a_signal_killed_is_the_cause_when_a_peer_failed_in_the_same_
     lost, killed, stopped = Failure(exitcode=1, timestamp=7), Failure(exitcode=-9, timestamp=7), \
         Failure(exitcode=-15, timestamp=7)
     assert root_failure({0: lost, 1: killed}) == (1, killed)
-    assert root_failure({0: stopped, 1: lost}) == (0, stopped)  # the agent's SIGTERM is no cause: the lowest rank
+    # the agent stops the others with SIGTERM once one failed: a worker that exited with an error is the cause
+    assert root_failure({0: stopped, 1: lost}) == (1, lost)
+    assert root_failure({0: stopped, 1: Failure(exitcode=-15, timestamp=7)}) == (0, stopped)  # among equals
     assert root_failure({0: lost, 1: Failure(exitcode=-9, timestamp=8)}) == (0, lost)  # an earlier second first

@@ -4,6 +4,7 @@ streams (Rademacher and Gaussian) against their definitions; building, loading a
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -339,6 +340,27 @@ def test_an_unusable_cache_falls_back_or_says_which_key_to_set(fresh, monkeypatc
     assert native.load("auto") is None
     with pytest.raises(native.NativeUnavailable, match="kernel cache is unusable .*set DISTZO_CACHE"):
         native.load("true")
+
+
+def test_a_cache_that_is_a_file_is_named_in_one_line(monkeypatch, tmp_path):
+    """distzo's cache (distzo.cache) holds the converted models as well as the kernels: a converted
+    model's lock is where a model load meets a cache it cannot use, and says which setting to fix."""
+    from distzo.cache import CacheError, file_lock
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    where = re.escape(str(blocker))
+    monkeypatch.setenv("DISTZO_CACHE", str(blocker))
+    with pytest.raises(CacheError, match=rf"^DISTZO_CACHE={where} is not a directory; set DISTZO_CACHE to a "
+                                         r"directory \(distzo creates it if missing\)$"):
+        with file_lock(blocker / "models" / "x.lock"):
+            pass
+    monkeypatch.setenv("DISTZO_CACHE", str(blocker / "below"))
+    with pytest.raises(CacheError, match=rf"^DISTZO_CACHE={where}/below cannot be used \(Not a directory: "
+                                         rf"{where}/below/models\); set DISTZO_CACHE to a writable directory$"):
+        with file_lock(blocker / "below" / "models" / "x.lock"):
+            pass
+    assert blocker.read_text() == ""
 
 
 @pytest.mark.parametrize("change", [("? 1.0f : -1.0f", "? -1.0f : 1.0f"),  # Rademacher signs flipped

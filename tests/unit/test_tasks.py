@@ -323,6 +323,44 @@ def test_errors_name_the_file_the_record_and_the_fix(tokenizer, tmp_path):
         task(tokenizer, "task=custom", f"task.path={empty}", "task.val_size=1")
 
 
+def test_unreadable_files_say_why_in_distzos_line_alone(tmp_path, caplog, capfd):
+    """A file that is not UTF-8 says so (arrow decodes a JSON file's strings only when the records are
+    listed, after datasets has read it); a file datasets cannot parse gives the parser's own reason
+    (the row), not datasets' wrapper, and datasets' own log line about it is not printed too."""
+    from distzo.data.records import read_records
+
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes("".join(f'{{"text": "caf\u00e9 {i}", "label": 0}}\n' for i in range(4)).encode("latin-1"))
+    with pytest.raises(DataError, match=r"cannot read .*latin1.jsonl: it is not UTF-8 \(byte 0xe9 does not decode\); "
+                                        r"re-save it as UTF-8$"):
+        read_records(latin1)
+    cut = tmp_path / "cut.jsonl"
+    cut.write_text('{"text": "a", "label": 0}\n{"text": "b')
+    with pytest.raises(DataError, match=r"cannot read .*cut.jsonl as json: JSON parse error: Missing a closing "
+                                        r"quotation mark in string\. in row 1; check the file"):
+        read_records(cut)
+    quote = tmp_path / "quote.csv"
+    quote.write_text('text,label\n"never closed,1\n')
+    with pytest.raises(DataError, match=r"cannot read .*quote.csv as csv: Error tokenizing data\. C error: EOF inside "
+                                        r"string starting at row 1; check the file"):
+        read_records(quote)
+    printed = caplog.text + "".join(capfd.readouterr())
+    assert "Failed to load JSON" not in printed and "cut.jsonl" not in printed
+
+
+def test_a_record_without_a_field_the_template_reads_is_refused(tokenizer, tmp_path):
+    """Records share their file's columns, so a field one record lacks reads as None, as a null does:
+    either would be trained on as the text "None"."""
+    rows = [{"text": f"t{i}", "label": i % 2} for i in range(12)]
+    for name, odd in [("missing", {"label": 1}), ("null", {"text": None, "label": 1})]:
+        path = write_jsonl(tmp_path / f"{name}.jsonl", rows[:7] + [odd] + rows[7:])
+        with pytest.raises(DataError, match=rf"record 7 of the all split of .*{name}.jsonl has no value for the field "
+                                            r"'text' \(missing or null\), which task.template='\{text\} It was' reads; "
+                                            r"give every record its 'text', or remove that record"):
+            task(tokenizer, "task=custom", f"task.path={path}", "task.template='{text} It was'",
+                 "task.label_words=[' bad',' good']", *SMALL)
+
+
 def test_max_tokens_cuts_long_texts_to_one_length(tokenizer, tmp_path):
     """task=lm-2048's mechanism on a small scale: texts modelled whole are cut to task.max_tokens
     (the start token and the text's first max_tokens - 1 tokens); shorter ones are kept whole; prompt

@@ -26,9 +26,12 @@ class Replay(Command):
                             help="start from the newest snapshot at or before this step (default: nearest to --step)")
         parser.add_argument("--out", default=None,
                             help="output .safetensors (default: RUN_DIR/replay/step-N.safetensors)")
-        parser.add_argument("--device", default="cpu", help="device type the run drew its directions on")
+        parser.add_argument("--force", action="store_true", help="replace --out if it exists")
+        parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                            help="device type the run drew its directions on")
         ns = parser.parse_args(args)
         logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(message)s", datefmt="%H:%M:%S")
         from ...run.replay import replay
 
-        print(replay(Path(ns.run_dir), ns.step, Path(ns.out) if ns.out else None, ns.device, ns.from_step))
+        print(replay(Path(ns.run_dir), ns.step, Path(ns.out) if ns.out else None, ns.device, ns.from_step,
+                     overwrite=ns.force))

@@ -201,32 +201,40 @@ def compose_config(overrides: Sequence[str] = (), with_hydra: bool = False,
 
 def check_added_keys(cfg: Any, overrides: Sequence[str]) -> None:
     """`+key=value` adds a key even where the schema has no such field, and the typed configuration
-    would then drop it (a typo such as +optim.lrr=1 trained with the default) or fail on it: refused,
-    as an unknown key without + is. Keys may be added inside the open sections (model.arch_config)."""
+    would then drop it (a typo such as +optim.lrr=1 or +optm.lr=1 trained with the default) or fail on
+    it: refused, as an unknown key without + is. Keys may be added inside the open sections
+    (model.arch_config); a config group appended (+experiment=x, merged where its package says)
+    creates no key of its name."""
     from omegaconf import OmegaConf
 
+    absent = object()
     for override in overrides:
         key = override_key(override)
-        if not override.startswith("+") or key.startswith("hydra"):
+        if not override.startswith("+") or key.startswith("hydra") or "/" in key or "@" in key:
             continue
-        parent_key, _, leaf = key.rpartition(".")
-        parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg
-        schema = OmegaConf.get_type(parent) if OmegaConf.is_config(parent) else None
-        if schema is not None and is_dataclass(schema) and leaf not in {f.name for f in fields(schema)}:
-            raise ConfigError(unknown_key(key))
+        if OmegaConf.select(cfg, key, default=absent) is absent:
+            continue
+        node, parts = cfg, key.split(".")
+        for part in parts:
+            schema = OmegaConf.get_type(node) if OmegaConf.is_config(node) else None
+            if schema is None or not is_dataclass(schema):
+                break  # an open section: any key
+            if part not in {f.name for f in fields(schema)}:
+                raise ConfigError(unknown_key(key, added=True))
+            node = node[part]
 
 
-def unknown_key(name: str) -> str:
+def unknown_key(name: str, added: bool = False) -> str:
     """The refusal of a key the configuration does not have: the component whose setting it is, or
-    where the valid keys are listed."""
+    where the valid keys are listed (added: it was set with +)."""
     owners = setting_owners(name)
     if owners:
         group = name.split(".")[0]
         named = [f"{group}={o}" for o in owners]
         which = named[0] if len(named) == 1 else f"{', '.join(named[:-1])} or {named[-1]}"
         return f"{name} is a setting of {which}, not of the chosen {group}; add {named[0]}"
-    return (f"unknown config key '{name}'; see `python -m distzo train --cfg job` for the valid keys (+ adds keys only "
-            "inside the open sections, such as model.arch_config)")
+    where = " (+ adds keys only inside the open sections, such as model.arch_config)" if added else ""
+    return f"unknown config key '{name}'; see `python -m distzo train --cfg job` for the valid keys{where}"
 
 
 def override_key(override: str) -> str:

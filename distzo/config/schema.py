@@ -503,7 +503,7 @@ class SweepConfig:
     progress_every_s: seconds between progress lines while a job runs.
     metric: the field of the run's summary that `train` returns to a Hydra sweeper
       (`-m hydra/sweeper=optuna` optimises it; docs/cluster.md), e.g. validation_accuracy_after or,
-      for language modelling, validation_perplexity_after (minimised)."""
+      validation_loss_after or, for language modelling, validation_perplexity_after (minimised)."""
 
     launcher: Launcher = Launcher.local
     nodes: int = setting(1, "> 0")

@@ -155,6 +155,8 @@ class Classification(Kind):
                 raise DataError(f"{where} has label {raw!r}, which is not in task.labels={list(fmt.labels)}; add it "
                                 "(in the order of task.label_words) or fix the record")
             return fmt.labels.index(norm(raw))
+        if isinstance(raw, float) and raw.is_integer():  # a column arrow read as floats (one record held 1.5)
+            raw = int(raw)
         if isinstance(raw, bool) or not str(raw).strip().lstrip("-").isdigit():
             raise DataError(f"{where} has label {raw!r}, not a class index; set task.labels to the label values in the "
                             f"order of task.label_words (e.g. task.labels=[negative,positive])")

@@ -58,8 +58,8 @@ def drawn_size(size: int | None, cap: int, available: int) -> int:
 
 def split_pool(pool: Sequence[Example], val_size: int | None, test_size: int | None, train_size: int | None,
                seed: int, origin: str) -> Splits:
-    if not pool:  # an empty file: say so, not that the split sizes leave nothing
-        raise DataError(f"{origin} holds no records; fill it, or point task.path at the data")
+    if not pool:  # an empty file or subset: say so, not that the split sizes leave nothing
+        raise DataError(f"{origin} holds no records; fill it, or point task.path (or task.subset) at the data")
     val_size = drawn_size(val_size, AUTO_VAL_SIZE, len(pool))
     test_size = drawn_size(test_size, AUTO_TEST_SIZE, len(pool))
     if val_size + test_size >= len(pool):

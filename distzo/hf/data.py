@@ -137,10 +137,11 @@ def _checked(collated: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor, t
     if positions is not None:
         expected = (mask.cumsum(-1) - 1).clamp(min=0)  # positions of the real tokens, as one sequence per row
         if not torch.equal(_tensor(collated, "position_ids")[mask == 1], expected[mask == 1]):
-            raise TrainerDataError("the collator's position_ids restart inside a row (DataCollatorWithFlattening packs "
-                                   "several examples into one), which only padding-free attention keeps apart, and "
-                                   "distzo scores a row as one sequence; use a padding collator such as "
-                                   "DataCollatorForLanguageModeling(tokenizer, mlm=False)")
+            raise TrainerDataError("the collator's position_ids do not count each row's real tokens from 0 (rows "
+                                   "packed with DataCollatorWithFlattening restart them per example, which only "
+                                   "padding-free attention keeps apart; or positions that count the padding), and "
+                                   "distzo scores a row's real tokens as one sequence from position 0; use a padding "
+                                   "collator such as DataCollatorForLanguageModeling(tokenizer, mlm=False)")
     return ids, labels, mask
 
 

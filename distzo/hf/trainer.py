@@ -13,6 +13,7 @@ messages) and its completion-only labels. docs/hf.md maps every argument.
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 import math
 import os
@@ -160,18 +161,21 @@ class ZOLoop:
             return int(self.args.max_steps)
         return int(math.ceil(self.args.num_train_epochs * self.zo_steps_per_epoch(n_train)))
 
-    def zo_config(self, steps: int, micro_batch: int | None = None):
+    def zo_config(self, steps: int, micro_batch: int | None = None, schedule: tuple[str, int] | None = None):
         """The distzo configuration of this run (what `distzo.train` would be given). micro_batch:
-        examples in one forward pass (default per_device_train_batch_size; auto_find_batch_size's)."""
+        examples in one forward pass (default per_device_train_batch_size; auto_find_batch_size's).
+        schedule: distzo's (optim.schedule, optim.warmup_steps), for a checkpoint that recorded others."""
         import distzo
 
         a, z = self.args, self.zo_args
         # Each step's rate comes from transformers' scheduler (zo_lr_at) and is logged with the step, so
         # distzo's own schedule stays constant: a resume with another max_steps or warm-up continues, as
         # Trainer's does, whatever the schedule.
+        schedule_name, warmup = schedule or ("constant", 0)
         overrides = [
             "model=hf", *setting_overrides(z), f"peft={self.zo_peft()}", f"optim.lr={a.learning_rate}",
-            f"optim.weight_decay={a.weight_decay}", "optim.schedule=constant", "optim.warmup_steps=0",
+            f"optim.weight_decay={a.weight_decay}", f"optim.schedule={schedule_name}",
+            f"optim.warmup_steps={warmup}",
             f"offload={z.offload}", f"mesh={self.zo_mesh()}",
             f"engine.compute={_compute(a)}", f"device={self.zo_device()}", f"steps={steps}",
             f"batch_size={self.zo_global_batch()}",
@@ -263,7 +267,8 @@ class ZOLoop:
         args = self.args
         task = self.zo_task()
         steps = self.zo_max_steps(task.size("train"))
-        cfg = self.zo_config(steps, self._zo_micro_batch(batch_size))
+        recorded = _recorded_schedule(Path(resume_from_checkpoint) / ZO_STATE) if resume_from_checkpoint else None
+        cfg = self.zo_config(steps, self._zo_micro_batch(batch_size), recorded)
         self._zo_check(cfg)
         self.state = TrainerState(stateful_callbacks=[cb for cb in self.callback_handler.callbacks + [self.control]
                                                       if isinstance(cb, ExportableState)])
@@ -747,6 +752,19 @@ def _in_trainer_terms(message: str) -> str:
                               "ZOArguments the checkpoint was written with")
     return message.replace("use another hydra.run.dir to start afresh", "train without resume_from_checkpoint (in "
                            "another output_dir to keep this run)")
+
+
+def _recorded_schedule(snapshot: Path) -> tuple[str, int] | None:
+    """distzo's (optim.schedule, optim.warmup_steps) that a checkpoint's run recorded, where they are
+    not the constant schedule ZOTrainer has passed since each step's rate is the scheduler's (before,
+    `linear` was passed on, with the warm-up): such a checkpoint resumes with them, which enter the
+    resume check alone (the rates are logged with each step). None: constant, or nothing readable."""
+    try:
+        optim = json.loads((snapshot / "state.json").read_text(encoding="utf-8"))["fingerprint_keys"]["optim"]
+        recorded = str(optim.get("schedule", "constant")), int(optim.get("warmup_steps") or 0)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return recorded if recorded != ("constant", 0) else None
 
 
 def _check_search(backend) -> None:

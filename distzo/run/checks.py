@@ -41,8 +41,8 @@ def check_estimator(cfg: Config) -> None:
 
 
 # The evaluation figures a run's summary holds (distzo.run.training): each as validation_<figure>_before,
-# validation_<figure>_after and test_<figure> (f1 and perplexity where the task reports them).
-SUMMARY_FIGURES = ("accuracy", "f1", "perplexity")
+# validation_<figure>_after and test_<figure> (loss, f1 and perplexity where the evaluation reports them).
+SUMMARY_FIGURES = ("accuracy", "loss", "f1", "perplexity")
 
 
 def check_sweep_metric(cfg: Config) -> None:

@@ -121,18 +121,22 @@ def evaluation_config(run: str | Path, cfg: DictConfig, overrides: Sequence[str]
     run_cfg = load_run_config(run, key="eval.run")
     weights = final_weights(run)
     overrides = upgrade_overrides(list(overrides))  # what the command line set, in today's spelling
-    keys = [o.key_or_group for o in OverridesParser.create().parse_overrides(overrides)]
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    keys = [o.key_or_group for o in parsed]
     # The run's trained weights are what eval.run evaluates (eval.json names the run): another model
-    # in their place would be scored under the run's name.
-    swapped = [k for k in ("model", "model.path", "model.source") if k in keys]
+    # in their place would be scored under the run's name (the run's own preset named again is not).
+    other = [o.key_or_group for o in parsed if o.key_or_group != "model" or o.value() != run_cfg.model.name]
+    swapped = [k for k in ("model", "model.path", "model.source") if k in other]
     if weights.name == FINAL_MODEL and swapped:
         raise ConfigError(f"eval.run={run} evaluates the run's trained weights ({weights}), and {swapped[0]}= on the "
                           "command line would score another model in their place; drop it, or drop eval.run to "
                           "evaluate that model with these settings")
-    if weights.name != FINAL_MODEL and "model" in keys:
+    base_keys = (["model", "init_seed"], ["model", "arch_config"])  # what else draws another random base
+    rebased = [k for k in other if k == "model" or k.split(".")[:2] in base_keys]
+    if weights.name != FINAL_MODEL and rebased:
         raise ConfigError(f"eval.run={run} puts the run's adapter ({weights}) on the base model it was trained on "
-                          f"(model={run_cfg.model.name}), and model= on the command line would put it on another; drop "
-                          "it (model.path= names where the same base model lives now)")
+                          f"(model={run_cfg.model.name}), and {rebased[0]}= on the command line would put it on "
+                          "another; drop it (model.path= names where the same base model lives now)")
     cfg = copy.deepcopy(cfg)
     for section in RUN_SECTIONS:
         if section in keys:  # a preset chosen on the command line (task=sst2): the command line's

@@ -14,6 +14,7 @@ holds the seed) and the whole trajectory, with no snapshot at all.
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -81,6 +82,19 @@ def replay(run_dir: Path, step: int | None = None, out: Path | None = None, devi
     here = gaussian_generator_id(torch.device(device))
     foreign = [r for r in todo if state["distribution"] == "gaussian" and not r.get("skipped")
                and drawn_by(state, r) != here]
+    if not foreign and state["distribution"] == "gaussian" and any("drawn_by" not in r for r in todo):
+        # Logged before records named their generator: a snapshot between here and the target written
+        # by a session that drew by another generator says that session drew the steps before it.
+        for path in list_snapshots(run_dir):
+            at = int(path.name.split("-")[1])
+            if state["step"] < at <= target:
+                try:
+                    between = json.loads((path / "state.json").read_text(encoding="utf-8"))
+                except (OSError, ValueError):
+                    continue
+                if drawn_by(between) != here:
+                    foreign = [dict(next(r for r in todo if r["step"] <= at), drawn_by=drawn_by(between))]
+                    break
     if foreign:
         # Records logged before they named their generator are taken as drawn by the snapshot's, and
         # snapshots from before it was recorded name only the device type, which no longer matches this
@@ -143,8 +157,6 @@ def _nearest_snapshot(run_dir: Path, target: int, initial: bool = False):
     """(path, tensors, state) of the newest valid snapshot at or before `target`; with `initial`
     (--from-step 0), (run.json, None, its identity at step 0): the initial weights."""
     if initial:
-        import json
-
         try:
             identity = json.loads((run_dir / RUN_FILE).read_text())
         except (OSError, ValueError) as exc:

@@ -14,7 +14,6 @@ fixed when `build_engine` picks its mode (docs/architecture.md#engines) and is n
 from __future__ import annotations
 
 import gc
-import json
 import logging
 import math
 import statistics
@@ -45,7 +44,7 @@ from ..state.resume import (
     truncate_logs,
 )
 from ..state.snapshots import atomic_write_json, save_final
-from ..telemetry.jsonl import JsonlWriter
+from ..telemetry.jsonl import JsonlWriter, read_jsonl
 from ..telemetry.metrics import (
     MetricsWriter,
     Progress,
@@ -446,13 +445,13 @@ class Trainer:
         c = self.components
         test = self.evaluate("test")
         step_times = self._step_times
-        # A resumed session evaluated nothing before training; one that ran no step (the run had
-        # finished) keeps the before-figures of the summary it rewrites.
-        earlier = self._earlier_before() if first is None and not step_times else {}
+        # A resumed session evaluated nothing before training: the run's own evaluation before its
+        # first step is in metrics.jsonl (logs are cut after the resume point, never before step 1).
+        before = first if first is not None else self._logged_validation_before()
         summary = Summary({
             "steps": steps, "resumed_from_step": self.start_step, "seed": self.seed, "mesh": str(mesh.shape),
             "directions_version": DIRECTIONS_VERSION,
-            "validation_accuracy_before": first["accuracy"] if first else earlier.get("validation_accuracy_before"),
+            "validation_accuracy_before": before["accuracy"] if before else None,
             "validation_accuracy_after": result["accuracy"], "test_accuracy": test["accuracy"],
             "keep_best": self.best.metric, "best_step": self.best.best.step if self.best.best else None,
             "train_time_s": round(sum(step_times), 1),
@@ -467,8 +466,7 @@ class Trainer:
         })
         for key in SUMMARY_FIGURES[1:]:  # generation: accuracy is the exact match (None for whole texts)
             if key in result:
-                before = first[key] if first else earlier.get(f"validation_{key}_before")
-                summary.update({f"validation_{key}_before": before,
+                summary.update({f"validation_{key}_before": before.get(key) if before else None,
                                 f"validation_{key}_after": result[key], f"test_{key}": test[key]})
         if cfg.save_final:
             path = self._save()
@@ -485,16 +483,12 @@ class Trainer:
                  pace, headline(test))
         return summary
 
-    def _earlier_before(self) -> dict[str, Any]:
-        """The validation_*_before figures of the run directory's summary.json ({} without one), read
-        on rank 0 for every rank. Collective."""
-        def read() -> dict[str, Any]:
-            try:
-                earlier = json.loads((self.run_dir / "summary.json").read_text(encoding="utf-8"))
-            except (OSError, ValueError):
-                return {}
-            return {k: v for k, v in earlier.items() if k.startswith("validation_") and k.endswith("_before")} \
-                if isinstance(earlier, dict) else {}
+    def _logged_validation_before(self) -> dict[str, Any] | None:
+        """The validation evaluation of step 0 that metrics.jsonl holds (None without one), read on rank
+        0 for every rank. Collective."""
+        def read() -> dict[str, Any] | None:
+            return next((r for r in read_jsonl(self.run_dir / "metrics.jsonl") if r.get("type") == "eval"
+                         and r.get("split") == "validation" and r.get("step") == 0), None)
 
         return self.mesh.decided_on_main(read)
 

@@ -28,7 +28,15 @@ def load_run_config(run_dir: str | Path, key: str = "") -> DictConfig:
         raise RunFilesError(f"{f'{key}=' if key else ''}{run_dir} is not a distzo run directory "
                             f"(no {CONFIG_FILE}); give the directory a training run wrote (its hydra.run.dir)")
     try:
-        return saved_config(OmegaConf.to_container(OmegaConf.load(path)))
+        data = OmegaConf.to_container(OmegaConf.load(path))
+    except Exception as exc:  # YAML's scanner and parser errors: the file itself is damaged
+        raise RunFilesError(f"{path} is not readable YAML ({' '.join(str(exc).split())[:200]}); copy the run "
+                            "directory again from where it was written") from None
+    if not isinstance(data, dict):
+        raise RunFilesError(f"{path} holds no configuration (a YAML {type(data).__name__}); copy the run directory "
+                            "again from where it was written")
+    try:
+        return saved_config(data)
     except DistzoError:
         raise
     except Exception as exc:  # OmegaConf's merge errors: a key this distzo no longer has, a wrong type

@@ -164,7 +164,7 @@ def test_compose_sets_values_by_key_and_refuses_mistakes_in_one_line():
     assert (cfg.task.name, cfg.steps, cfg.optim.lr, cfg.task.val_size) == ("synthetic-cue", 7, 1e-4, 8)
     with pytest.raises(distzo.ConfigError, match=r"^unknown config key 'optim.lrr'"):
         distzo.compose("model=tiny", "optim.lrr=1")
-    for added in ("+optim.lrr=1", "+lrr=1"):  # + adds a key the typed configuration would drop or fail on
+    for added in ("+optim.lrr=1", "+lrr=1", "+optm.lr=1"):  # + adds a key the typed configuration would drop
         with pytest.raises(distzo.ConfigError, match=rf"^unknown config key '{added[1:-2]}'.*\(\+ adds keys only"):
             distzo.compose("model=tiny", added)
     with pytest.raises(distzo.ConfigError, match=r"^estimator.rank is a setting of estimator=agzo, .*add estimator="):
@@ -193,6 +193,9 @@ def test_your_own_config_directory(tmp_path):
         "name: cue16\ndataset: synthetic-cue\nval_size: 16\ntest_size: 16\n")
     cfg = distzo.compose("model=tiny", "task=cue16", config_dirs=[tmp_path / "presets"])
     assert (cfg.task.name, cfg.task.val_size) == ("cue16", 16)
+    (tmp_path / "presets" / "experiment").mkdir()  # a group of its own, appended with +, merged at the top
+    (tmp_path / "presets" / "experiment" / "short.yaml").write_text("# @package _global_\nsteps: 7\n")
+    assert distzo.compose("model=tiny", "+experiment=short", config_dirs=[tmp_path / "presets"]).steps == 7
     with pytest.raises(distzo.ConfigError, match="unknown task preset 'cue16'"):
         distzo.compose("model=tiny", "task=cue16")
     r = run_forked(1, ["train", "model=tiny", "task=cue16", "steps=1", "eval_every=0",

@@ -184,7 +184,7 @@ def test_data_transformers_would_score_otherwise_is_refused_before_anything_is_w
         "no labels": (dict(collator=DataCollatorWithPadding(tokenizer)), "the collated batch has no labels"),
         "padding scored": (dict(train_dataset=padded, collator=default_data_collator),
                            r"labels at padded positions \(attention_mask 0\) are not -100"),
-        "flattened": (dict(collator=DataCollatorWithFlattening()), "position_ids restart inside a row"),
+        "flattened": (dict(collator=DataCollatorWithFlattening()), "position_ids do not count each row's real"),
         "classification": (dict(train_dataset=train.map(lambda row: {"labels": 1}),
                                 collator=DataCollatorWithPadding(tokenizer)), r"labels of shape \[2\] for input_ids"),
         "streaming": (dict(train_dataset=train.to_iterable_dataset()), "is a IterableDataset without len()"),
@@ -194,3 +194,24 @@ def test_data_transformers_would_score_otherwise_is_refused_before_anything_is_w
         with pytest.raises(TrainerDataError, match=message):
             zo_trainer(model_folder, data, out, max_steps=2, **how).train()
         assert not (out / "zo").exists(), name
+
+
+def test_a_checkpoint_written_when_zotrainer_passed_the_linear_schedule_on_still_resumes(model_folder, data,
+                                                                                        tmp_path):
+    """Before each step's rate was the scheduler's alone, ZOTrainer passed `linear` (and the warm-up)
+    on as distzo's own schedule, which the resume check records: such a checkpoint (forged here from a
+    new one, its fingerprint recomputed) resumes with the settings it was written with."""
+    import json
+
+    from distzo.state.resume import _digest
+
+    out = tmp_path / "out"
+    zo_trainer(model_folder, data, out, max_steps=4, save_steps=2, logging_steps=1).train()
+    state_file = out / "checkpoint-2" / "zo_state" / "state.json"
+    state = json.loads(state_file.read_text())
+    keys = state["fingerprint_keys"]
+    keys["optim"].update(schedule="linear", warmup_steps=0)
+    keys["steps"] = 4
+    state_file.write_text(json.dumps(dict(state, fingerprint_keys=keys, config_fingerprint=_digest(keys))))
+    again = zo_trainer(model_folder, data, out, max_steps=4, save_steps=2, logging_steps=1)
+    assert again.train(resume_from_checkpoint=str(out / "checkpoint-2")).global_step == 4

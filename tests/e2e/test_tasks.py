@@ -110,6 +110,13 @@ def test_eval_of_an_adapter_run_loads_the_adapter_on_the_runs_base_model(tmp_pat
                        f"hydra.run.dir={tmp_path / 'base'}"], cwd=tmp_path)
     assert json.loads((tmp_path / "base" / "eval.json").read_text())["loss"] != pytest.approx(tested["loss"], rel=1e-6)
     peft_adapter_gives_distzos_logits(run_dir, "task=synthetic-cue", "peft=lora")
+    import distzo
+
+    for rebase in ("model=tiny-opt", "model.init_seed=5"):  # the adapter on another base: refused, nothing written
+        with pytest.raises(distzo.ConfigError, match=rf"puts the run's adapter .*, and {rebase.split('=')[0]}= on "
+                                                     "the command line would put it on another"):
+            distzo.evaluate(run=run_dir, run_dir=tmp_path / rebase, overrides=[rebase])
+        assert not (tmp_path / rebase).exists()
 
 
 def test_lora_on_gpt2s_conv1d_projections_exports_a_peft_adapter(tmp_path):

@@ -58,6 +58,9 @@ def test_run_directory_contents(tmp_path):
     assert summary["test_accuracy"] == by_split[(4, "test")]
     assert (summary["validation_accuracy_before"], summary["validation_accuracy_after"]) == \
         (by_split[(0, "validation")], by_split[(4, "validation")])
+    losses = {(r["step"], r["split"]): r["loss"] for r in records if r["type"] == "eval"}
+    assert (summary["validation_loss_before"], summary["validation_loss_after"], summary["test_loss"]) == \
+        (losses[(0, "validation")], losses[(4, "validation")], losses[(4, "test")])  # what a sweep may minimise
     assert json.loads((out / "summary.json").read_text())["steps"] == 4
     weights = load_file(out / "final" / "model.safetensors")
     assert "model.embed_tokens.weight" in weights and (out / "final" / "config.json").is_file()

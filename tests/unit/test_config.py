@@ -176,3 +176,16 @@ def test_a_training_run_converts_its_configuration_once(monkeypatch, tmp_path):
     monkeypatch.setattr(OmegaConf, "to_object", to_object)
     distzo.train(cfg, tmp_path / "run")
     assert calls == ["distzo.config.compose"]
+
+
+def test_a_damaged_saved_configuration_says_so_and_not_that_distzo_changed(tmp_path):
+    """eval.run and replay read a run's .hydra/config.yaml: a file cut short or overwritten is named as
+    damaged (copy the run again), not as written by another distzo version."""
+    from distzo.state.saved import CONFIG_FILE, RunFilesError, load_run_config
+
+    (tmp_path / CONFIG_FILE).parent.mkdir(parents=True)
+    for text, message in [("model: {name: tiny\ntask: [", r"is not readable YAML \(.*\); copy the run directory"),
+                          ("- a\n- b\n", r"holds no configuration \(a YAML list\); copy the run directory")]:
+        (tmp_path / CONFIG_FILE).write_text(text)
+        with pytest.raises(RunFilesError, match=message):
+            load_run_config(tmp_path, key="eval.run")

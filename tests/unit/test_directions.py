@@ -212,3 +212,14 @@ def test_a_run_continued_on_another_machine_re_applies_exactly_the_steps_drawn_a
     for resumed in (gpu_tail, gpu_snapshot):
         assert [r["step"] for r in read_jsonl(resumed / "trajectory.jsonl")] == list(range(1, 9))
         assert all(torch.equal(v, final(whole)[k]) for k, v in final(resumed).items())
+    # Records from before they named their generator: a snapshot between the start and the target,
+    # written on a GPU, says that session drew the steps before it; replay refuses them.
+    old = tmp_path / "old"
+    shutil.copytree(whole, old)
+    unnamed = [{k: v for k, v in r.items() if k != "drawn_by"} for r in read_jsonl(old / "trajectory.jsonl")]
+    (old / "trajectory.jsonl").write_text("".join(json.dumps(r) + "\n" for r in unnamed))
+    assert distzo.replay(old, step=8, from_step=0, out=tmp_path / "all.safetensors").is_file()  # all drawn here
+    state_file = old / "checkpoints" / "step-00000004" / "state.json"
+    state_file.write_text(json.dumps(dict(json.loads(state_file.read_text()), gaussian_generator=gpu)))
+    with pytest.raises(ReplayError, match=r"drew step 1's Gaussian directions on cuda; replay with --device cuda"):
+        distzo.replay(old, step=8, from_step=0, out=tmp_path / "refused.safetensors")

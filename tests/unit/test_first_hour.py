@@ -68,7 +68,8 @@ def test_set_sizes_are_used_as_given_and_a_pool_too_small_is_refused():
 def test_a_file_without_records_says_so(tokenizer, tmp_path):
     """Not that the split sizes leave no training data, which no size would fix."""
     (tmp_path / "empty.jsonl").write_text("")
-    with pytest.raises(DataError, match=r"^.*empty.jsonl holds no records; fill it, or point task.path at the data$"):
+    with pytest.raises(DataError, match=r"^.*empty.jsonl holds no records; fill it, or point task.path "
+                                        r"\(or task.subset\) at the data$"):
         PromptTask(make_config("task=custom", f"task.path={tmp_path / 'empty.jsonl'}").task, tokenizer)
 
 

@@ -302,6 +302,10 @@ def test_errors_name_the_file_the_record_and_the_fix(tokenizer, tmp_path):
              "task.label_words=[' bad',' good']", *SMALL)
     with pytest.raises(DataError, match=r"has label 'negative', not a class index; set task.labels"):
         task(tokenizer, "task=custom", f"task.path={path}", "task.label_words=[' bad',' good']", *SMALL)
+    floats = write_jsonl(tmp_path / "f.jsonl", [{"text": f"t{i}", "label": i % 2} for i in range(12)]
+                         + [{"text": "odd", "label": 1.5}])  # arrow reads the whole column as floats
+    with pytest.raises(DataError, match=r"record 12 of the all split of .*f.jsonl has label 1.5, not a class index"):
+        task(tokenizer, "task=custom", f"task.path={floats}", "task.label_words=[' bad',' good']", *SMALL)
     with pytest.raises(DataError, match=r"task.template='\{review\}' reads the field 'review', "
                                         r"but record 0 .* has only \['label', 'text'\]"):
         task(tokenizer, "task=custom", f"task.path={path}", "task.template='{review}'",

@@ -80,7 +80,7 @@ def test_a_wandb_that_cannot_start_is_one_clear_error(tmp_path, monkeypatch):
         raise wandb.errors.UsageError("api_key not configured (no-tty). call wandb.login(key=[your_api_key])")
 
     monkeypatch.setattr(wandb, "init", init)
-    cfg = make_config("logger=wandb", "logger.mode=online")
+    cfg = make_config("model=tiny", "logger=wandb", "logger.mode=online")
     with pytest.raises(SinkError, match=r"could not start an online run \(api_key not configured .*logger=none"):
         WandbSink(cfg, tmp_path, {})
     with pytest.raises(SinkError, match=r"could not start an online run \(api_key not configured .*logger=none"):

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import collections
 import gzip
-import json
 import logging
 import os
 import re
@@ -66,6 +65,7 @@ from ..config.schema import Config, switch
 from ..models.quantize import base_matmul
 from ..parallel.mesh import Mesh
 from ..parallel.shape import MeshShape
+from ..state.snapshots import atomic_write_json
 from ..telemetry.flops import forward_precision, model_flops_utilisation
 from ..telemetry.metrics import host_memory_bytes, peak_memory_bytes, reset_host_peak, reset_peak_memory
 from ..telemetry.timing import Timers, WorkClock
@@ -533,7 +533,7 @@ def _bench(cfg: Config, c: Components, run_dir: Path) -> dict[str, Any]:
                  scoring["shared_prompt_s"], scoring["one_sequence_each_s"])
     if mesh.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "bench.json").write_text(json.dumps(result, indent=2) + "\n")
+        atomic_write_json(run_dir / "bench.json", result)  # strict JSON, whole or not at all
         print(report(result))
     return result
 

@@ -9,7 +9,6 @@ of batches), and one all-reduce adds the counts.
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import math
 import time
@@ -29,6 +28,7 @@ from ..errors import ConfigError, DistzoError
 from ..parallel.launch_env import launched_world_size
 from ..parallel.mesh import Mesh
 from ..state.saved import FINAL_ADAPTER, FINAL_MODEL, final_weights, load_run_config, recorded_sources
+from ..state.snapshots import atomic_write_json
 from ..telemetry.metrics import MetricsWriter, Progress, format_duration
 from .checks import validate
 from .hub_pins import HubPins, fetch_hub_pins
@@ -192,7 +192,7 @@ def evaluate(cfg: Config | DictConfig, run_dir: str | Path | RunDirectory | None
                       "run": cfg.eval.run, **result}
             metrics.close()
             if mesh.is_main:
-                (run_dir / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
+                atomic_write_json(run_dir / "eval.json", result)  # strict JSON, whole or not at all
                 print(f"{cfg.task.name} {split}: {headline(result)}, loss {result['loss']:.4f} "
                       f"({result['examples']} examples)", flush=True)
             return result

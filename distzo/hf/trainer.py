@@ -138,6 +138,7 @@ class ZOLoop:
         self._zo_doing = None  # 'evaluation' or 'checkpoint' while one runs (what an out-of-memory error names)
         self._zo_trial = None  # hyperparameter_search's trial while train() runs
         self._zo_resumable = None  # the newest checkpoint this train() wrote with distzo's state
+        self._zo_epoch_stop_said = False  # the warning that should_epoch_stop is not honoured, given once
 
     # --- distzo's configuration from the Trainer's ------------------------------------------------
 
@@ -375,7 +376,7 @@ class ZOLoop:
         """control.should_epoch_stop (a callback's request to skip the rest of the epoch) is not
         honoured: distzo's sampler gives each step the examples of its place in the run (a mesh and a
         resume repeat them), so no epoch ends early. Said once; the request is cleared."""
-        if not getattr(self, "_zo_epoch_stop_said", False) and self.is_world_process_zero():
+        if not self._zo_epoch_stop_said and self.is_world_process_zero():
             log.warning("A callback set control.should_epoch_stop at step %d: ZOTrainer does not end an epoch early "
                         "(each step's examples are a function of the step); use should_training_stop to end the "
                         "run", self.state.global_step)
@@ -609,19 +610,19 @@ class ZOLoop:
 
     def evaluate(self, *a, **kw):
         """Trainer's evaluation (its loop, `compute_metrics`, `on_evaluate`) at the current weights."""
-        self._zo_doing = "evaluation"  # stays set if it raises: the out-of-memory refusal reads it
-        with self._at_current_weights():
-            metrics = super().evaluate(*a, **kw)
-        self._zo_doing = None
-        return metrics
+        return self._zo_evaluation(super().evaluate, *a, **kw)
 
     def predict(self, *a, **kw):
         """Trainer's prediction (its loop, `compute_metrics`) at the current weights."""
-        self._zo_doing = "evaluation"
+        return self._zo_evaluation(super().predict, *a, **kw)
+
+    def _zo_evaluation(self, run, *a, **kw):
+        """`run` (Trainer's evaluate or predict) at the current weights."""
+        self._zo_doing = "evaluation"  # stays set if it raises: the out-of-memory refusal reads it
         with self._at_current_weights():
-            output = super().predict(*a, **kw)
+            out = run(*a, **kw)
         self._zo_doing = None
-        return output
+        return out
 
     def _at_current_weights(self):
         """The model's parameters hold the current weights inside (distzo's engine may keep them

@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from ..config.compose import typed
 from ..errors import DistzoError
 from ..parallel.mesh import Mesh
-from ..state.resume import catch_up, drawn_by
+from ..state.resume import catch_up, drawn_by, snapshot_drawn_elsewhere
 from ..state.saved import RUN_FILE, load_run_config
 from ..state.snapshots import CorruptSnapshot, list_snapshots, read_optimizer_state, read_snapshot
 from ..telemetry.jsonl import read_jsonl
@@ -83,18 +83,11 @@ def replay(run_dir: Path, step: int | None = None, out: Path | None = None, devi
     foreign = [r for r in todo if state["distribution"] == "gaussian" and not r.get("skipped")
                and drawn_by(state, r) != here]
     if not foreign and state["distribution"] == "gaussian" and any("drawn_by" not in r for r in todo):
-        # Logged before records named their generator: a snapshot between here and the target written
-        # by a session that drew by another generator says that session drew the steps before it.
-        for path in list_snapshots(run_dir):
-            at = int(path.name.split("-")[1])
-            if state["step"] < at <= target:
-                try:
-                    between = json.loads((path / "state.json").read_text(encoding="utf-8"))
-                except (OSError, ValueError):
-                    continue
-                if drawn_by(between) != here:
-                    foreign = [dict(next(r for r in todo if r["step"] <= at), drawn_by=drawn_by(between))]
-                    break
+        # Logged before records named their generator: a snapshot between written by a session that
+        # drew by another generator says that session drew the steps before it.
+        elsewhere = snapshot_drawn_elsewhere(run_dir, state["step"], target, torch.device(device))
+        if elsewhere is not None:
+            foreign = [dict(todo[0], drawn_by=elsewhere[1])]
     if foreign:
         # Records logged before they named their generator are taken as drawn by the snapshot's, and
         # snapshots from before it was recorded name only the device type, which no longer matches this

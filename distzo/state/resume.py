@@ -288,10 +288,27 @@ def not_replayable(cfg: Config, identity: dict[str, Any], device: torch.device) 
     generator of their own, cannot be re-applied here, or None where they can (their directions are a
     function of the seed and the step, drawn as this process draws)."""
     if not estimator_type(cfg.estimator.name).replayable:
-        return f"estimator={cfg.estimator.name}'s directions depend on each step's activations"
+        return _activation_directions(cfg)
     here = gaussian_generator_id(device)
     if identity.get("distribution") == "gaussian" and drawn_by(identity) != here:
         return f"its Gaussian directions were drawn by {drawn_by(identity)}, this run draws by {here}"
+    return None
+
+
+def _activation_directions(cfg: Config) -> str:
+    """Why no logged step of an estimator that is not `replayable` can be re-applied."""
+    return f"estimator={cfg.estimator.name}'s directions depend on each step's activations"
+
+
+def snapshot_drawn_elsewhere(run_dir: Path, after: int, upto: int, device: torch.device) -> tuple[str, str] | None:
+    """For trajectory records from before they named their generator: the first step-N snapshot with
+    after < N <= upto that records Gaussian directions drawn by another generator than this process's
+    (its name, that generator), or None. The session that wrote it drew the steps before it."""
+    here = gaussian_generator_id(device)
+    for path in list_snapshots(run_dir):
+        identity = _saved_identity(path / "state.json") if after < int(path.name.split("-")[1]) <= upto else None
+        if identity is not None and identity.get("distribution") == "gaussian" and drawn_by(identity) != here:
+            return path.name, drawn_by(identity)
     return None
 
 
@@ -303,7 +320,7 @@ def replayable_records(cfg: Config, identity: dict[str, Any], records: list[dict
     if not records:
         return [], None
     if not estimator_type(cfg.estimator.name).replayable:
-        return [], f"estimator={cfg.estimator.name}'s directions depend on each step's activations"
+        return [], _activation_directions(cfg)
     if identity.get("distribution") != "gaussian":
         return list(records), None
     here = gaussian_generator_id(device)
@@ -322,7 +339,7 @@ def replay_point(cfg: Config, run_dir: Path, point: ResumePoint, step: int,
     it, or None with the reason where the steps cannot be re-applied here or trajectory.jsonl has a gap
     (rank 0: it reads the run directory)."""
     if not estimator_type(cfg.estimator.name).replayable:
-        return None, f"estimator={cfg.estimator.name}'s directions depend on each step's activations"
+        return None, _activation_directions(cfg)
     if point.snapshot_step <= step and (point.records or step == point.snapshot_step):
         return point, ""
     snapshots = [(int(path.name.split("-")[1]), path) for path in list_snapshots(run_dir)]
@@ -352,12 +369,13 @@ def replay_point(cfg: Config, run_dir: Path, point: ResumePoint, step: int,
         # session that drew by another continued from a snapshot without re-applying the steps after
         # it (resume=auto), so the start and every snapshot up to the point must have drawn as this
         # process draws.
-        for at, path in [(start.snapshot_step, Path(start.snapshot) if start.snapshot else run_dir / RUN_FILE),
-                         *((at, path) for at, path in snapshots if step < at <= point.snapshot_step)]:
-            identity = start.identity if at == start.snapshot_step else _saved_identity(path / "state.json")
-            why = not_replayable(cfg, identity, device) if identity is not None else None
-            if why is not None:
-                return None, f"{why} ({'snapshot ' if at != start.snapshot_step else ''}{path.name})"
+        why = not_replayable(cfg, start.identity, device)
+        if why is not None:
+            return None, f"{why} ({Path(start.snapshot).name if start.snapshot else RUN_FILE})"
+        elsewhere = snapshot_drawn_elsewhere(run_dir, step, point.snapshot_step, device)
+        if elsewhere is not None:
+            return None, (f"its Gaussian directions were drawn by {elsewhere[1]}, this run draws by "
+                          f"{gaussian_generator_id(device)} (snapshot {elsewhere[0]})")
     kept, why = replayable_records(cfg, start.identity, records, device)
     if why is not None:
         return None, why

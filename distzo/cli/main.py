@@ -53,11 +53,12 @@ def start_own_workers(command: str, args: list[str]) -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from ..config.compose import composed_once
     from ..registry import registry
 
     args = list(sys.argv[1:] if argv is None else argv)
     commands = registry("command")
-    with reported():
+    with reported(), composed_once():
         ordered = sorted(commands.items(), key=lambda item: _usage_place(item[0]))
         if not args or args[0] in ("-h", "--help", "help"):
             print(USAGE.format(commands="\n".join(f"  {name:9s} {cls.summary()}" for name, cls in ordered)))

@@ -178,6 +178,27 @@ def test_a_training_run_converts_its_configuration_once(monkeypatch, tmp_path):
     assert calls == ["distzo.config.compose"]
 
 
+def test_a_command_composes_its_configuration_once(monkeypatch, tmp_path):
+    """The command line checks the configuration before deciding whether to start workers, and
+    Hydra's application checks it again: the second is a copy of the first (composed_once), equal
+    and not shared. Outside a command, every call composes."""
+    import hydra
+
+    from distzo.cli.main import main
+    from distzo.config.compose import composed_once
+    from tests.conftest import TINY
+
+    composed, real = [], hydra.compose
+    monkeypatch.setattr(hydra, "compose", lambda *a, **k: composed.append(k["overrides"]) or real(*a, **k))
+    main(["train", *TINY, "steps=1", "eval_every=0", "save_final=false", f"hydra.run.dir={tmp_path / 'run'}"])
+    assert len(composed) == 1 and (tmp_path / "run" / "summary.json").is_file()
+    with composed_once():
+        first, again, other = (compose_config(o) for o in (["steps=3"], ["steps=3"], ["steps=4"]))
+    assert len(composed) == 3 and first == again and first is not again and other.steps == 4
+    again.steps = 5
+    assert first.steps == 3 and compose_config(["steps=3"]).steps == 3 and len(composed) == 4
+
+
 def test_a_damaged_saved_configuration_says_so_and_not_that_distzo_changed(tmp_path):
     """eval.run and replay read a run's .hydra/config.yaml: a file cut short or overwritten is named as
     damaged (copy the run again), not as written by another distzo version."""

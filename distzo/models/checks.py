@@ -5,6 +5,8 @@ Raises ConfigError with the path and the fix."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from ..config.schema import ModelConfig
@@ -43,14 +45,18 @@ def check_model_config(m: ModelConfig) -> None:
         random_model(str(m.arch), 1024, dict(m.arch_config), 0, getattr(torch, str(m.dtype)), device="meta")
 
 
-def check_positions(model: torch.nn.Module, longest: int, task: str) -> None:
+def check_positions(model: torch.nn.Module, longest: Callable[[], int], task: str) -> None:
     """A model with learned position embeddings (OPT, GPT-2, ...) has none beyond its configured
-    maximum: refuse a task whose sequences are longer (rotary models extrapolate; they pass)."""
+    maximum: refuse a task whose sequences are longer (rotary models extrapolate; they pass).
+    longest(): the task's longest sequence, asked for only here (it encodes every example)."""
     learned = any(isinstance(m, torch.nn.Embedding) and name.endswith(("embed_positions", "wpe", "position_embeddings"))
                   for name, m in model.named_modules())
     config = getattr(model, "config", None)
     limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-    if learned and limit and longest > limit:
+    if not (learned and limit):
+        return
+    longest = longest()
+    if longest > limit:
         raise ConfigError(f"task {task} has sequences of {longest} tokens, and the model's learned position embeddings "
                           f"stop at {limit}; lower task.max_length / task.max_tokens, or for a random model raise "
                           f"model.arch_config.max_position_embeddings")

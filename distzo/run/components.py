@@ -159,7 +159,7 @@ def build_components(cfg: Config, mesh: Mesh, seed: int, weights: Mapping[str, t
         model, tokenizer = load_model(cfg.model, sources.pins, mesh.device)
     if task is None:
         task = PromptTask(cfg.task, tokenizer, str(cfg.objective), sources.get("dataset"))
-    check_positions(model, task.longest_sequence(), task.name)
+    check_positions(model, task.longest_sequence, task.name)
     stack = build_model_stack(cfg, mesh, seed, weights, timers, clock, model, tokenizer,
                               optimizer_state=optimizer_state, sources=sources)
     return Components(**{f.name: getattr(stack, f.name) for f in fields(ModelStack)}, cfg=cfg, mesh=mesh, seed=seed,

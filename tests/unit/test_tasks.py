@@ -352,6 +352,34 @@ def test_unreadable_files_say_why_in_distzos_line_alone(tmp_path, caplog, capfd)
     assert "Failed to load JSON" not in printed and "cut.jsonl" not in printed
 
 
+def test_prompts_are_encoded_when_first_read_as_they_were_up_front(tokenizer):
+    """9,103 movie reviews to train on: building the task encodes only the label words; a batch encodes its own
+    examples, once, into the ids the tokenizer gives the prompt (ending on its own last token)."""
+    calls = []
+
+    class Counting:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def __call__(self, text, **kw):
+            calls.append(text)
+            return self.inner(text, **kw)
+
+    t = task(Counting(tokenizer), "task=mr-polarity")
+    assert t.size("train") == 9103 and len(calls) <= 2  # the label words, when not one shared token each
+    before = len(calls)
+    batch = t.batch("validation", [3, 7])
+    again = t.batch("validation", [3, 7])
+    assert len(calls) == before + 2 and batch.sequences == again.sequences
+    for i, seq in zip([3, 7], batch.sequences):
+        ids = tokenizer(t.splits.validation[i].prompt).input_ids
+        assert list(seq.tokens) == ids == t._prompts["validation"][i]
+    assert t._prompts["validation"][3:8:4] == [list(seq.tokens) for seq in batch.sequences]
+
+
 def test_a_record_without_a_field_the_template_reads_is_refused(tokenizer, tmp_path):
     """Records share their file's columns, so a field one record lacks reads as None, as a null does:
     either would be trained on as the text "None"."""
@@ -390,6 +418,25 @@ def test_max_tokens_cuts_long_texts_to_one_length(tokenizer, tmp_path):
     s = t.train_batch([0]).sequences[0]
     assert list(s.tokens) == prompt[-3:] + completion[:1]
     assert len(s.targets) == 1  # one completion token left
+
+
+def test_texts_modelled_whole_need_a_start_token_and_are_refused_up_front_without_one(tokenizer, tmp_path):
+    """A text modelled whole has an empty prompt, which the tokenizer's BOS (else EOS) stands for;
+    a tokenizer with neither is refused as the task is built, not when a step first reads such an
+    example (prompts are encoded when first read)."""
+    import copy
+
+    bare = copy.deepcopy(tokenizer)
+    bare.bos_token = bare.eos_token = None
+    assert bare.bos_token_id is None and bare.eos_token_id is None and bare.pad_token_id is not None
+    data = write_jsonl(tmp_path / "texts.jsonl", [{"text": f"text number {i}"} for i in range(12)])
+    overrides = ("task=custom", f"task.path={data}", "task.kind=generation", *SMALL)
+    assert task(tokenizer, *overrides).encode("") in ([tokenizer.bos_token_id], [tokenizer.eos_token_id])
+    with pytest.raises(DataError, match="a record has no prompt, and this tokenizer has no beginning- or "
+                                        "end-of-sequence token to start it with; give the records a prompt"):
+        task(bare, *overrides)
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": f"q{i}", "completion": "a"} for i in range(12)])
+    assert task(bare, "task=custom", f"task.path={pairs}", "task.kind=generation", *SMALL).size("train") == 7
 
 
 def test_max_tokens_and_text_sets_refuse_other_kinds(tokenizer):

@@ -346,6 +346,8 @@ class ZOLoop:
             state.global_step, state.epoch = zo.step_count, zo.step_count / per_epoch
             if args.include_num_input_tokens_seen not in ("no", False, None):
                 state.num_input_tokens_seen += record.tokens  # the global batch's (distzo packs: no padding)
+            if hasattr(self, "_total_train_tokens"):  # TRL's count of this session's tokens (its num_tokens)
+                self._total_train_tokens += record.tokens
             if args.torch_empty_cache_steps and zo.step_count % args.torch_empty_cache_steps == 0:
                 _empty_cache()
             if not record.skipped:
@@ -494,8 +496,11 @@ class ZOLoop:
         evaluation, a checkpoint (Trainer's _maybe_log_save_evaluate)."""
         if self.control.should_log and self.state.global_step > self._globalstep_last_logged:
             total, count, _ = self._zo_losses
-            self.log({"loss": round(total / max(1, count), 6), "learning_rate": record.lr,
-                      "projected_grad": record.projected_grads[0] if record.projected_grads else 0.0})
+            logs = {"loss": round(total / max(1, count), 6), "learning_rate": record.lr,
+                    "projected_grad": record.projected_grads[0] if record.projected_grads else 0.0}
+            if hasattr(self, "_total_train_tokens"):  # SFTTrainer logs the tokens trained on so far, as a float
+                logs["num_tokens"] = float(self._total_train_tokens)
+            self.log(logs)
             self._zo_losses[:2] = [0.0, 0]
             self._globalstep_last_logged = self.state.global_step
         self.control.should_log = False

@@ -486,6 +486,27 @@ def test_zo_steps_read_the_loss_trl_computes_for_each_dataset_format(model_folde
         assert (labels == -100).sum() >= len(tokenizer("The capital of France is")["input_ids"])
 
 
+def test_zosfttrainer_logs_the_tokens_trained_on_as_trl_does(model_folder, tmp_path):
+    """TRL's SFTTrainer logs `num_tokens`: the tokens of the batches trained on this session, summed
+    over the processes (the collated attention masks), as a float. A batch of the whole dataset each
+    step: after k steps, k times the dataset's tokens."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import SFTConfig
+
+    from distzo.hf import ZOSFTTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_folder)
+    args = SFTConfig(output_dir=str(tmp_path / "sft"), max_steps=3, per_device_train_batch_size=2, logging_steps=1,
+                     save_strategy="no", report_to=[], max_length=48, bf16=False)
+    trainer = ZOSFTTrainer(model=AutoModelForCausalLM.from_pretrained(model_folder), args=args,
+                           train_dataset=Dataset.from_dict(FORMATS["text"]), processing_class=tokenizer)
+    per_step = int(trainer.data_collator([trainer.train_dataset[i] for i in range(2)])["attention_mask"].sum())
+    trainer.train()
+    logged = [e["num_tokens"] for e in trainer.state.log_history if "loss" in e]
+    assert logged == [float(per_step * k) for k in (1, 2, 3)] and per_step > 10
+
+
 def _registered_estimators() -> list[str]:
     from distzo.registry import registry
 

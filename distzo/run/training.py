@@ -43,7 +43,7 @@ from ..state.resume import (
     run_identity,
     truncate_logs,
 )
-from ..state.snapshots import atomic_write_json, save_final
+from ..state.snapshots import atomic_write_json, finite_json, save_final
 from ..telemetry.jsonl import JsonlWriter, read_jsonl
 from ..telemetry.metrics import (
     MetricsWriter,
@@ -474,7 +474,7 @@ class Trainer:
                 summary["final_weights"] = str(path)
         if mesh.is_main:
             atomic_write_json(self.run_dir / "summary.json", dict(summary))
-        self.metrics.write("summary", **summary)
+        self.metrics.write("summary", **finite_json(summary))  # as summary.json: a figure that is no number is null
         pace = (f"{format_duration(summary['train_time_s'])} training, median {summary['step_time_s']:.2f} s/step"
                 if step_times else "no step left to train")
         chosen = f" (keep_best: step {self.best.best.step}'s weights)" if self._restored else ""

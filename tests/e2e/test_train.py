@@ -67,8 +67,9 @@ def test_run_directory_contents(tmp_path):
 
 
 def test_resuming_a_finished_run_rewrites_a_valid_summary_with_its_figures(tmp_path):
-    """resume=auto on a run that has finished runs no step: summary.json is rewritten as strict JSON
-    (no step time to report is null, not NaN) and keeps the earlier session's figures before training."""
+    """resume=auto on a run that has finished runs no step: summary.json and the summary line of
+    metrics.jsonl are rewritten as strict JSON (no step time to report is null, not NaN) and keep the
+    earlier session's figures before training."""
     out, first = run(tmp_path, "done", "steps=2", "checkpoint.every=2")
     _, again = run(tmp_path, "done", "steps=2", "checkpoint.every=2", "resume=auto")
 
@@ -77,6 +78,8 @@ def test_resuming_a_finished_run_rewrites_a_valid_summary_with_its_figures(tmp_p
 
     written = json.loads((out / "summary.json").read_text(), parse_constant=refuse)
     assert written["resumed_from_step"] == 2 and written["step_time_s"] is None
+    lines = [json.loads(line, parse_constant=refuse) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert {k: v for k, v in lines[-1].items() if k not in ("type", "time")} == written
     assert written["validation_accuracy_before"] == again["validation_accuracy_before"] == \
         first["validation_accuracy_before"] is not None
 

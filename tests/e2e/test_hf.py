@@ -110,6 +110,30 @@ def test_the_weights_are_distzo_trains_on_the_same_data_order_and_seed(trained, 
     assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
 
 
+def test_each_steps_rate_is_the_one_transformers_scheduler_gives_in_any_order(trained, monkeypatch):
+    """zo_lr_at advances the scheduler only as far as the steps asked for; asked in any order, and
+    past the end, it gives each step the rate a torch optimizer under transformers' scheduler has
+    (linear, with 3 warm-up steps)."""
+    from transformers import get_scheduler
+
+    args = trained[0].args
+    monkeypatch.setattr(args, "lr_scheduler_type", "linear")
+    monkeypatch.setattr(args, "warmup_steps", 3)
+    holder = torch.nn.Parameter(torch.zeros(1))
+    sgd = torch.optim.SGD([holder], lr=args.learning_rate)
+    scheduler = get_scheduler(args.lr_scheduler_type, sgd, num_warmup_steps=args.get_warmup_steps(STEPS),
+                              num_training_steps=STEPS)
+    expected = []
+    for _ in range(STEPS):
+        expected.append(sgd.param_groups[0]["lr"])
+        sgd.step()
+        scheduler.step()
+    lr_at = trained[0].zo_lr_at(STEPS)
+    order = [5, 0, STEPS - 1, 3, STEPS + 7, 1] + list(range(STEPS))
+    assert [lr_at(i) for i in order] == [expected[min(i, STEPS - 1)] for i in order]
+    assert len(set(expected)) == STEPS  # up from 0 for 3 steps, then down: a new rate every step
+
+
 def test_the_script_on_a_2x2_mesh_equals_its_1x1_run(trained, model_folder, tmp_path):
     """torchrun --nproc-per-node 4 examples/hf_trainer.py --mesh 2x2 --accumulation 2: the global
     batch per_device x accumulation x D is the 1x1 run's (4 x 4 x 1 = 4 x 2 x 2 = 16), its two data

@@ -101,6 +101,12 @@ def launched_local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
 
 
+def launched_local_world_size() -> int:
+    """Processes of this job on this node (torchrun's or srun's LOCAL_WORLD_SIZE; 1 when run plainly)."""
+    adopt_slurm_environment()
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
 def launched_world_size() -> int:
     """Processes in this job as torchrun or srun report them; 1 when run plainly."""
     adopt_slurm_environment()

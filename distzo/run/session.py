@@ -20,6 +20,7 @@ from omegaconf import OmegaConf
 from ..config.compose import saved_form
 from ..config.schema import Config
 from ..errors import ConfigError, DistzoError
+from ..parallel.launch_env import launched_local_rank, launched_local_world_size
 from ..parallel.mesh import Mesh
 from .rundir import RunDirectory
 
@@ -34,16 +35,24 @@ OVERSUBSCRIBED = 4  # threads beyond this many per CPU are refused
 def _threads(threads: int | None) -> int:
     """The run's torch CPU threads: `threads`. torch takes any count, and its first parallel region then
     starts that many threads: a count far beyond the CPUs this process may run on exhausts memory (a
-    MemoryError or a crash) and is refused; one beyond them only slows the work, with a warning."""
+    MemoryError or a crash) and is refused; one beyond them only slows the work, with a warning, once
+    a node (by its first rank). Ranks not bound to CPUs of their own share the node's: there, the
+    threads of all the node's ranks together are what must fit."""
     if threads is None:
         return _DEFAULT_THREADS
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if threads > OVERSUBSCRIBED * cpus:
         raise ConfigError(f"threads={threads} is more than {OVERSUBSCRIBED} times the {cpus} CPUs this process may "
                           f"use; set threads to at most {cpus}, or leave it unset for torch's default")
+    ranks = launched_local_world_size()
+    if launched_local_rank() != 0:
+        return threads
     if threads > cpus:
         log.warning("threads=%d is more than the %d CPUs this process may use, which slows the work; set threads "
                     "to at most %d", threads, cpus, cpus)
+    elif threads * ranks > cpus and cpus == os.cpu_count():  # unbound: the node's ranks share its CPUs
+        log.warning("threads=%d on each of this node's %d ranks is %d threads on its %d CPUs, which slows the work; "
+                    "set threads to at most %d", threads, ranks, threads * ranks, cpus, max(1, cpus // ranks))
     return threads
 
 

@@ -132,3 +132,33 @@ def test_the_worker_a_signal_killed_is_the_cause_when_a_peer_failed_in_the_same_
     assert root_failure({0: stopped, 1: lost}) == (1, lost)
     assert root_failure({0: stopped, 1: Failure(exitcode=-15, timestamp=7)}) == (0, stopped)  # among equals
     assert root_failure({0: lost, 1: Failure(exitcode=-9, timestamp=8)}) == (0, lost)  # an earlier second first
+
+
+def test_threads_beyond_the_cpus_are_warned_of_once_a_node_counting_the_nodes_ranks(clean_env, caplog):
+    """threads above the process's CPUs: warned by the node's first rank only. Ranks that share the
+    node's CPUs (not bound to CPUs of their own) together run threads x ranks: that must fit too.
+    Far beyond (4x the process's CPUs) is refused on every rank."""
+    from distzo.errors import ConfigError
+    from distzo.run import session
+
+    machine = set(range(8))
+    clean_env.setattr(os, "cpu_count", lambda: len(machine))
+
+    def warnings(threads, local_rank, ranks, cpus=machine):
+        clean_env.setattr(os, "sched_getaffinity", lambda pid: set(cpus))
+        clean_env.setenv("LOCAL_RANK", str(local_rank))
+        clean_env.setenv("LOCAL_WORLD_SIZE", str(ranks))
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="distzo"):
+            assert session._threads(threads) == threads
+        return [r.getMessage() for r in caplog.records]
+
+    assert warnings(8, 0, 1) == [] and warnings(4, 0, 2) == []
+    assert warnings(9, 0, 1) == ["threads=9 is more than the 8 CPUs this process may use, which slows the work; "
+                                 "set threads to at most 8"]
+    assert warnings(4, 0, 4) == ["threads=4 on each of this node's 4 ranks is 16 threads on its 8 CPUs, which slows "
+                                 "the work; set threads to at most 2"]
+    assert warnings(4, 1, 4) == [] and warnings(9, 3, 4) == []  # the node's other ranks say nothing
+    assert warnings(2, 0, 4, cpus={0, 1}) == []  # bound to 2 CPUs of its own: 2 threads fit
+    with pytest.raises(ConfigError, match="threads=33 is more than 4 times the 8 CPUs"):
+        warnings(33, 2, 4)

@@ -36,12 +36,18 @@ def load_run_config(run_dir: str | Path, key: str = "") -> DictConfig:
         raise RunFilesError(f"{path} holds no configuration (a YAML {type(data).__name__}); copy the run directory "
                             "again from where it was written")
     try:
-        return saved_config(data)
+        cfg = saved_config(data)
     except DistzoError:
         raise
     except Exception as exc:  # OmegaConf's merge errors: a key this distzo no longer has, a wrong type
         raise RunFilesError(f"{path} does not fit this distzo's configuration ({' '.join(str(exc).split())[:200]}); "
                             "use the distzo version that trained it") from None
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:  # sections the presets choose: Hydra saves every one it composed
+        raise RunFilesError(f"{path} lacks {', '.join(missing)}, which every run's saved configuration holds: the file "
+                            "was cut short or overwritten (copy the run directory again from where it was written), "
+                            "or a distzo from before those settings wrote it (use that version)")
+    return cfg
 
 
 def recorded_sources(run_dir: str | Path) -> dict[str, Any] | None:

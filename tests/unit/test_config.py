@@ -201,12 +201,16 @@ def test_a_command_composes_its_configuration_once(monkeypatch, tmp_path):
 
 def test_a_damaged_saved_configuration_says_so_and_not_that_distzo_changed(tmp_path):
     """eval.run and replay read a run's .hydra/config.yaml: a file cut short or overwritten is named as
-    damaged (copy the run again), not as written by another distzo version."""
+    damaged (copy the run again), not as written by another distzo version; one that lacks sections
+    (valid YAML, cut at a line) is named so, not left to fail where a section is first read."""
     from distzo.state.saved import CONFIG_FILE, RunFilesError, load_run_config
 
     (tmp_path / CONFIG_FILE).parent.mkdir(parents=True)
     for text, message in [("model: {name: tiny\ntask: [", r"is not readable YAML \(.*\); copy the run directory"),
-                          ("- a\n- b\n", r"holds no configuration \(a YAML list\); copy the run directory")]:
+                          ("- a\n- b\n", r"holds no configuration \(a YAML list\); copy the run directory"),
+                          ("steps: 3\n", r"lacks estimator, logger, model, offload, optim, peft, task, which every "
+                                         r"run's saved configuration holds: the file was cut short or overwritten "
+                                         r"\(copy the run directory again")]:
         (tmp_path / CONFIG_FILE).write_text(text)
         with pytest.raises(RunFilesError, match=message):
             load_run_config(tmp_path, key="eval.run")

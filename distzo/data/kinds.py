@@ -150,13 +150,17 @@ class Classification(Kind):
             return int(row["_label"])
         raw = row.get(fmt.label_field)
         n = len(fmt.label_words)
+        if isinstance(raw, float) and raw.is_integer():  # a column arrow read as floats (one record held 1.5)
+            forms = [norm(int(raw)), norm(raw)]  # 0.0 is label 0 (or a label written 0.0)
+            raw = int(raw)
+        else:
+            forms = [norm(raw)]
         if fmt.labels is not None:
-            if norm(raw) not in fmt.labels:
+            known = [f for f in forms if f in fmt.labels]
+            if not known:
                 raise DataError(f"{where} has label {raw!r}, which is not in task.labels={list(fmt.labels)}; add it "
                                 "(in the order of task.label_words) or fix the record")
-            return fmt.labels.index(norm(raw))
-        if isinstance(raw, float) and raw.is_integer():  # a column arrow read as floats (one record held 1.5)
-            raw = int(raw)
+            return fmt.labels.index(known[0])
         if isinstance(raw, bool) or not str(raw).strip().lstrip("-").isdigit():
             raise DataError(f"{where} has label {raw!r}, not a class index; set task.labels to the label values in the "
                             f"order of task.label_words (e.g. task.labels=[negative,positive])")

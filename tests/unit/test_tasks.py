@@ -306,6 +306,18 @@ def test_errors_name_the_file_the_record_and_the_fix(tokenizer, tmp_path):
                          + [{"text": "odd", "label": 1.5}])  # arrow reads the whole column as floats
     with pytest.raises(DataError, match=r"record 12 of the all split of .*f.jsonl has label 1.5, not a class index"):
         task(tokenizer, "task=custom", f"task.path={floats}", "task.label_words=[' bad',' good']", *SMALL)
+    for labels in ("[0,1]", "[0.0,1.0]"):  # the other records' 0.0 and 1.0 are labels 0 and 1, written either way
+        with pytest.raises(DataError, match=r"record 12 of the all split of .*f.jsonl has label 1.5, which is not in "
+                                            r"task.labels"):
+            task(tokenizer, "task=custom", f"task.path={floats}", f"task.labels={labels}",
+                 "task.label_words=[' bad',' good']", *SMALL)
+    whole = write_jsonl(tmp_path / "w.jsonl", [{"text": f"t{i}", "label": float(i % 2)} for i in range(12)])
+    for labels in ("[0,1]", "[0.0,1.0]", "[1,0]"):
+        read = task(tokenizer, "task=custom", f"task.path={whole}", f"task.labels={labels}",
+                    "task.label_words=[' bad',' good']", *SMALL)
+        flip = labels == "[1,0]"
+        assert all(ex.label == int(ex.prompt[1:]) % 2 ^ flip for split in ("train", "validation", "test")
+                   for ex in getattr(read.splits, split))
     with pytest.raises(DataError, match=r"task.template='\{review\}' reads the field 'review', "
                                         r"but record 0 .* has only \['label', 'text'\]"):
         task(tokenizer, "task=custom", f"task.path={path}", "task.template='{review}'",

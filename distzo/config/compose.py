@@ -190,7 +190,7 @@ def compose_config(overrides: Sequence[str] = (), with_hydra: bool = False,
                      if not o.lstrip("+~").startswith("hydra") or override_key(o) == "hydra.searchpath"]
     if not any(override_key(o) == "hydra.searchpath" for o in overrides):
         overrides = search_path_override(user_config_dirs(config_dirs)) + overrides
-    key = (tuple(overrides), with_hydra)
+    key = (tuple(overrides), with_hydra, os.getcwd())  # the hydra section records the working directory
     if _composed is not None and key in _composed:
         return copy.deepcopy(_composed[key])
     try:

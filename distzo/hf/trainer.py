@@ -298,12 +298,14 @@ class ZOLoop:
         if snapshot is None and self.is_world_process_zero():
             _start_over(run_dir)
         model = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model  # PEFT
+        lr_at = self.zo_lr_at(steps)
         try:
             zo = distzo.Trainer(cfg, run_dir=run_dir, model=model, tokenizer=self.processing_class, task=task,
-                                validate_config=False, lr_at=self.zo_lr_at(steps), resume_from=snapshot)
+                                validate_config=False, lr_at=lr_at, resume_from=snapshot)
         except ResumeError as exc:
             raise ZOTrainerError(_in_trainer_terms(str(exc))) from None
         self.zo = zo
+        lr_at(zo.step_count)  # a resumed schedule catches up here, not inside the first step's time
         # the checkpoint this session continues from is complete: an out-of-memory refusal names it until a newer one is
         first_step, self._zo_doing = zo.step_count, None
         self._zo_resumable = Path(resume_from_checkpoint) if snapshot is not None else None

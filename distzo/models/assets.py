@@ -113,9 +113,20 @@ def list_added_tokens(folder: Path) -> None:
     os.replace(tmp, config_path)  # readers that do not hold the lock see the old file or the new one
 
 
-# How a folder an older conversion wrote is brought up to date in place (no GGUF needed): its
-# version -> the steps to the current one.
+# How a folder an older conversion wrote is brought up to date in place (no GGUF needed): version v
+# -> the step to v + 1, applied one after another up to CONVERSION_VERSION.
 UPGRADES: dict[int, Callable[[Path], None]] = {1: list_added_tokens}
+
+
+def _upgradable(version: int | None) -> bool:
+    return version is not None and all(v in UPGRADES for v in range(version, CONVERSION_VERSION))
+
+
+def _mark(folder: Path, version: int) -> None:
+    """The folder's conversion version, replaced whole (a reader without the lock never sees it empty)."""
+    tmp = folder / f".distzo-conversion.txt.tmp-{os.getpid()}"
+    tmp.write_text(f"{version}\n")
+    os.replace(tmp, folder / "distzo-conversion.txt")
 
 
 def wheel_model_folder(source: str = "smollm2-wheel") -> Path:
@@ -127,9 +138,11 @@ def wheel_model_folder(source: str = "smollm2-wheel") -> Path:
     with file_lock(target.with_name(target.name + ".lock")):
         if _is_complete(target):  # another process converted it while we waited
             return target
-        if _conversion_version(target) in UPGRADES:
-            UPGRADES[_conversion_version(target)](target)
-            (target / "distzo-conversion.txt").write_text(f"{CONVERSION_VERSION}\n")
+        version = _conversion_version(target)
+        if _upgradable(version):
+            for step in range(version, CONVERSION_VERSION):
+                UPGRADES[step](target)
+                _mark(target, step + 1)
             return target
         work = target.with_name(target.name + f".gguf-{os.getpid()}")
         work.mkdir(parents=True, exist_ok=True)
@@ -143,8 +156,8 @@ def wheel_model_folder(source: str = "smollm2-wheel") -> Path:
 def check_installed(source: str) -> None:
     """Before anything loads: a wheel model is either converted already or installed."""
     model = WHEEL_MODELS[source]
-    usable = _conversion_version(cache_dir() / "models" / model.folder) in (CONVERSION_VERSION, *UPGRADES)
-    if not usable and importlib.util.find_spec(model.package) is None:
+    version = _conversion_version(cache_dir() / "models" / model.folder)
+    if version != CONVERSION_VERSION and not _upgradable(version) and importlib.util.find_spec(model.package) is None:
         raise AssetError(f"{model.title} is not installed; run: {model.install}")
 
 
@@ -173,7 +186,7 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
     plain.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     list_added_tokens(tmp)
-    (tmp / "distzo-conversion.txt").write_text(f"{CONVERSION_VERSION}\n")
+    _mark(tmp, CONVERSION_VERSION)
     shutil.rmtree(target, ignore_errors=True)
     os.replace(tmp, target)
     log.info("Converted in %.1f s; later loads read the cached folder.", time.time() - start)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -178,6 +180,29 @@ def test_a_training_run_converts_its_configuration_once(monkeypatch, tmp_path):
     assert calls == ["distzo.config.compose"]
 
 
+@contextmanager
+def logging_as_it_was():
+    """Every logger's handlers, level, propagation and disabling restored afterwards (handlers added
+    meanwhile closed): for a command run in the test process, whose Hydra application configures
+    logging as it would for a process of its own."""
+    import logging
+
+    loggers = [logging.getLogger()] + [logging.getLogger(name) for name in list(logging.root.manager.loggerDict)]
+    saved = {lg: (lg.handlers[:], lg.level, lg.propagate, lg.disabled) for lg in loggers}
+    try:
+        yield
+    finally:
+        for lg in [logging.getLogger()] + [logging.getLogger(n) for n in list(logging.root.manager.loggerDict)]:
+            handlers, level, propagate, disabled = saved.get(lg, ([], logging.NOTSET, True, False))
+            for h in lg.handlers[:]:
+                if h not in handlers:
+                    lg.removeHandler(h)
+                    h.close()
+            lg.handlers[:] = handlers
+            lg.setLevel(level)
+            lg.propagate, lg.disabled = propagate, disabled
+
+
 def test_a_command_composes_its_configuration_once(monkeypatch, tmp_path):
     """The command line checks the configuration before deciding whether to start workers, and
     Hydra's application checks it again: the second is a copy of the first (composed_once), equal
@@ -190,7 +215,9 @@ def test_a_command_composes_its_configuration_once(monkeypatch, tmp_path):
 
     composed, real = [], hydra.compose
     monkeypatch.setattr(hydra, "compose", lambda *a, **k: composed.append(k["overrides"]) or real(*a, **k))
-    main(["train", *TINY, "steps=1", "eval_every=0", "save_final=false", f"hydra.run.dir={tmp_path / 'run'}"])
+    with logging_as_it_was():  # Hydra's application configures logging (and sys.argv) for the process
+        monkeypatch.setattr(sys, "argv", list(sys.argv))
+        main(["train", *TINY, "steps=1", "eval_every=0", "save_final=false", f"hydra.run.dir={tmp_path / 'run'}"])
     assert len(composed) == 1 and (tmp_path / "run" / "summary.json").is_file()
     with composed_once():
         first, again, other = (compose_config(o) for o in (["steps=3"], ["steps=3"], ["steps=4"]))

@@ -336,6 +336,7 @@ class ZOLoop:
         args, state, callbacks = self.args, self.state, self.callback_handler
         start, first_step = time.time(), zo.step_count
         per_epoch = self.zo_steps_per_epoch(task.size("train"))
+        flops_per_token = self._zo_flops_per_token(zo)
         # the steps and epochs, the trial's name and parameters, and which process logs, reports and writes
         # (the callbacks read these; a resumed state holds rank 0's)
         state.init_training_references(self, steps, math.ceil(steps / per_epoch), self._zo_trial)
@@ -356,6 +357,7 @@ class ZOLoop:
                 state.num_input_tokens_seen += record.tokens  # the global batch's (distzo packs: no padding)
             if hasattr(self, "_total_train_tokens"):  # TRL's count of this session's tokens (its num_tokens)
                 self._total_train_tokens += record.tokens
+            state.total_flos += flops_per_token * record.tokens
             if args.torch_empty_cache_steps and zo.step_count % args.torch_empty_cache_steps == 0:
                 _empty_cache()
             if not record.skipped:
@@ -378,9 +380,21 @@ class ZOLoop:
         train_loss = self._zo_losses[2] / done
         metrics = {"train_runtime": round(runtime, 4),
                    "train_samples_per_second": round(done * self.zo_global_batch() / max(runtime, 1e-9), 3),
-                   "train_steps_per_second": round(done / max(runtime, 1e-9), 3), "train_loss": train_loss,
-                   "epoch": state.epoch}
+                   "train_steps_per_second": round(done / max(runtime, 1e-9), 3), "total_flos": state.total_flos,
+                   "train_loss": train_loss, "epoch": state.epoch}
         return TrainOutput(state.global_step, train_loss, metrics)
+
+    @staticmethod
+    def _zo_flops_per_token(zo) -> float:
+        """A step's floating-point operations per token of its global batch, as transformers counts
+        them (`Trainer.floating_point_ops`: 6 x the non-embedding parameters a token, for a forward
+        and a backward pass) but for what a ZO step runs: 2 x those parameters for each of its
+        forward passes (the estimator's whole plan, over the mesh). 0 for a model that does not
+        count its parameters, as transformers gives."""
+        model = zo.components.model
+        if not hasattr(model, "num_parameters"):
+            return 0.0
+        return 2.0 * model.num_parameters(exclude_embeddings=True) * len(zo.components.estimator.plan())
 
     def _zo_ignore_epoch_stop(self) -> None:
         """control.should_epoch_stop (a callback's request to skip the rest of the epoch) is not

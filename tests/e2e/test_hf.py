@@ -513,7 +513,7 @@ def test_zo_steps_read_the_loss_trl_computes_for_each_dataset_format(model_folde
 def test_zosfttrainer_logs_the_tokens_trained_on_as_trl_does(model_folder, tmp_path):
     """TRL's SFTTrainer logs `num_tokens`: the tokens of the batches trained on this session, summed
     over the processes (the collated attention masks), as a float. A batch of the whole dataset each
-    step: after k steps, k times the dataset's tokens."""
+    step: after k steps, k times the dataset's tokens. Trainer's total_flos counts the forward passes."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig
@@ -526,9 +526,12 @@ def test_zosfttrainer_logs_the_tokens_trained_on_as_trl_does(model_folder, tmp_p
     trainer = ZOSFTTrainer(model=AutoModelForCausalLM.from_pretrained(model_folder), args=args,
                            train_dataset=Dataset.from_dict(FORMATS["text"]), processing_class=tokenizer)
     per_step = int(trainer.data_collator([trainer.train_dataset[i] for i in range(2)])["attention_mask"].sum())
-    trainer.train()
+    result = trainer.train()
     logged = [e["num_tokens"] for e in trainer.state.log_history if "loss" in e]
     assert logged == [float(per_step * k) for k in (1, 2, 3)] and per_step > 10
+    # Trainer's total_flos, for what ZO runs: MeZO's two forward passes a step, 2 x N FLOPs a token each
+    n = trainer.model.num_parameters(exclude_embeddings=True)
+    assert result.metrics["total_flos"] == trainer.state.total_flos == 3 * per_step * 2 * (2 * n)
 
 
 def _registered_estimators() -> list[str]:

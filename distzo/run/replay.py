@@ -87,7 +87,7 @@ def replay(run_dir: Path, step: int | None = None, out: Path | None = None, devi
         # drew by another generator says that session drew the steps before it.
         elsewhere = snapshot_drawn_elsewhere(run_dir, state["step"], target, torch.device(device))
         if elsewhere is not None:
-            foreign = [dict(todo[0], drawn_by=elsewhere[1])]
+            foreign = [dict(todo[0], drawn_by=drawn_by(elsewhere[1]))]
     if foreign:
         # Records logged before they named their generator are taken as drawn by the snapshot's, and
         # snapshots from before it was recorded name only the device type, which no longer matches this

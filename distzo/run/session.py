@@ -44,9 +44,9 @@ def _threads(threads: int | None) -> int:
     if threads > OVERSUBSCRIBED * cpus:
         raise ConfigError(f"threads={threads} is more than {OVERSUBSCRIBED} times the {cpus} CPUs this process may "
                           f"use; set threads to at most {cpus}, or leave it unset for torch's default")
-    ranks = launched_local_world_size()
     if launched_local_rank() != 0:
         return threads
+    ranks = launched_local_world_size()
     if threads > cpus:
         log.warning("threads=%d is more than the %d CPUs this process may use, which slows the work; set threads "
                     "to at most %d", threads, cpus, cpus)

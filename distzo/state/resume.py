@@ -300,15 +300,16 @@ def _activation_directions(cfg: Config) -> str:
     return f"estimator={cfg.estimator.name}'s directions depend on each step's activations"
 
 
-def snapshot_drawn_elsewhere(run_dir: Path, after: int, upto: int, device: torch.device) -> tuple[str, str] | None:
+def snapshot_drawn_elsewhere(run_dir: Path, after: int, upto: int,
+                             device: torch.device) -> tuple[str, dict[str, Any]] | None:
     """For trajectory records from before they named their generator: the first step-N snapshot with
     after < N <= upto that records Gaussian directions drawn by another generator than this process's
-    (its name, that generator), or None. The session that wrote it drew the steps before it."""
+    (its name and identity), or None. The session that wrote it drew the steps before it."""
     here = gaussian_generator_id(device)
     for path in list_snapshots(run_dir):
         identity = _saved_identity(path / "state.json") if after < int(path.name.split("-")[1]) <= upto else None
         if identity is not None and identity.get("distribution") == "gaussian" and drawn_by(identity) != here:
-            return path.name, drawn_by(identity)
+            return path.name, identity
     return None
 
 
@@ -374,8 +375,7 @@ def replay_point(cfg: Config, run_dir: Path, point: ResumePoint, step: int,
             return None, f"{why} ({Path(start.snapshot).name if start.snapshot else RUN_FILE})"
         elsewhere = snapshot_drawn_elsewhere(run_dir, step, point.snapshot_step, device)
         if elsewhere is not None:
-            return None, (f"its Gaussian directions were drawn by {elsewhere[1]}, this run draws by "
-                          f"{gaussian_generator_id(device)} (snapshot {elsewhere[0]})")
+            return None, f"{not_replayable(cfg, elsewhere[1], device)} (snapshot {elsewhere[0]})"
     kept, why = replayable_records(cfg, start.identity, records, device)
     if why is not None:
         return None, why

@@ -17,7 +17,8 @@ from typing import Any, Iterator
 from ..errors import ConfigError
 from .schema import SWITCH_VALUES, Config, switch
 
-SWITCHES = ("engine.fuse_update", "engine.divide_work", "engine.native", "engine.copy_stream", "bench.single_rank")
+SWITCHES = ("engine.fuse_update", "engine.divide_work", "engine.native", "engine.copy_stream", "engine.decode_cache",
+            "bench.single_rank")
 _COMPARISONS = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le}
 
 

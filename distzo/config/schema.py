@@ -428,7 +428,13 @@ class EngineConfig:
       ahead on a second, low-priority stream, beside the forward through the block before, which
       runs on a high-priority stream (distzo/engine/copystream.py; the same values, bitwise). "auto":
       for sgd over plain directions (the field's MeZO workload); "true": any resident CUDA run (an
-      error elsewhere); "false": one stream, for comparison."""
+      error elsewhere); "false": one stream, for comparison.
+    decode_cache: a decoding objective's answers (objective=f1, exact_match): the first walk runs the
+      prompts and keeps each attention layer's keys and values, and each later walk runs only the
+      newest token of every sequence (distzo/engine/decoding.py; the same tokens, the logits within
+      rounding, checked on the run's first decode). "auto": wherever the model's attention takes
+      distzo's cache (sdpa or eager attention, no peft=prefix); "true": required (an error where it
+      cannot run); "false": every walk runs the prompts and what was generated again."""
 
     fuse_update: str = "auto"
     row_tokens: int = setting(1024, "> 0")
@@ -437,6 +443,7 @@ class EngineConfig:
     compute: ComputeMode = ComputeMode.fp32
     quantized_matmul: QuantizedMatmul = QuantizedMatmul.auto
     copy_stream: str = "auto"
+    decode_cache: str = "auto"
 
 
 @dataclass

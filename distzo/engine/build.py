@@ -73,7 +73,7 @@ class EngineSetup:
         return dict(eps=self.estimator.eps, mesh=self.mesh, row_tokens=self.engine.row_tokens,
                     fuse_update=switch(self.engine.fuse_update) != "false",
                     micro_batch_size=self.micro_batch_size, compute=str(self.engine.compute), timers=self.timers,
-                    optimizer=self.optimizer or SGD())
+                    optimizer=self.optimizer or SGD(), decode_cache=switch(self.engine.decode_cache))
 
 
 class EngineMode:

@@ -30,8 +30,9 @@ from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from ..data.batches import NO_TARGET, Batch, Packed, Scores, label_word_batch
+from ..data.batches import NO_TARGET, Batch, Packed, Scores
 from ..models.adapters import DecoderAdapter
+from ..models.kv_cache import DecodeKV
 from ..parallel.mesh import Mesh
 from ..telemetry.timing import DISABLED, Timers
 from ..zo.directions import Directions
@@ -40,6 +41,7 @@ from ..zo.optimizers import SGD, Optimizer
 from ..zo.params import TrainableParams
 from .base import Engine, Materialized
 from .copystream import SLOTS, CopyStreams, SideStreamNoise
+from .decoding import Decoder
 from .pending import PendingUpdate, Target, apply_pending
 from .stores import OUTER, WeightStore
 from .weights import CleanWeights, PerturbedWeights, StageNoise, Workspace
@@ -98,13 +100,15 @@ class StageLoop(Engine):
     timers (`bench`); optimizer: the update rule and its state (sgd when None), whose state the
     store holds where it holds the master; store / division / stacked: the mode's parts;
     copy_stream: build each block's copies one block ahead on a second CUDA stream
-    (`distzo.engine.copystream`; resident weights only)."""
+    (`distzo.engine.copystream`; resident weights only); decode_cache: engine.decode_cache, how a
+    decoding objective's answers keep keys and values across their walks (`distzo.engine.decoding`)."""
 
     def __init__(self, model: nn.Module, adapter: DecoderAdapter, params: TrainableParams, directions: Directions,
                  store: WeightStore, *, division: Division | None = None, stacked: StackedProbes | None = None,
                  eps: float = 1e-3, mesh: Mesh | None = None, row_tokens: int = 1024, fuse_update: bool = True,
                  micro_batch_size: int | None = None, compute: str = "fp32", timers: Timers = DISABLED,
-                 optimizer: Optimizer | None = None, mode: str = "resident", copy_stream: bool = False):
+                 optimizer: Optimizer | None = None, mode: str = "resident", copy_stream: bool = False,
+                 decode_cache: str = "auto"):
         self.model, self.adapter, self.params, self.directions = model, adapter, params, directions
         self.device = directions.device
         self.eps, self.row_tokens, self.fuse_update, self.timers = float(eps), row_tokens, fuse_update, timers
@@ -118,6 +122,7 @@ class StageLoop(Engine):
         self.copy_streams = CopyStreams(self.device) if copy_stream else None
         self.pending: PendingUpdate | None = None
         store.attach(self)
+        self.decoder = Decoder(self, decode_cache)
 
     def describe(self) -> str:
         parts = [self.store.describe(), self.division.describe(), self.stacked.describe() if self.stacked else "",
@@ -128,7 +133,7 @@ class StageLoop(Engine):
 
     def run_probes(self, batch: Batch, plan: Sequence[Probe], step: int) -> dict[int, Scores]:
         if batch.readout == "decode":
-            return self._decode(batch, plan, step)
+            return self.decoder.run(batch, plan, step)
         mine = self.mesh.my_probes(len(plan))
         if not mine:
             if self.store.walks_with_peers:
@@ -212,6 +217,7 @@ class StageLoop(Engine):
                 "resident": self.store.state_resident_bytes() + extra}
 
     def close(self) -> None:
+        self.decoder.close()
         self.store.close()
 
     # --- the pending update -------------------------------------------------------------------------
@@ -306,30 +312,32 @@ class StageLoop(Engine):
 
     @torch.inference_mode()
     def _run(self, parts: Sequence[Sequence[Packed]], plan: Sequence[Probe], step: int,
-             full_plan: Sequence[Probe] | None) -> list[Scores]:
+             full_plan: Sequence[Probe] | None, caches: Sequence[DecodeKV] | None = None) -> list[Scores]:
         with self.forward_arithmetic():
             perturbed = any(ev.perturbed for ev in plan)
             if self.stacked is not None and perturbed:
                 return self.stacked.run(self, parts, plan, step)
             if self.copy_streams is None or not perturbed:
-                return self._walk(parts, plan, step, full_plan)
+                return self._walk(parts, plan, step, full_plan, caches)
             with self.copy_streams.walk() as keep:
-                scores = self._walk(parts, plan, step, full_plan)
+                scores = self._walk(parts, plan, step, full_plan, caches)
                 for t in (t for sc in scores for t in (sc.nll, sc.count, sc.logits) if t is not None):
                     keep(t)
             return scores
 
     def _walk(self, parts: Sequence[Sequence[Packed]], plan: Sequence[Probe], step: int,
-              full_plan: Sequence[Probe] | None) -> list[Scores]:
+              full_plan: Sequence[Probe] | None, caches: Sequence[DecodeKV] | None = None) -> list[Scores]:
         """Scores of every probe of `plan`: probe e on the packed micro-batches parts[e]
         (usually the same batch for every probe; decoding gives each its own). One walk: each
         block's noise is drawn once and every micro-batch of every probe passes through the block
         before the next, so memory inside a block scales with a micro-batch while the hidden states
         between blocks are the whole shard's (small). full_plan: the step's whole plan (work division
-        builds the copies of the node's other ranks too)."""
+        builds the copies of the node's other ranks too). caches: probe e's attention layers keep
+        and read their keys and values in caches[e] (a decoding walk, `distzo.engine.decoding`)."""
         contexts = {id(p): self.adapter.context(p.input_ids, p.position_ids, mask_fn=p.mask_fn())
                     for ps in parts for p in ps}
         perturbed = any(ev.perturbed for ev in plan)
+        attend = self.decoder.attending(caches)
 
         def stage_views(noise: StageNoise, sources=None) -> list:
             clean = CleanWeights(self.model, sources)
@@ -338,8 +346,8 @@ class StageLoop(Engine):
 
         self.division.before_write()
         self._update_outer()
-        hidden = [[self.adapter.stem(contexts[id(p)], w) for p in ps]
-                  for ps, w in zip(parts, stage_views(self.noise(step, plan)))]
+        hidden = [[attend(e, self.adapter.stem, contexts[id(p)], w) for p in ps]
+                  for e, (ps, w) in enumerate(zip(parts, stage_views(self.noise(step, plan))))]
         blocks = self.store.blocks
         ahead = self.division.look_ahead(perturbed) or (perturbed and self.copy_streams is not None)
         next_noise = None
@@ -350,8 +358,8 @@ class StageLoop(Engine):
                 # Look-ahead implies resident weights: block i + 1's targets are its parameters.
                 next_noise = (self._prepare_block(i + 1, self.store.resident_targets(i + 1), step, plan, perturbed,
                                                   full_plan) if ahead and i + 1 < blocks else None)
-                hidden = [[self.adapter.block(i, h, contexts[id(p)], w) for h, p in zip(hs, ps)]
-                          for hs, ps, w in zip(hidden, parts, stage_views(noise, block.sources))]
+                hidden = [[attend(e, self.adapter.block, i, h, contexts[id(p)], w) for h, p in zip(hs, ps)]
+                          for e, (hs, ps, w) in enumerate(zip(hidden, parts, stage_views(noise, block.sources)))]
         scores = [join_scores([self.head(h, p, w) for h, p in zip(hs, ps)])
                   for hs, ps, w in zip(hidden, parts, stage_views(self.noise(step, plan)))]
         self.division.after_walk(perturbed)
@@ -361,30 +369,6 @@ class StageLoop(Engine):
         """The final stage at the scored positions only (the scoring contract, distzo/data/batches.py)."""
         features = self.adapter.final(hidden[packed.score_row, packed.score_col], w)
         return head_scores(self.adapter, features, packed, w)
-
-    def _decode(self, batch: Batch, plan: Sequence[Probe], step: int) -> dict[int, Scores]:
-        """Greedy continuations of the batch's sequences under each of this rank's probes,
-        `batch.decode_tokens` tokens long: one walk per token, each probe on its own sequences
-        (prompt plus what it generated so far), the next token the argmax of the full vocabulary's
-        logits at the last position. No KV cache, so it runs in every mode, on every mesh, with the
-        step's perturbations; every rank makes the same number of walks (no early stop)."""
-        mine = self.mesh.my_probes(len(plan))
-        if not mine:
-            for _ in range(batch.decode_tokens):
-                if self.store.walks_with_peers:
-                    self._walk_with_peers()
-            return {}
-        vocab = torch.arange(self.adapter.config.vocab_size)
-        prompts = [list(s.tokens) for s in batch.sequences]
-        generated = {i: [[] for _ in prompts] for i in mine}
-        for _ in range(batch.decode_tokens):
-            parts = [[self.pack(label_word_batch([p + g for p, g in zip(prompts, generated[i])], batch.labels, vocab,
-                                                 batch.pad_id)).to(self.device)] for i in mine]
-            for i, scores in zip(mine, self._run(parts, [plan[i] for i in mine], step, plan)):
-                for out, token in zip(generated[i], scores.logits.argmax(dim=-1).tolist()):
-                    out.append(token)
-        zeros = torch.zeros(batch.units, dtype=torch.float64)
-        return {i: Scores(zeros, zeros, None, generated[i]) for i in mine}
 
 
 def join_scores(parts: Sequence[Scores]) -> Scores:

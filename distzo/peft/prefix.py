@@ -25,14 +25,13 @@ name instead of training a wrong forward.
 from __future__ import annotations
 
 import copy
-import inspect
 
 import torch
 from torch import nn
 
 from ..errors import DistzoError
+from ..models.attention import CACHE_ARGUMENTS, attention_modules, cache_argument
 
-CACHE_ARGUMENTS = ("cache", "past_key_values", "layer_past")  # newest first
 TOLERANCE = 1e-4  # float32 logits of O(1-10): the stand-in and a real cache run the same products
 
 
@@ -60,15 +59,6 @@ def _widen_mask(mask, rows: int, length: int, m: int, dtype: torch.dtype, device
     return torch.cat([lead, mask], dim=-1)
 
 
-def cache_argument(attention: nn.Module) -> str | None:
-    """The name under which a stock module (an attention, or the model itself) takes its cache
-    (None: it takes none): `cache`
-    from transformers 5.24 on (which still accepts, but overrides, the older `past_key_values`),
-    `past_key_values` before, `layer_past` in GPT-NeoX and Falcon."""
-    params = inspect.signature(attention.forward).parameters
-    return next((name for name in CACHE_ARGUMENTS if name in params), None)
-
-
 def _prefix_pre_hook(module: nn.Module, args, kwargs):
     hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
     m = module.prefix_keys.shape[1]
@@ -78,22 +68,6 @@ def _prefix_pre_hook(module: nn.Module, args, kwargs):
     kwargs["attention_mask"] = _widen_mask(kwargs.get("attention_mask"), hidden.shape[0], hidden.shape[1], m,
                                            hidden.dtype, hidden.device)
     return args, kwargs
-
-
-def attention_modules(model: nn.Module) -> list[nn.Module]:
-    """The stock attention module of every decoder layer, in layer order: the layer's one child
-    whose forward takes a cache."""
-    from ..models.generic import find_blocks
-
-    out = []
-    for layer in find_blocks(model)[1]:
-        found = [child for _, child in layer.named_children() if cache_argument(child) is not None]
-        if len(found) != 1:
-            raise DistzoError(f"peft=prefix: a {type(layer).__name__} layer of {model.config.model_type!r} has "
-                              f"{len(found)} submodules that take a KV cache, not one attention to hand the prefix "
-                              "to; use peft=lora or peft=lora_fa")
-        out.append(found[0])
-    return out
 
 
 @torch.no_grad()
@@ -107,7 +81,7 @@ def attach_prefix(model: nn.Module, m: int, init_seed: int) -> None:
     tokens = torch.randint(0, vocab, (1, m), generator=gen).to(device)
     rotary = any(name.rsplit(".", 1)[-1] == "rotary_emb" for name, _ in model.named_modules())
     positions = torch.arange(-m, 0, device=device)[None] if rotary else None
-    attentions = attention_modules(model)
+    attentions = attention_modules(model, "peft=prefix", "use peft=lora or peft=lora_fa")
     cache = model(input_ids=tokens, position_ids=positions, use_cache=True).past_key_values
     # The prefix is visible to every token, also past a sliding window; the reference applies the
     # window to its cache, so the probe stays inside it.

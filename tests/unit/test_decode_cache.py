@@ -1,0 +1,162 @@
+"""The decode cache (engine.decode_cache, distzo/engine/decoding.py): a decoding objective's answers
+generated with each attention layer's keys and values kept across the walks are the tokens of
+decoding without it (every walk over the prompts and what they generated), on every family, under
+perturbations, in packed rows with padded tails and through sliding windows; a cache that does not
+reproduce decoding without it is caught on the first decode."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from distzo.data.batches import Batch, TokenSequence
+from distzo.engine import resident_engine
+from distzo.engine.base import EngineConfigError
+from distzo.models.kv_cache import DecodeKV, unsupported_reason
+from distzo.models.loading import random_model
+from distzo.models.selection import adapter_for
+from distzo.zo.directions import Directions
+from distzo.zo.estimators import Probe
+from distzo.zo.params import TrainableParams
+
+VOCAB = 300
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "opt",  # the dedicated adapters
+            "gpt2", "gpt_neox", "phi", "phi3", "gemma3_text", "falcon", "stablelm"]  # the general path
+PLAN = [Probe(0, +1), Probe(0, -1), Probe(1, +1)]
+TOKENS = 5
+
+
+def decode_batch(lengths=(5, 12, 1, 9, 7, 3), tokens: int = TOKENS, seed: int = 1) -> Batch:
+    gen = torch.Generator().manual_seed(seed)
+    seqs = [TokenSequence(tuple(torch.randint(3, VOCAB, (n,), generator=gen).tolist()), scored=(), targets=(),
+                          units=()) for n in lengths]
+    n = len(seqs)
+    return Batch(seqs, list(range(n)), list(range(n)), torch.zeros(n, dtype=torch.long), readout="decode",
+                 decode_tokens=tokens)
+
+
+def decoded(model, adapter, cache: str, batch: Batch, row_tokens: int, step: int = 3):
+    """Every probe's generated tokens, and the engine's decoder (what it chose)."""
+    engine = resident_engine(model, adapter, TrainableParams.from_model(model), Directions(7), eps=3e-2,
+                             row_tokens=row_tokens, decode_cache=cache)
+    try:
+        scores = engine.run_probes(batch, PLAN, step)
+        return [scores[i].generated for i in range(len(PLAN))], engine.decoder
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_decoding_with_the_cache_gives_the_tokens_of_decoding_without_it(arch, caplog):
+    """Float64, so that the two paths' rounding (the same products over differently shaped keys: the
+    check measures 1e-15 relative here) cannot flip an argmax. Row budgets of 1024 (one row) and 13
+    tokens (several rows, tails padded, rows holding different numbers of sequences, so a later
+    walk's rows have padding columns too). The check ran and passed: the cache was used."""
+    model = random_model(arch, VOCAB, {}, 0, torch.float64)
+    adapter = adapter_for(model)
+    batch = decode_batch()
+    for row_tokens in (1024, 13):
+        want, plain = decoded(model, adapter, "false", batch, row_tokens)
+        assert plain.hooks is None
+        with caplog.at_level(logging.INFO, logger="distzo.engine.decoding"):
+            got, decoder = decoded(model, adapter, "true", batch, row_tokens)
+        assert decoder.off is None and decoder.checked
+        assert "decoding with a KV cache (checked" in caplog.text
+        assert got == want
+        assert all(len(g) == TOKENS for probe in got for g in probe)
+        assert got[0] != got[1]  # the probes decode under their own perturbations
+
+
+@pytest.mark.parametrize("arch", ["mistral", "gemma3_text"])
+def test_the_cache_keeps_sliding_windows(arch):
+    """A window of 4 tokens, below the prompts' lengths: every layer's (Mistral) or the sliding
+    layers' (Gemma 3, full layers between) later walks see only the last 4 positions of their
+    sequence, as the mask helpers' window does without the cache."""
+    model = random_model(arch, VOCAB, {"sliding_window": 4}, 0, torch.float64)
+    adapter = adapter_for(model)
+    batch = decode_batch(lengths=(9, 6, 11), tokens=6)
+    want, _ = decoded(model, adapter, "false", batch, 1024)
+    got, decoder = decoded(model, adapter, "true", batch, 1024)
+    assert decoder.off is None and got == want
+
+
+def test_the_whole_model_fallback_decodes_with_the_cache():
+    from tests.unit.test_generic_adapter import cohere
+
+    model = cohere().double()
+    adapter = adapter_for(model)
+    assert adapter.family == "whole-model"
+    batch = decode_batch()
+    want, _ = decoded(model, adapter, "false", batch, 13)
+    got, decoder = decoded(model, adapter, "true", batch, 13)
+    assert decoder.off is None and got == want
+
+
+def test_a_cache_that_does_not_reproduce_decoding_is_caught(monkeypatch, caplog):
+    """A cache whose later walks let every token see the whole row (the other sequences packed in
+    it, the padding) moves the logits by O(1). auto: warned, and the run decodes without the cache from
+    that walk on, so the tokens are still decoding's without it; true: an error naming the fix."""
+    model = random_model("llama", VOCAB, {}, 0, torch.float64)
+    adapter = adapter_for(model)
+    batch = decode_batch()
+    want, _ = decoded(model, adapter, "false", batch, 1024)
+    right = DecodeKV.mask
+
+    def leaky(self, layer, like):
+        mask = right(self, layer, like)
+        return mask if mask is like else torch.ones_like(mask, dtype=torch.bool)
+
+    monkeypatch.setattr(DecodeKV, "mask", leaky)
+    with caplog.at_level(logging.WARNING, logger="distzo.engine.decoding"):
+        got, decoder = decoded(model, adapter, "auto", batch, 1024)
+    assert got == want and decoder.off is not None
+    assert "does not reproduce decoding without it" in caplog.text and "decoding without the cache" in caplog.text
+    with pytest.raises(EngineConfigError, match=r"engine.decode_cache=true: .* does not reproduce decoding without "
+                                                r"it .*; use engine.decode_cache=auto"):
+        decoded(model, adapter, "true", batch, 1024)
+
+
+def test_where_the_cache_cannot_run():
+    """Prefix tuning (its prefix goes through the same cache argument) and an attention implementation
+    without explicit masks: auto decodes without the cache; true is refused when the engine is built."""
+    from distzo.peft.prefix import attach_prefix
+
+    model = random_model("llama", VOCAB, {}, 0, torch.float32)
+    model.config._attn_implementation = "flash_attention_2"
+    assert "attention implementation 'flash_attention_2'" in unsupported_reason(model, 2)
+    model = random_model("llama", VOCAB, {}, 0, torch.float32)
+    attach_prefix(model, 2, 0)
+    batch = decode_batch(tokens=3)
+    want = decoded(model, adapter_for(model), "false", batch, 1024)[0]
+    got, decoder = decoded(model, adapter_for(model), "auto", batch, 1024)
+    assert got == want and decoder.hooks is None and "peft=prefix" in decoder.off
+    with pytest.raises(EngineConfigError, match="engine.decode_cache=true: peft=prefix hands each attention its "
+                                                "prefix through the same cache argument; use engine.decode_cache=auto"):
+        decoded(model, adapter_for(model), "true", batch, 1024)
+
+
+def test_offloaded_decoding_with_the_cache_after_an_update_is_resident_decoding_without_it():
+    """Two steps with an update between: the second step's first walk applies the pending update
+    (fused into its perturbation), its later walks rebuild the copies from the updated master. Blocks
+    streamed through 2 device slots with the cache, against resident weights without it."""
+    from distzo.engine import offload_engine
+
+    got = {}
+    for name, cache in (("offload", "true"), ("resident", "false")):
+        model = random_model("llama", VOCAB, {"num_hidden_layers": 4}, 0, torch.float64)
+        params = TrainableParams.from_model(model)
+        make = ((lambda **kw: offload_engine(model, adapter_for(model), params, Directions(5), slots=2, **kw))
+                if name == "offload" else
+                (lambda **kw: resident_engine(model, adapter_for(model), params, Directions(5), **kw)))
+        engine = make(eps=3e-2, decode_cache=cache)
+        tokens = []
+        for step in (1, 2):
+            scores = engine.run_probes(decode_batch(seed=step), PLAN, step)
+            tokens.append([scores[i].generated for i in range(len(PLAN))])
+            engine.apply(step, [(0, 0.7), (1, -0.4)], 1e-1, 0.0)
+        engine.close()
+        got[name] = tokens
+    assert got["offload"] == got["resident"]
+    assert got["offload"][0] != got["offload"][1]

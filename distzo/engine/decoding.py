@@ -21,6 +21,7 @@ import torch
 
 from ..data.batches import NO_TARGET, Batch, Packed, Scores, label_word_batch
 from ..models.kv_cache import DecodeKV, KVHooks, install, unsupported_reason
+from ..peft.prefix import has_prefix
 from ..zo.estimators import Probe
 from .base import EngineConfigError
 
@@ -51,7 +52,7 @@ class Decoder:
         if setting == "false":
             self.off = "engine.decode_cache=false"
         elif setting == "true":
-            reason = unsupported_reason(loop.model, len(loop.adapter.blocks))
+            reason = self._unsupported()
             if reason is not None:
                 raise EngineConfigError(f"engine.decode_cache=true: {reason}; use engine.decode_cache=auto")
 
@@ -59,6 +60,12 @@ class Decoder:
         if self.hooks is not None:
             self.hooks.remove()
             self.hooks = None
+
+    def _unsupported(self) -> str | None:
+        """Why the cache cannot run on this engine's model (None: it can)."""
+        if has_prefix(self.loop.model):
+            return "peft=prefix hands each attention its prefix through the same cache argument"
+        return unsupported_reason(self.loop.model, len(self.loop.adapter.blocks))
 
     def attending(self, caches: Sequence[DecodeKV] | None) -> Callable:
         """For a walk: call(e, fn, *args) runs fn(*args) with probe e's attention layers on caches[e]
@@ -77,7 +84,7 @@ class Decoder:
         if self.off is not None or tokens < 2:
             return None
         if self.hooks is None:
-            reason = unsupported_reason(self.loop.model, len(self.loop.adapter.blocks))
+            reason = self._unsupported()
             if reason is not None:
                 self.off = reason
                 log.info("decoding without a KV cache: %s", reason)

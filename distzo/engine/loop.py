@@ -391,7 +391,15 @@ def head_scores(adapter: DecoderAdapter, features: torch.Tensor, packed: Packed,
     has_target = packed.score_target != NO_TARGET
     if packed.candidates is not None:
         at = (~has_target).nonzero().view(-1)
-        out = adapter.head(features[at] if at.numel() != features.shape[0] else features, packed.candidates, w)
+        candidates = packed.candidates
+        whole = candidates.numel() == adapter.config.vocab_size and torch.equal(
+            candidates, torch.arange(candidates.numel(), device=candidates.device))
+        # Every vocabulary id in order (decoding's argmax): the head's whole table, as the token loss
+        # reads it (one working copy by chunk passes, not a gather of every row and its z).
+        out = adapter.head(features[at] if at.numel() != features.shape[0] else features,
+                           None if whole else candidates, w)
+        if whole:
+            out = out[:, :candidates.numel()]  # a head padded beyond the vocabulary (its extra rows unread)
         out = out.to(torch.promote_types(out.dtype, torch.float32))
         logits = out.new_zeros((packed.units, out.shape[1]))
         logits[packed.score_unit[at]] = out

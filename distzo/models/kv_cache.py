@@ -54,10 +54,11 @@ class DecodeKV:
     """One evaluation's cache across its decode walks: a `LayerKV` per attention layer, and for each
     kept column the sequence it belongs to and its position, from which each later walk's masks
     are built (`extend`). windows: each layer's sliding window (None: it attends to all of its
-    sequence)."""
+    sequence); additive: the dtype of an additive mask where the attention adds its mask to the
+    scores (eager), for a call whose stock mask is None (None: boolean, sdpa's)."""
 
-    def __init__(self, windows: Sequence[int | None]):
-        self.windows = list(windows)
+    def __init__(self, windows: Sequence[int | None], additive: torch.dtype | None = None):
+        self.windows, self.additive = list(windows), additive
         self.layers = [LayerKV() for _ in self.windows]
         self.key_seq: torch.Tensor | None = None  # [rows, columns] sequence of each kept column (< 0: none)
         self.key_pos: torch.Tensor | None = None  # [rows, columns] its position
@@ -91,7 +92,7 @@ class DecodeKV:
         visible = self._visible.get(window)
         if visible is None:
             return like
-        dtype = like.dtype if isinstance(like, torch.Tensor) else torch.bool
+        dtype = like.dtype if isinstance(like, torch.Tensor) else (self.additive or torch.bool)
         key = (window, dtype)
         if key not in self._masks:
             if dtype == torch.bool:
@@ -106,8 +107,9 @@ class KVHooks:
     """The pre-hooks on every decoder layer's attention that hand it the active `DecodeKV`'s layer
     (`using`); outside `using` they return at once."""
 
-    def __init__(self, attentions: Sequence[nn.Module], windows: Sequence[int | None]):
-        self.windows = list(windows)
+    def __init__(self, attentions: Sequence[nn.Module], windows: Sequence[int | None],
+                 additive: torch.dtype | None = None):
+        self.windows, self.additive = list(windows), additive
         self.active: DecodeKV | None = None
         self._handles = []
         for i, attention in enumerate(attentions):
@@ -126,7 +128,7 @@ class KVHooks:
         return args, kwargs
 
     def new(self) -> DecodeKV:
-        return DecodeKV(self.windows)
+        return DecodeKV(self.windows, self.additive)
 
     @contextmanager
     def using(self, kv: DecodeKV | None) -> Iterator[None]:
@@ -157,13 +159,10 @@ def layer_windows(config: Any, layers: int) -> list[int | None]:
 
 
 def unsupported_reason(model: nn.Module, blocks: int) -> str | None:
-    """Why the decode cache cannot run on this model (None: it can)."""
-    from ..peft.prefix import has_prefix
-
+    """Why the decode cache cannot run on this model's structure (None: it can). The engine also
+    rules out attention modules that take another stand-in (peft=prefix's)."""
     config = model.config
     arch = getattr(config, "model_type", type(model).__name__)
-    if has_prefix(model):
-        return "peft=prefix hands each attention its prefix through the same cache argument"
     attn = getattr(config, "_attn_implementation", None) or "eager"
     if attn not in ATTENTIONS:
         return f"{arch!r} runs attention implementation {attn!r}; the cache's masks are for {' or '.join(ATTENTIONS)}"
@@ -184,4 +183,6 @@ def unsupported_reason(model: nn.Module, blocks: int) -> str | None:
 def install(model: nn.Module) -> KVHooks:
     """The hooks on `model`'s attention modules (call `unsupported_reason` first)."""
     attentions = attention_modules(model, "engine.decode_cache", "use engine.decode_cache=false")
-    return KVHooks(attentions, layer_windows(model.config, len(attentions)))
+    eager = getattr(model.config, "_attn_implementation", None) in (None, "eager")
+    dtype = next(model.parameters()).dtype
+    return KVHooks(attentions, layer_windows(model.config, len(attentions)), dtype if eager else None)

@@ -59,7 +59,7 @@ def test_decoding_with_the_cache_gives_the_tokens_of_decoding_without_it(arch, c
     batch = decode_batch()
     for row_tokens in (1024, 13):
         want, plain = decoded(model, adapter, "false", batch, row_tokens)
-        assert plain.hooks is None
+        assert plain.off == "engine.decode_cache=false" and not plain.checked
         with caplog.at_level(logging.INFO, logger="distzo.engine.decoding"):
             got, decoder = decoded(model, adapter, "true", batch, row_tokens)
         assert decoder.off is None and decoder.checked
@@ -67,6 +67,19 @@ def test_decoding_with_the_cache_gives_the_tokens_of_decoding_without_it(arch, c
         assert got == want
         assert all(len(g) == TOKENS for probe in got for g in probe)
         assert got[0] != got[1]  # the probes decode under their own perturbations
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "gemma3_text"])
+def test_eager_attention_gets_additive_masks(arch):
+    """The eager implementation adds its mask to the scores: the later walks' masks are additive
+    floats (0 attends, the dtype's lowest value does not)."""
+    model = random_model(arch, VOCAB, {"sliding_window": 4} if arch == "gemma3_text" else {}, 0, torch.float64)
+    model.config._attn_implementation = "eager"
+    adapter = adapter_for(model)
+    batch = decode_batch()
+    want, _ = decoded(model, adapter, "false", batch, 13)
+    got, decoder = decoded(model, adapter, "true", batch, 13)
+    assert decoder.off is None and decoder.checked and got == want
 
 
 @pytest.mark.parametrize("arch", ["mistral", "gemma3_text"])
@@ -79,7 +92,7 @@ def test_the_cache_keeps_sliding_windows(arch):
     batch = decode_batch(lengths=(9, 6, 11), tokens=6)
     want, _ = decoded(model, adapter, "false", batch, 1024)
     got, decoder = decoded(model, adapter, "true", batch, 1024)
-    assert decoder.off is None and got == want
+    assert decoder.off is None and decoder.checked and got == want
 
 
 def test_the_whole_model_fallback_decodes_with_the_cache():
@@ -91,7 +104,7 @@ def test_the_whole_model_fallback_decodes_with_the_cache():
     batch = decode_batch()
     want, _ = decoded(model, adapter, "false", batch, 13)
     got, decoder = decoded(model, adapter, "true", batch, 13)
-    assert decoder.off is None and got == want
+    assert decoder.off is None and decoder.checked and got == want
 
 
 def test_a_cache_that_does_not_reproduce_decoding_is_caught(monkeypatch, caplog):
@@ -131,7 +144,7 @@ def test_where_the_cache_cannot_run():
     batch = decode_batch(tokens=3)
     want = decoded(model, adapter_for(model), "false", batch, 1024)[0]
     got, decoder = decoded(model, adapter_for(model), "auto", batch, 1024)
-    assert got == want and decoder.hooks is None and "peft=prefix" in decoder.off
+    assert got == want and not decoder.checked and "peft=prefix" in decoder.off
     with pytest.raises(EngineConfigError, match="engine.decode_cache=true: peft=prefix hands each attention its "
                                                 "prefix through the same cache argument; use engine.decode_cache=auto"):
         decoded(model, adapter_for(model), "true", batch, 1024)
@@ -146,11 +159,9 @@ def test_offloaded_decoding_with_the_cache_after_an_update_is_resident_decoding_
     got = {}
     for name, cache in (("offload", "true"), ("resident", "false")):
         model = random_model("llama", VOCAB, {"num_hidden_layers": 4}, 0, torch.float64)
-        params = TrainableParams.from_model(model)
-        make = ((lambda **kw: offload_engine(model, adapter_for(model), params, Directions(5), slots=2, **kw))
-                if name == "offload" else
-                (lambda **kw: resident_engine(model, adapter_for(model), params, Directions(5), **kw)))
-        engine = make(eps=3e-2, decode_cache=cache)
+        args = (model, adapter_for(model), TrainableParams.from_model(model), Directions(5))
+        engine = (offload_engine(*args, slots=2, eps=3e-2, decode_cache=cache) if name == "offload"
+                  else resident_engine(*args, eps=3e-2, decode_cache=cache))
         tokens = []
         for step in (1, 2):
             scores = engine.run_probes(decode_batch(seed=step), PLAN, step)

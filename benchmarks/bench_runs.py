@@ -1,15 +1,18 @@
 """One `python -m distzo bench` invocation in a fresh process (a process's peak memory belongs to one
-run), for the benchmark scripts of this folder: its bench.json, with the command that made it; and
-the command line of the scripts that bench one run per variant."""
+run), for the benchmark scripts of this folder: its bench.json, with the command that made it; the
+command line of the scripts that bench one run per variant; and the same training built once per
+variant in one process, its full ZO steps timed in interleaved rounds (`interleaved_steps`)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -61,3 +64,34 @@ def bench_each(doc: str, flag: str, variants: list[str], overrides: Callable[[st
         ns.out.write_text(json.dumps(rows, indent=2) + "\n")
     return rows
 
+
+
+def interleaved_steps(variants: dict[str, list[str]], rounds: int, warmup: int,
+                      show: Callable[[int, dict], None] | None = None) -> tuple[dict[str, float], bool, dict]:
+    """The same training built once per variant (its config overrides) in this process (same seed,
+    weights and batches), then full ZO steps (`distzo.run.training.zo_step`) in interleaved rounds,
+    so every variant sees the same machine state: the median step time of each after `warmup`
+    steps, whether every variant's losses were bitwise equal at every step, and the built
+    components by variant (close them when done). show(step, losses by variant): after each step."""
+    import torch
+
+    from distzo.config.compose import compose_config
+    from distzo.parallel.mesh import Mesh
+    from distzo.run.components import build_components
+    from distzo.run.training import zo_step
+
+    built = {name: build_components(compose_config(args), Mesh.single(), 0) for name, args in variants.items()}
+    times: dict[str, list[float]] = {name: [] for name in built}
+    same = True
+    for step in range(1, warmup + rounds + 1):
+        losses = {}
+        for name, c in built.items():
+            start = time.perf_counter()
+            losses[name] = zo_step(c, step).losses
+            if step > warmup:
+                times[name].append(time.perf_counter() - start)
+        first = next(iter(losses.values()))
+        same = same and all(torch.equal(first, other) for other in losses.values())
+        if show is not None:
+            show(step, losses)
+    return {name: statistics.median(t) for name, t in times.items()}, same, built

@@ -14,43 +14,27 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
+
+from bench_runs import interleaved_steps
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("overrides", nargs="*", help="config overrides for both (after --)")
     ns = parser.parse_args()
 
-    from distzo.config.compose import compose_config
-    from distzo.parallel.mesh import Mesh
-    from distzo.run.components import build_components
-    from distzo.run.training import zo_step
+    def show(step: int, losses: dict) -> None:
+        print(f"step {step}: losses {losses['auto'].tolist()} with the cache, {losses['false'].tolist()} without",
+              flush=True)
 
-    built = {}
-    for cache in ("auto", "false"):
-        cfg = compose_config(["task=trivia", "objective=f1", "batch_size=16", "task.max_new_tokens=8", *ns.overrides,
-                              f"engine.decode_cache={cache}"])
-        built[cache] = build_components(cfg, Mesh.single(), 0)
-    times: dict[str, list[float]] = {c: [] for c in built}
-    same = True
-    for step in range(1, ns.warmup + ns.rounds + 1):
-        losses = {}
-        for cache, c in built.items():
-            start = time.perf_counter()
-            losses[cache] = zo_step(c, step).losses.tolist()
-            if step > ns.warmup:
-                times[cache].append(time.perf_counter() - start)
-        same = same and losses["auto"] == losses["false"]
-        print(f"step {step}: losses {losses['auto']} with the cache, {losses['false']} without", flush=True)
-    used = built["auto"].engine.decoder.off is None
-    med = {c: statistics.median(t) for c, t in times.items()}
+    base = ["task=trivia", "objective=f1", "batch_size=16", "task.max_new_tokens=8", *ns.overrides]
+    variants = {cache: [*base, f"engine.decode_cache={cache}"] for cache in ("auto", "false")}
+    med, same, built = interleaved_steps(variants, ns.rounds, ns.warmup, show)
     cfg = built["auto"].cfg
     print(json.dumps({"model": str(cfg.model.name), "batch_size": cfg.batch_size,
-                      "max_new_tokens": cfg.task.max_new_tokens, "cache_used": used,
+                      "max_new_tokens": cfg.task.max_new_tokens, "cache_used": built["auto"].engine.decoder.off is None,
                       "step_s_cache": round(med["auto"], 4), "step_s_no_cache": round(med["false"], 4),
                       "speedup": round(med["false"] / med["auto"], 3), "losses_equal": same}, indent=2))
     print(f"step time: with the cache {med['auto']:.3f} s, without {med['false']:.3f} s; "

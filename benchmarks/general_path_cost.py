@@ -12,10 +12,8 @@ median step time of each, their ratio, and whether the two trajectories' losses 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
-import torch
+from bench_runs import interleaved_steps
 
 
 def main() -> None:
@@ -25,27 +23,10 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="config overrides for both (after --)")
     ns = parser.parse_args()
 
-    from distzo.config.compose import compose_config
-    from distzo.parallel.mesh import Mesh
-    from distzo.run.components import build_components
-    from distzo.run.training import zo_step
-
-    built = {}
-    for path in ("dedicated", "general"):
-        cfg = compose_config(["batch_size=16", *ns.overrides, f"model.adapter={path}"])
-        built[path] = build_components(cfg, Mesh.single(), 0)
-        print(f"{path}: {built[path].engine.adapter.describe()}", flush=True)
-    times: dict[str, list[float]] = {p: [] for p in built}
-    same = True
-    for step in range(1, ns.warmup + ns.rounds + 1):
-        losses = {}
-        for path, c in built.items():
-            start = time.perf_counter()
-            losses[path] = zo_step(c, step).losses
-            if step > ns.warmup:
-                times[path].append(time.perf_counter() - start)
-        same = same and torch.equal(losses["dedicated"], losses["general"])
-    med = {p: statistics.median(t) for p, t in times.items()}
+    med, same, built = interleaved_steps({path: ["batch_size=16", *ns.overrides, f"model.adapter={path}"]
+                                          for path in ("dedicated", "general")}, ns.rounds, ns.warmup)
+    for path, c in built.items():
+        print(f"{path}: {c.engine.adapter.describe()}")
     print(f"step time: dedicated {med['dedicated']:.3f} s, general {med['general']:.3f} s; general / dedicated "
           f"{med['general'] / med['dedicated']:.3f} (median of {ns.rounds} interleaved rounds)")
     print(f"losses of the two trajectories bitwise equal at every step: {same}")

@@ -209,12 +209,13 @@ class Packed:
     candidates: torch.Tensor | None = None
     segment: torch.Tensor | None = None  # [R, T], only when some sequence has branches
     branch: torch.Tensor | None = None  # [R, T], idem
+    whole_vocabulary: bool = False  # candidates are every vocabulary id in order (the head reads its whole table)
 
     def to(self, device: torch.device) -> Packed:
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return Packed(move(self.input_ids), move(self.position_ids), move(self.real), move(self.score_row),
                       move(self.score_col), move(self.score_target), move(self.score_unit), self.units,
-                      move(self.candidates), move(self.segment), move(self.branch))
+                      move(self.candidates), move(self.segment), move(self.branch), self.whole_vocabulary)
 
     def replicate(self, times: int) -> Packed:
         """The rows repeated `times` over (rows [e R, (e + 1) R) are copy e), for batched evaluations;
@@ -222,7 +223,7 @@ class Packed:
         rep = lambda t: None if t is None else t.repeat(times, 1)  # noqa: E731
         return Packed(rep(self.input_ids), rep(self.position_ids), rep(self.real), self.score_row, self.score_col,
                       self.score_target, self.score_unit, self.units, self.candidates, rep(self.segment),
-                      rep(self.branch))
+                      rep(self.branch), self.whole_vocabulary)
 
     def mask_fn(self):
         """None for plain packed rows; for rows with branches, a mask function (batch, head, q, kv) ->

@@ -9,21 +9,28 @@ keys and values per evaluation, and each later walk runs only the newest token o
 without it each walk runs the prompts and everything generated so far again. The first decode of a
 run checks the cache: its second walk is also run without the cache, and the two walks' logits must
 agree within rounding (`tolerance`), else the run decodes without the cache from there on (an error
-under engine.decode_cache=true).
+under engine.decode_cache=true). An attention that fails with the cache's stand-in (it asks for more
+than `update`) does the same where the failed walk leaves nothing behind (resident weights, no
+peers in the walk); elsewhere it is an error naming engine.decode_cache=false. Each rank checks its
+own evaluations. The tokens are those of decoding without the cache up to rounding: a near tie
+between two tokens' logits may break the other way, as between two mesh layouts.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
 from ..data.batches import NO_TARGET, Batch, Packed, Scores, label_word_batch
+from ..errors import DistzoError
 from ..models.kv_cache import DecodeKV, KVHooks, install, unsupported_reason
 from ..peft.prefix import has_prefix
 from ..zo.estimators import Probe
 from .base import EngineConfigError
+from .stores import ResidentStore
 
 if TYPE_CHECKING:
     from .loop import StageLoop
@@ -35,20 +42,26 @@ def tolerance(dtype: torch.dtype, compute: str) -> float:
     """The relative tolerance (of the largest |logit| + 1) between a walk with and without the cache.
     Both run the same products on the same weights; attention reduces over differently shaped keys
     and the matmuls see other row counts, so the logits differ by a few rounding steps of the
-    forward's arithmetic compounded over the layers: far below 1e-3 in float32 (1e-6 measured on the
-    test models), a few 1e-3 in 16-bit arithmetic. A cache that misplaces a position or a mask
-    moves logits by O(1)."""
-    return 1e-3 if dtype in (torch.float32, torch.float64) and compute != "bf16" else 5e-2
+    forward's arithmetic compounded over the layers: far below 1e-3 in float32 (3.7e-5 on the
+    embedded default's logits of O(10)), a few 1e-3 in 16-bit or TF32 arithmetic. A cache that
+    misplaces a position or a mask moves logits by O(1)."""
+    full = dtype in (torch.float32, torch.float64) and compute not in ("bf16", "tf32")
+    return 1e-3 if full else 5e-2
 
 
 class Decoder:
-    """Decodes batches for a `StageLoop` (see the module docstring). setting: engine.decode_cache."""
+    """Decodes batches for a `StageLoop` (see the module docstring). setting: engine.decode_cache.
+    verify_every_walk: check every cached walk against one without the cache, not only the run's
+    first (tests; it costs a full walk per token); `worst` is the largest logit difference seen."""
+
+    verify_every_walk = False
 
     def __init__(self, loop: StageLoop, setting: str = "auto"):
         self.loop, self.setting = loop, setting
         self.hooks: KVHooks | None = None
         self.off: str | None = None  # why the cache is not used (switched off, unsupported, failed check)
         self.checked = False
+        self.worst = 0.0
         if setting == "false":
             self.off = "engine.decode_cache=false"
         elif setting == "true":
@@ -92,6 +105,13 @@ class Decoder:
             self.hooks = install(self.loop.model)
         return self.hooks
 
+    def _recoverable(self) -> bool:
+        """Whether a walk that failed halfway leaves nothing behind that another walk trips over:
+        resident weights, no peers sharing the walk (divided, sliced and offloaded stores hold slots
+        or wait on peers mid-walk)."""
+        loop = self.loop
+        return isinstance(loop.store, ResidentStore) and not loop.division.with_peers and loop.copy_streams is None
+
     def run(self, batch: Batch, plan: Sequence[Probe], step: int) -> dict[int, Scores]:
         """Greedy continuations of the batch's sequences under each of this rank's probes,
         `batch.decode_tokens` tokens long, each the argmax of the full vocabulary's logits."""
@@ -105,59 +125,67 @@ class Decoder:
                 if loop.store.walks_with_peers:
                     loop._walk_with_peers()
             return {}
-        vocab = torch.arange(loop.adapter.config.vocab_size)
-        prompts = [list(s.tokens) for s in batch.sequences]
-        generated = [[[] for _ in prompts] for _ in mine]
-        probes = [plan[i] for i in mine]
-
-        def full_walk() -> list[Scores]:  # every sequence whole: the prompt and what it generated so far
-            parts = [[loop.pack(label_word_batch([p + g for p, g in zip(prompts, out)], batch.labels, vocab,
-                                                 batch.pad_id)).to(loop.device)] for out in generated]
-            return loop._run(parts, probes, step, plan)
-
-        def take(scores: Sequence[Scores]) -> None:
-            for out, sc in zip(generated, scores):
-                for tokens, token in zip(out, sc.logits.argmax(dim=-1).tolist()):
-                    tokens.append(token)
-
+        answers = _Answers(loop, batch, [plan[i] for i in mine], plan, step)
+        if hooks is not None:
+            try:
+                self._decode_cached(answers, hooks, checking)
+            except (torch.OutOfMemoryError, DistzoError):
+                raise
+            except Exception as exc:  # noqa: BLE001 - an attention that needs more of a cache than the stand-in has
+                message = (f"{loop.adapter.arch}: decoding with distzo's KV cache failed ({type(exc).__name__}: "
+                           f"{exc})")
+                if not (checking and self.setting == "auto" and self._recoverable()):
+                    raise EngineConfigError(f"{message}; use engine.decode_cache=false") from exc
+                log.warning("%s; decoding without the cache", message)
+                self.off = message
+                answers.reset()
+                hooks = None
         if hooks is None:
             for _ in range(batch.decode_tokens):
-                take(full_walk())
-        else:
-            first = loop.pack(label_word_batch(prompts, batch.labels, vocab, batch.pad_id))
-            layout = _Layout(first, [len(p) for p in prompts], loop.device)
-            caches = [hooks.new() for _ in mine]
-            for kv in caches:
-                kv.extend(layout.seq, layout.pos, first=True)
-            take(loop._run([[first.to(loop.device)]] * len(mine), probes, step, plan, caches))
-            for t in range(1, batch.decode_tokens):
-                if caches is None:
-                    take(full_walk())
-                    continue
-                seq, pos = layout.next_columns(t, caches[0].columns)
-                for kv in caches:
-                    kv.extend(seq, pos, first=False)
-                parts = [[layout.newest(out, vocab, batch.pad_id, t)] for out in generated]
-                scores = loop._run(parts, probes, step, plan, caches)
-                if checking and t == 1:
-                    reference = full_walk()
-                    if not self._agrees(scores, reference):
-                        scores, caches = reference, None
-                take(scores)
+                answers.take(answers.full_walk())
         zeros = torch.zeros(batch.units, dtype=torch.float64)
-        return {i: Scores(zeros, zeros, None, out) for i, out in zip(mine, generated)}
+        return {i: Scores(zeros, zeros, None, out) for i, out in zip(mine, answers.generated)}
 
-    def _agrees(self, cached: Sequence[Scores], reference: Sequence[Scores]) -> bool:
-        """The check of a run's first cached walk against the same walk without the cache."""
+    def _decode_cached(self, answers: _Answers, hooks: KVHooks, checking: bool) -> None:
+        """The first walk over the packed prompts, filling each evaluation's cache; each later walk
+        over the newest tokens. The run's first decode checks its second walk (and, with
+        verify_every_walk, every later one) against a walk without the cache; after a mismatch the
+        rest of the decode runs without it."""
+        loop, batch = self.loop, answers.batch
+        first = answers.packed(answers.prompts)
+        layout = _Layout(first, [len(p) for p in answers.prompts], loop.device)
+        caches: list[DecodeKV] | None = [hooks.new() for _ in answers.probes]
+        for kv in caches:
+            kv.extend(layout.seq, layout.pos, first=True)
+        answers.take(answers.walk([[first.to(loop.device)]] * len(caches), caches))
+        for t in range(1, batch.decode_tokens):
+            if caches is None:
+                answers.take(answers.full_walk())
+                continue
+            seq, pos = layout.next_columns(t, caches[0].columns)
+            for kv in caches:
+                kv.extend(seq, pos, first=False)
+            parts = [[layout.newest(out, answers.vocab, batch.pad_id, t)] for out in answers.generated]
+            scores = answers.walk(parts, caches)
+            if (checking and t == 1) or self.verify_every_walk:
+                reference = answers.full_walk()
+                if not self._agrees(scores, reference, first_check=checking and t == 1):
+                    scores, caches = reference, None
+            answers.take(scores)
+
+    def _agrees(self, cached: Sequence[Scores], reference: Sequence[Scores], first_check: bool) -> bool:
+        """A cached walk's logits against the same walk's without the cache."""
         rel = tolerance(self.loop.adapter.dtype, self.loop.compute)
         worst = bound = 0.0
         for c, r in zip(cached, reference):
             ref = r.logits.double()
             worst = max(worst, float((c.logits.double() - ref).abs().max()))
             bound = max(bound, rel * (float(ref.abs().max()) + 1.0))
+        self.worst = max(self.worst, worst)
         if worst <= bound:
-            log.info("decoding with a KV cache (checked: largest logit difference %.2g against decoding without it)",
-                     worst)
+            if first_check:
+                log.info("decoding with a KV cache (checked: largest logit difference %.2g against decoding without "
+                         "it)", worst)
             return True
         message = (f"{self.loop.adapter.arch}: decoding with distzo's KV cache does not reproduce decoding without "
                    f"it (largest logit difference {worst:.3g}, tolerance {bound:.3g})")
@@ -166,6 +194,39 @@ class Decoder:
         log.warning("%s; decoding without the cache", message)
         self.off = message
         return False
+
+
+class _Answers:
+    """One batch's answers on this rank, as they grow: probes[k]'s continuation of sequence i is
+    generated[k][i]."""
+
+    def __init__(self, loop: StageLoop, batch: Batch, probes: Sequence[Probe], plan: Sequence[Probe], step: int):
+        self.loop, self.batch, self.probes, self.plan, self.step = loop, batch, list(probes), plan, step
+        self.prompts = [list(s.tokens) for s in batch.sequences]
+        self.vocab = torch.arange(loop.adapter.config.vocab_size)
+        self.reset()
+
+    def reset(self) -> None:
+        self.generated: list[list[list[int]]] = [[[] for _ in self.prompts] for _ in self.probes]
+
+    def packed(self, sequences: Sequence[Sequence[int]]) -> Packed:
+        """Sequences packed as the engine packs them, scored at their last token over the whole vocabulary."""
+        b = self.batch
+        return replace(self.loop.pack(label_word_batch(sequences, b.labels, self.vocab, b.pad_id)),
+                       whole_vocabulary=True)
+
+    def walk(self, parts, caches: Sequence[DecodeKV] | None = None) -> list[Scores]:
+        return self.loop._run(parts, self.probes, self.step, self.plan, caches)
+
+    def full_walk(self) -> list[Scores]:
+        """Every sequence whole: its prompt and what it generated so far."""
+        return self.walk([[self.packed([p + g for p, g in zip(self.prompts, out)]).to(self.loop.device)]
+                          for out in self.generated])
+
+    def take(self, scores: Sequence[Scores]) -> None:
+        for out, sc in zip(self.generated, scores):
+            for tokens, token in zip(out, sc.logits.argmax(dim=-1).tolist()):
+                tokens.append(token)
 
 
 class _Layout:
@@ -214,4 +275,4 @@ class _Layout:
             ids[r, :len(m)] = torch.tensor([generated[i][-1] for i in m], dtype=torch.long)
         targets = torch.full((self.units,), NO_TARGET, dtype=torch.long)
         return Packed(ids, self.positions(t), self.real, self.score_row, self.score_col, targets, self.score_unit,
-                      self.units, vocab).to(self.device)
+                      self.units, vocab, whole_vocabulary=True).to(self.device)

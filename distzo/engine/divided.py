@@ -213,6 +213,8 @@ class NodeDivision(Division):
     hand over through split-phase barriers. Every rank must run at least one perturbed probe per
     step (`division_applies`), since each walks every block with its peers."""
 
+    with_peers = True
+
     def __init__(self, node: Node, mesh: Mesh, timers: Timers = DISABLED):
         self.division, self.mesh, self.timers = WorkDivision(node), mesh, timers
         self.mine = self.division.mine

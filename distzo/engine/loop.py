@@ -61,6 +61,8 @@ class Division:
 
     # Keeps the update's chunks this rank owns among its node's ranks (None: all of them).
     mine: Callable | None = None
+    # Whether a walk waits on the node's other ranks (a walk that fails halfway strands them).
+    with_peers = False
 
     def stage_noise(self, loop: StageLoop, i: int, step: int, plan: Sequence[Probe], perturbed: bool,
                     full_plan: Sequence[Probe] | None) -> StageNoise:
@@ -391,15 +393,13 @@ def head_scores(adapter: DecoderAdapter, features: torch.Tensor, packed: Packed,
     has_target = packed.score_target != NO_TARGET
     if packed.candidates is not None:
         at = (~has_target).nonzero().view(-1)
-        candidates = packed.candidates
-        whole = candidates.numel() == adapter.config.vocab_size and torch.equal(
-            candidates, torch.arange(candidates.numel(), device=candidates.device))
+        whole = packed.whole_vocabulary
         # Every vocabulary id in order (decoding's argmax): the head's whole table, as the token loss
         # reads it (one working copy by chunk passes, not a gather of every row and its z).
         out = adapter.head(features[at] if at.numel() != features.shape[0] else features,
-                           None if whole else candidates, w)
+                           None if whole else packed.candidates, w)
         if whole:
-            out = out[:, :candidates.numel()]  # a head padded beyond the vocabulary (its extra rows unread)
+            out = out[:, :packed.candidates.numel()]  # a head padded beyond the vocabulary (extra rows unread)
         out = out.to(torch.promote_types(out.dtype, torch.float32))
         logits = out.new_zeros((packed.units, out.shape[1]))
         logits[packed.score_unit[at]] = out

@@ -31,6 +31,8 @@ from .attention import CACHE_ARGUMENTS, attention_modules, cache_argument
 
 ATTENTIONS = ("sdpa", "eager")  # implementations that take an explicit [rows, 1, q, kv] mask tensor
 LAYER_KINDS = ("full_attention", "sliding_attention")
+# Windows described other than by `sliding_window` (GPT-Neo's local layers, Longformer-style configs).
+UNMODELLED_WINDOWS = ("window_size", "attention_window", "local_window_size")
 
 
 class LayerKV:
@@ -63,7 +65,9 @@ class DecodeKV:
         self.key_seq: torch.Tensor | None = None  # [rows, columns] sequence of each kept column (< 0: none)
         self.key_pos: torch.Tensor | None = None  # [rows, columns] its position
         self._visible: dict[int | None, torch.Tensor] = {}  # window -> [rows, 1, q, columns] bool, this walk's
-        self._masks: dict[tuple[int | None, torch.dtype], torch.Tensor] = {}
+        self._masks: dict[tuple, torch.Tensor] = {}
+        self.forms: dict[int, str] = {}  # layer -> its stock mask's form (`mask_form`), from the first walk
+        self.first = True
 
     @property
     def columns(self) -> int:
@@ -75,7 +79,7 @@ class DecodeKV:
         keeps the stock mask; a later one gets masks over every kept column and its own."""
         self.key_seq = seq if self.key_seq is None else torch.cat([self.key_seq, seq], dim=1)
         self.key_pos = pos if self.key_pos is None else torch.cat([self.key_pos, pos], dim=1)
-        self._visible, self._masks = {}, {}
+        self._visible, self._masks, self.first = {}, {}, first
         if first:
             return
         same = self.key_seq[:, None, :] == seq[:, :, None]  # [rows, q, columns]
@@ -85,22 +89,52 @@ class DecodeKV:
             visible = causal if window is None else causal & (behind < window)
             self._visible[window] = visible[:, None]
 
+    def note_stock_mask(self, layer: int, like: Any) -> None:
+        """The first walk's stock mask of `layer`, for the form of the later walks' (`mask_form`)."""
+        if layer not in self.forms:
+            self.forms[layer] = mask_form(like)
+
     def mask(self, layer: int, like: Any) -> Any:
-        """Layer `layer`'s mask for this walk in the form of the one the stock forward built (`like`):
-        boolean (True attends), or additive floats; None where the walk keeps the stock mask."""
+        """Layer `layer`'s mask for this walk, in the form of the stock mask the first walk had
+        (boolean, True attending or True masking; additive floats, 0 attending; None: boolean where
+        the attention takes sdpa's masks, additive in `additive` where it adds its mask)."""
         window = self.windows[layer]
         visible = self._visible.get(window)
         if visible is None:
             return like
-        dtype = like.dtype if isinstance(like, torch.Tensor) else (self.additive or torch.bool)
-        key = (window, dtype)
+        form = self.forms.get(layer, "none")
+        if form == "none":
+            form = "additive" if self.additive is not None else "bool"
+        dtype = like.dtype if isinstance(like, torch.Tensor) and form == "additive" else self.additive
+        key = (window, form, dtype)
         if key not in self._masks:
-            if dtype == torch.bool:
+            if form == "bool":
                 self._masks[key] = visible
+            elif form == "inverted":
+                self._masks[key] = ~visible
             else:
+                dtype = dtype or torch.float32
                 zero = torch.zeros((), dtype=dtype, device=visible.device)
                 self._masks[key] = zero.masked_fill(~visible, torch.finfo(dtype).min)
         return self._masks[key]
+
+
+def mask_form(like: Any) -> str:
+    """How a stock attention mask says "attend": "bool" (True), "inverted" (a boolean where True
+    masks, as MPT's), "additive" (floats, 0), or "none" (no mask). Read at row 0's first token
+    attending to itself, which every causal mask allows (a packed row starts with a sequence)."""
+    if like is None:
+        return "none"
+    if not isinstance(like, torch.Tensor):
+        raise TypeError(f"a {type(like).__name__} attention mask, not a [rows, heads, queries, keys] tensor")
+    if like.dim() < 2:
+        raise TypeError(f"an attention mask of {like.dim()} dimension(s), not [rows, heads, queries, keys]")
+    first = like[(0,) * (like.dim() - 2) + (0, 0)]
+    if like.dtype == torch.bool:
+        return "bool" if bool(first) else "inverted"
+    if like.is_floating_point() and float(first) == 0.0:
+        return "additive"
+    raise TypeError(f"an attention mask of {like.dtype} whose first token does not attend to itself")
 
 
 class KVHooks:
@@ -124,7 +158,10 @@ class KVHooks:
         for name in CACHE_ARGUMENTS:
             kwargs.pop(name, None)
         kwargs[argument] = kv.layers[layer]
-        kwargs["attention_mask"] = kv.mask(layer, kwargs.get("attention_mask"))
+        if kv.first:
+            kv.note_stock_mask(layer, kwargs.get("attention_mask"))
+        else:
+            kwargs["attention_mask"] = kv.mask(layer, kwargs.get("attention_mask"))
         return args, kwargs
 
     def new(self) -> DecodeKV:
@@ -166,6 +203,9 @@ def unsupported_reason(model: nn.Module, blocks: int) -> str | None:
     attn = getattr(config, "_attn_implementation", None) or "eager"
     if attn not in ATTENTIONS:
         return f"{arch!r} runs attention implementation {attn!r}; the cache's masks are for {' or '.join(ATTENTIONS)}"
+    for name in UNMODELLED_WINDOWS:
+        if getattr(config, name, None):
+            return f"{arch!r} has local attention ({name}={getattr(config, name)!r}) the cache's masks do not model"
     kinds = set(getattr(config, "layer_types", None) or [])
     if kinds - set(LAYER_KINDS):
         return f"{arch!r} has layers of kind {sorted(kinds - set(LAYER_KINDS))}, whose masks the cache does not build"

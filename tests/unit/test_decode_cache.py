@@ -55,13 +55,15 @@ def test_decoding_with_the_cache_gives_the_tokens_of_decoding_without_it(arch, c
     """Float64, so that the two paths' rounding (the same products over differently shaped keys:
     at most 9e-16 measured, against logits of O(0.1-1)) cannot flip an argmax, and every cached
     walk's logits are within 1e-12 of the same walk's without the cache (a position or a mask off
-    by one moves them by more than 1e-4). Row budgets of 1024 (one row) and 13 tokens (several rows,
+    by one moves them by more than 1e-4). Row budgets of 1024 (one row; a dedicated and a general
+    family) and 13 tokens (several rows,
     tails padded, rows holding different numbers of sequences, so a later walk's rows have padding
-    columns too). The run's own check ran and passed: the cache was used."""
+    columns too; the harder case, so the only one on most families). The run's own check ran and
+    passed: the cache was used."""
     model = random_model(arch, VOCAB, {}, 0, torch.float64)
     adapter = adapter_for(model)
     batch = decode_batch()
-    for row_tokens in (1024, 13):
+    for row_tokens in (1024, 13) if arch in ("llama", "gpt2") else (13,):
         want, plain = decoded(model, adapter, "false", batch, row_tokens)
         assert plain.off == "engine.decode_cache=false" and not plain.checked
         with caplog.at_level(logging.INFO, logger="distzo.engine.decoding"):

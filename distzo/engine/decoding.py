@@ -9,9 +9,10 @@ keys and values per evaluation, and each later walk runs only the newest token o
 without it each walk runs the prompts and everything generated so far again. The first decode of a
 run checks the cache: its second walk is also run without the cache, and the two walks' logits must
 agree within rounding (`tolerance`), else the run decodes without the cache from there on (an error
-under engine.decode_cache=true). An attention that fails with the cache's stand-in (it asks for more
-than `update`) does the same where the failed walk leaves nothing behind (resident weights, no
-peers in the walk); elsewhere it is an error naming engine.decode_cache=false. Each rank checks its
+under engine.decode_cache=true). A forward that fails with the cache's stand-in (an attention asking
+for more than `update`) on the run's first decode does the same under auto where the failed walk
+leaves nothing behind (resident weights on one stream, no peers in the walk: `_recoverable`);
+otherwise it is an error naming engine.decode_cache=false. Each rank checks its
 own evaluations. The tokens are those of decoding without the cache up to rounding: a near tie
 between two tokens' logits may break the other way, as between two mesh layouts.
 """
@@ -25,7 +26,6 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import torch
 
 from ..data.batches import NO_TARGET, Batch, Packed, Scores, label_word_batch
-from ..errors import DistzoError
 from ..models.kv_cache import DecodeKV, KVHooks, install, unsupported_reason
 from ..peft.prefix import has_prefix
 from ..zo.estimators import Probe
@@ -47,6 +47,11 @@ def tolerance(dtype: torch.dtype, compute: str) -> float:
     misplaces a position or a mask moves logits by O(1)."""
     full = dtype in (torch.float32, torch.float64) and compute not in ("bf16", "tf32")
     return 1e-3 if full else 5e-2
+
+
+class CacheFailed(Exception):
+    """A forward through a stage failed with the cache's stand-in (an attention asking for more of
+    a cache than `LayerKV.update`)."""
 
 
 class Decoder:
@@ -81,14 +86,19 @@ class Decoder:
         return unsupported_reason(self.loop.model, len(self.loop.adapter.blocks))
 
     def attending(self, caches: Sequence[DecodeKV] | None) -> Callable:
-        """For a walk: call(e, fn, *args) runs fn(*args) with probe e's attention layers on caches[e]
-        (plainly without caches)."""
+        """For a walk: call(e, fn, *args) runs fn(*args) (a forward through a stage) with probe e's
+        attention layers on caches[e] (plainly without caches); a failure there is `CacheFailed`."""
         if caches is None:
             return lambda e, fn, *args: fn(*args)
 
         def call(e: int, fn: Callable, *args):
             with self.hooks.using(caches[e]):
-                return fn(*args)
+                try:
+                    return fn(*args)
+                except torch.OutOfMemoryError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - an attention needing more of a cache than the stand-in
+                    raise CacheFailed(f"{type(exc).__name__}: {exc}") from exc
 
         return call
 
@@ -107,10 +117,12 @@ class Decoder:
 
     def _recoverable(self) -> bool:
         """Whether a walk that failed halfway leaves nothing behind that another walk trips over:
-        resident weights, no peers sharing the walk (divided, sliced and offloaded stores hold slots
-        or wait on peers mid-walk)."""
+        resident weights on one stream, no peers sharing the walk (divided, sliced and offloaded
+        stores hold slots or wait on peers mid-walk). The stages the failed walk reached have their
+        pending update applied and no longer await it; the next walk applies it to the others."""
         loop = self.loop
-        return isinstance(loop.store, ResidentStore) and not loop.division.with_peers and loop.copy_streams is None
+        return (type(loop.store) is ResidentStore and not loop.store.walks_with_peers
+                and not loop.division.with_peers and loop.copy_streams is None)
 
     def run(self, batch: Batch, plan: Sequence[Probe], step: int) -> dict[int, Scores]:
         """Greedy continuations of the batch's sequences under each of this rank's probes,
@@ -129,15 +141,12 @@ class Decoder:
         if hooks is not None:
             try:
                 self._decode_cached(answers, hooks, checking)
-            except (torch.OutOfMemoryError, DistzoError):
-                raise
-            except Exception as exc:  # noqa: BLE001 - an attention that needs more of a cache than the stand-in has
-                message = (f"{loop.adapter.arch}: decoding with distzo's KV cache failed ({type(exc).__name__}: "
-                           f"{exc})")
+            except CacheFailed as exc:
+                message = f"{loop.adapter.arch}: decoding with distzo's KV cache failed ({exc})"
                 if not (checking and self.setting == "auto" and self._recoverable()):
-                    raise EngineConfigError(f"{message}; use engine.decode_cache=false") from exc
+                    raise EngineConfigError(f"{message}; use engine.decode_cache=false") from exc.__cause__
                 log.warning("%s; decoding without the cache", message)
-                self.off = message
+                self._switch_off(message)
                 answers.reset()
                 hooks = None
         if hooks is None:
@@ -192,8 +201,13 @@ class Decoder:
         if self.setting == "true":
             raise EngineConfigError(f"engine.decode_cache=true: {message}; use engine.decode_cache=auto")
         log.warning("%s; decoding without the cache", message)
-        self.off = message
+        self._switch_off(message)
         return False
+
+    def _switch_off(self, reason: str) -> None:
+        """Decode without the cache from now on (the hooks removed)."""
+        self.off = reason
+        self.close()
 
 
 class _Answers:

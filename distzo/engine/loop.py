@@ -399,7 +399,7 @@ def head_scores(adapter: DecoderAdapter, features: torch.Tensor, packed: Packed,
         out = adapter.head(features[at] if at.numel() != features.shape[0] else features,
                            None if whole else packed.candidates, w)
         if whole:
-            out = out[:, :packed.candidates.numel()]  # a head padded beyond the vocabulary (extra rows unread)
+            out = out[:, :packed.candidates.numel()]  # a head padded beyond the vocabulary: its extra columns dropped
         out = out.to(torch.promote_types(out.dtype, torch.float32))
         logits = out.new_zeros((packed.units, out.shape[1]))
         logits[packed.score_unit[at]] = out

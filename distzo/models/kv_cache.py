@@ -5,9 +5,9 @@ walk of the model per token, every walk under the step's perturbations. Without 
 runs the whole prompt and what was generated so far again. With one, the first walk runs the
 prompts (packed rows, as every walk did) and keeps every attention layer's keys and values; each
 later walk runs only the newest token of each sequence, in the row its prompt has, and attends to
-the kept columns of its own sequence. The tokens are the same as without the cache; the logits
-differ at rounding level (the same products over differently shaped keys), which the engine checks
-on the first decode of a run (`StageLoop._decode`).
+the kept columns of its own sequence. The logits differ from decoding without the cache at rounding
+level (the same products over differently shaped keys), so the tokens are the same up to a near tie;
+the engine checks it on the first decode of a run (`distzo.engine.decoding.Decoder`).
 
 The cache reaches the stock attention as prefix tuning's does (distzo/models/attention.py): a
 forward pre-hook on each decoder layer's attention hands it `LayerKV`, a stand-in whose `update`
@@ -168,10 +168,7 @@ class KVHooks:
         return DecodeKV(self.windows, self.additive)
 
     @contextmanager
-    def using(self, kv: DecodeKV | None) -> Iterator[None]:
-        if kv is None:
-            yield
-            return
+    def using(self, kv: DecodeKV) -> Iterator[None]:
         self.active = kv
         try:
             yield

@@ -66,6 +66,7 @@ def test_decoding_with_the_cache_gives_the_tokens_of_decoding_without_it(arch, c
     for row_tokens in (1024, 13) if arch in ("llama", "gpt2") else (13,):
         want, plain = decoded(model, adapter, "false", batch, row_tokens)
         assert plain.off == "engine.decode_cache=false" and not plain.checked
+        caplog.clear()
         with caplog.at_level(logging.INFO, logger="distzo.engine.decoding"):
             got, decoder = decoded(model, adapter, "true", batch, row_tokens, verify=True)
         assert decoder.off is None and decoder.checked and decoder.worst <= 1e-12
@@ -128,17 +129,34 @@ def test_mask_forms():
 
 
 def test_an_attention_that_fails_with_the_stand_in():
-    """MPT's attention asks the cache for more than `update`: on resident weights, auto warns and
-    decodes without the cache from the start (the same tokens); true fails naming the fix."""
+    """MPT's attention asks the cache for more than `update`. On resident weights, auto warns and
+    decodes without the cache from the start: the first walk failed at block 0's forward after
+    applying block 0's share of a pending update, and the walk again applies the rest once, so the
+    tokens are those of decoding without the cache after the same update. true fails naming the fix."""
     from transformers import MptConfig, MptForCausalLM
 
-    torch.manual_seed(0)
-    model = MptForCausalLM(MptConfig(d_model=32, n_heads=2, n_layers=2, vocab_size=VOCAB, max_seq_len=64)).eval()
-    adapter = adapter_for(model)
+    def mpt():
+        torch.manual_seed(0)
+        return MptForCausalLM(MptConfig(d_model=32, n_heads=2, n_layers=2, vocab_size=VOCAB, max_seq_len=64)).eval()
+
     batch = decode_batch()
-    want, _ = decoded(model, adapter, "false", batch, 1024)
-    got, decoder = decoded(model, adapter, "auto", batch, 1024)
-    assert got == want and "decoding with distzo's KV cache failed (AttributeError" in decoder.off
+    got = {}
+    for cache in ("false", "auto"):
+        model = mpt()
+        params = TrainableParams.from_model(model)
+        engine = resident_engine(model, adapter_for(model), params, Directions(7), eps=3e-2, decode_cache=cache)
+        engine.run_probes(decode_batch(tokens=1), PLAN, 1)  # a step's decode (one token: no cache yet)
+        engine.apply(1, [(0, 0.7)], 5e-1, 0.0)  # pending until the next walk
+        scores = engine.run_probes(batch, PLAN, 2)
+        with engine.materialized():
+            weights = {p.name: p.tensor.clone() for p in params}
+        got[cache] = ([scores[i].generated for i in range(len(PLAN))], engine.decoder.off, weights)
+        engine.close()
+    assert got["auto"][0] == got["false"][0]
+    assert "decoding with distzo's KV cache failed (AttributeError" in got["auto"][1]
+    assert all(torch.equal(got["auto"][2][k], got["false"][2][k]) for k in got["false"][2])
+    model = mpt()
+    adapter = adapter_for(model)
     with pytest.raises(EngineConfigError, match=r"failed \(AttributeError: .*\); use engine.decode_cache=false"):
         decoded(model, adapter, "true", batch, 1024)
 

@@ -73,6 +73,7 @@ class Decoder:
             reason = self._unsupported()
             if reason is not None:
                 raise EngineConfigError(f"engine.decode_cache=true: {reason}; use engine.decode_cache=auto")
+            self.hooks = install(loop.model)  # checked: the first decode needs not ask again
 
     def close(self) -> None:
         if self.hooks is not None:
@@ -174,7 +175,7 @@ class Decoder:
             seq, pos = layout.next_columns(t, caches[0].columns)
             for kv in caches:
                 kv.extend(seq, pos, first=False)
-            parts = [[layout.newest(out, answers.vocab, batch.pad_id, t)] for out in answers.generated]
+            parts = [[layout.newest(out, answers.vocab, batch.pad_id, pos)] for out in answers.generated]
             scores = answers.walk(parts, caches)
             if (checking and t == 1) or self.verify_every_walk:
                 reference = answers.full_walk()
@@ -282,11 +283,13 @@ class _Layout:
             seq[r, :len(m)] = torch.tensor(m, dtype=torch.long)
         return seq.to(self.device), self.positions(t).to(self.device)
 
-    def newest(self, generated: Sequence[Sequence[int]], vocab: torch.Tensor, pad_id: int, t: int) -> Packed:
-        """Walk t's rows for one evaluation: each sequence's newest token, scored over `vocab`."""
+    def newest(self, generated: Sequence[Sequence[int]], vocab: torch.Tensor, pad_id: int,
+               pos: torch.Tensor) -> Packed:
+        """A later walk's rows for one evaluation: each sequence's newest token at its position `pos`
+        (`next_columns`), scored over `vocab`."""
         ids = torch.full((len(self.members), self.width), pad_id, dtype=torch.long)
         for r, m in enumerate(self.members):
             ids[r, :len(m)] = torch.tensor([generated[i][-1] for i in m], dtype=torch.long)
         targets = torch.full((self.units,), NO_TARGET, dtype=torch.long)
-        return Packed(ids, self.positions(t), self.real, self.score_row, self.score_col, targets, self.score_unit,
+        return Packed(ids, pos, self.real, self.score_row, self.score_col, targets, self.score_unit,
                       self.units, vocab, whole_vocabulary=True).to(self.device)

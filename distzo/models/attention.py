@@ -25,6 +25,14 @@ def cache_argument(module: nn.Module) -> str | None:
     return next((name for name in CACHE_ARGUMENTS if name in params), None)
 
 
+def hand_cache(kwargs: dict, argument: str, cache) -> None:
+    """An attention pre-hook's keywords, with `cache` under the module's cache keyword (`argument`)
+    and under no other (a stock layer may pass one it holds under an older name)."""
+    for name in CACHE_ARGUMENTS:
+        kwargs.pop(name, None)
+    kwargs[argument] = cache
+
+
 def attention_modules(model: nn.Module, what: str, fix: str) -> list[nn.Module]:
     """The stock attention module of every decoder layer, in layer order: the layer's one child
     whose forward takes a cache. what / fix: who asks and what to do instead, for the error naming a

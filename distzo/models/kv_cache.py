@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ..errors import DistzoError
-from .attention import CACHE_ARGUMENTS, attention_modules, cache_argument
+from .attention import attention_modules, cache_argument, hand_cache
 
 ATTENTIONS = ("sdpa", "eager")  # implementations that take an explicit [rows, 1, q, kv] mask tensor
 LAYER_KINDS = ("full_attention", "sliding_attention")
@@ -155,9 +155,7 @@ class KVHooks:
         kv = self.active
         if kv is None:
             return None
-        for name in CACHE_ARGUMENTS:
-            kwargs.pop(name, None)
-        kwargs[argument] = kv.layers[layer]
+        hand_cache(kwargs, argument, kv.layers[layer])
         if kv.first:
             kv.note_stock_mask(layer, kwargs.get("attention_mask"))
         else:

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from ..errors import DistzoError
-from ..models.attention import CACHE_ARGUMENTS, attention_modules, cache_argument
+from ..models.attention import attention_modules, cache_argument, hand_cache
 
 TOLERANCE = 1e-4  # float32 logits of O(1-10): the stand-in and a real cache run the same products
 
@@ -62,9 +62,7 @@ def _widen_mask(mask, rows: int, length: int, m: int, dtype: torch.dtype, device
 def _prefix_pre_hook(module: nn.Module, args, kwargs):
     hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
     m = module.prefix_keys.shape[1]
-    for name in CACHE_ARGUMENTS:
-        kwargs.pop(name, None)
-    kwargs[module.prefix_cache_argument] = _PrefixKV(module.prefix_keys, module.prefix_values)
+    hand_cache(kwargs, module.prefix_cache_argument, _PrefixKV(module.prefix_keys, module.prefix_values))
     kwargs["attention_mask"] = _widen_mask(kwargs.get("attention_mask"), hidden.shape[0], hidden.shape[1], m,
                                            hidden.dtype, hidden.device)
     return args, kwargs

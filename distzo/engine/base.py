@@ -18,6 +18,7 @@ from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Iterator, Sequence
 
+import torch
 from torch import nn
 
 from ..data.batches import Batch, Packed, Scores
@@ -29,6 +30,21 @@ from ..zo.params import TrainableParams
 
 class EngineConfigError(DistzoError):
     """An engine setting that cannot apply to this run."""
+
+
+class ParametersReplaced(DistzoError):
+    """The model's parameters were given new tensors (moved, cast, wrapped) while an engine held them."""
+
+
+def parameter_storage(model: nn.Module) -> list[tuple[str, int]]:
+    """Where each of the model's parameters keeps its values (device and address; a tensor subclass
+    without storage of its own, such as a quantized weight, by its device alone): what an engine
+    reads and updates, which must not change under it."""
+    out = []
+    for p in model.parameters():
+        data = p.data
+        out.append((str(data.device), data.data_ptr() if type(data) is torch.Tensor else 0))
+    return out
 
 
 class Materialized:

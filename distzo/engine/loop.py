@@ -39,7 +39,7 @@ from ..zo.directions import Directions
 from ..zo.estimators import CLEAN, Probe
 from ..zo.optimizers import SGD, Optimizer
 from ..zo.params import TrainableParams
-from .base import Engine, Materialized
+from .base import Engine, Materialized, ParametersReplaced, parameter_storage
 from .copystream import SLOTS, CopyStreams, SideStreamNoise
 from .decoding import Decoder
 from .pending import PendingUpdate, Target, apply_pending
@@ -166,7 +166,18 @@ class StageLoop(Engine):
     def materialized(self) -> Iterator[Materialized]:
         self.flush()
         with self.store.local_reads():
+            held = parameter_storage(self.model)
             yield Materialized(self)
+            if parameter_storage(self.model) != held:
+                # The stores update the tensors they were built on (or views of them), and the next
+                # forward would read the new ones: the run would silently train one copy and evaluate
+                # another.
+                raise ParametersReplaced(
+                    "the model's parameters were given new tensors while distzo's engine held them (a "
+                    "model.to(...), a cast such as model.half(), or a wrapper that moves the model, called "
+                    "while reading the weights mid-run); the engine keeps updating the tensors it was built "
+                    "on, so training and evaluation would part ways: move, cast or wrap the model before "
+                    "training starts")
 
     def pack(self, batch: Batch) -> Packed:
         return batch.pack(self.row_tokens, self.adapter.attention_window)

@@ -297,6 +297,7 @@ class ZOLoop:
         run_dir = self._zo_output_dir() / ZO_RUN
         if snapshot is None and self.is_world_process_zero():
             _start_over(run_dir)
+        self._zo_prepare_for_evaluation()
         model = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model  # PEFT
         lr_at = self.zo_lr_at(steps)
         try:
@@ -406,6 +407,21 @@ class ZOLoop:
                         "run", self.state.global_step)
         self._zo_epoch_stop_said = True
         self.control.should_epoch_stop = False
+
+    def _zo_prepare_for_evaluation(self) -> None:
+        """What Trainer's first evaluation does to a model accelerate has not prepared (Trainer's own
+        train() prepares it, a ZO run never does): `accelerator.prepare_model(evaluation_mode=True)`,
+        which places it on the accelerator's device (mixed precision's autocast and torch.compile
+        where set). Done here, before distzo's engine takes the parameters: in a mid-run evaluation
+        the placement would give them new tensors under the engine (`model.to("cpu:0")` copies every
+        one on a distributed CPU job), and an evaluation after it would read weights training no
+        longer updates. It also keeps `eval_model_preparation_time` out of the mid-run evaluations'
+        metrics, as under Trainer."""
+        if self.accelerator._models:  # prepared already (an evaluation before train(), a second train())
+            return
+        prepared = self.accelerator.prepare_model(self.model, evaluation_mode=True)
+        if prepared is not self.model:  # torch.compile's wrapper: what Trainer's evaluation runs
+            self.model_wrapped = prepared
 
     def _zo_finish(self) -> None:
         """Trainer's end of training, after the engine is closed: with load_best_model_at_end the model

@@ -79,8 +79,11 @@ class Mesh:
     """Ranks, roles and the step's collectives for one run."""
 
     def __init__(self, shape: MeshShape, device: torch.device, rank: int = 0, device_mesh: Any = None,
-                 node: Node | None = None):
+                 node: Node | None = None, owns_default_group: bool = True):
         self.shape, self.device, self.rank = shape, device, rank
+        # False where the default group was there before (accelerate's, under ZOTrainer): close()
+        # then takes down the groups this mesh made and leaves the default one to its owner.
+        self.owns_default_group = owns_default_group
         self.world_size = shape.size
         self.device_mesh = device_mesh
         self.node = node or Node.single()  # the ranks of this machine (shared host memory, slices)
@@ -130,11 +133,12 @@ class Mesh:
         else:
             device, backend, options = torch.device("cpu"), "gloo", dist.ProcessGroupGloo._Options()
         options._timeout = timeout  # DeviceMesh takes its sub-groups' timeout from the options
-        if not dist.is_initialized():
+        owns = not dist.is_initialized()
+        if owns:
             dist.init_process_group(backend=backend, timeout=timeout, **_restart_safe_store(timeout))
         device_mesh = init_device_mesh(device.type, (shape.data, shape.pert), mesh_dim_names=("data", "pert"),
                                        backend_override={"data": (backend, options), "pert": (backend, options)})
-        return cls(shape, device, dist.get_rank(), device_mesh, Node.create(backend, timeout))
+        return cls(shape, device, dist.get_rank(), device_mesh, Node.create(backend, timeout), owns)
 
     # --- roles -------------------------------------------------------------------------------------
 
@@ -250,6 +254,17 @@ class Mesh:
         return self.device if self.device.type == "cuda" else torch.device("cpu")
 
     def close(self) -> None:
+        """Take down the process groups: all of them where this mesh initialised the default group;
+        otherwise only those it made (its axes', the node's, the patient one), so that the default
+        group's owner (accelerate under transformers' Trainer) keeps using it."""
         if self.distributed and dist.is_initialized():
-            dist.destroy_process_group()
+            if self.owns_default_group:
+                dist.destroy_process_group()
+            else:
+                world = dist.group.WORLD
+                made = [self._pert_group, self._data_group, self._patient_group, *self.node.groups()]
+                for group in {id(g): g for g in made if g is not None and g is not world}.values():
+                    if group != dist.GroupMember.NON_GROUP_MEMBER:
+                        dist.destroy_process_group(group)
         self.device_mesh = None
+        self._pert_group = self._data_group = self._patient_group = None

@@ -103,6 +103,10 @@ class Node:
             device, _ = dist.new_subgroups_by_enumeration(groups, backend=device_backend, timeout=timeout)
         return cls(rank % size, size, host, rank // size, device)
 
+    def groups(self) -> list[Any]:
+        """The process groups this node made (none for a node of one rank)."""
+        return list({id(g): g for g in (self.group, self.device_group) if g is not None}.values())
+
     @property
     def shared(self) -> bool:
         return self.size > 1

@@ -3,6 +3,7 @@ failures that end the job instead of hanging."""
 
 from __future__ import annotations
 
+import datetime
 import os
 import re
 import signal
@@ -236,6 +237,41 @@ def test_what_rank_0_decides_every_rank_receives_and_its_errors_every_rank_raise
     assert rank0 == ["{'rank': 0}", "ConfigError: run_dir=/x is taken; pick another", "KeyError: 'missing'", "[0]"]
     assert rank1 == ["{'rank': 0}", "ConfigError: run_dir=/x is taken; pick another",
                      "RuntimeError: rank 0 failed where every rank waits on its answer: KeyError('missing')", "[]"]
+
+
+# --- a default group that was there before (accelerate's, under transformers' Trainer) ---------------
+
+def _borrowed_worker(rank, world, port, out_dir):
+    """As under a Trainer that torch.distributed is initialised for: the default group exists before
+    distzo's mesh. Two meshes in turn (a second train()), each closed; then the default group."""
+    set_rank_env(rank, world, port)
+    import torch.distributed as dist
+
+    from distzo.parallel.mesh import Mesh
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    before = len(dist.distributed_c10d._world.pg_map)
+    got = []
+    for text in ("2x2", "1x4"):
+        mesh = Mesh.create(text, "cpu", timeout_s=60)
+        got.append(mesh.all_gather_object(rank, patient=True))
+        mesh.close()
+        got.append(len(dist.distributed_c10d._world.pg_map) - before)  # groups the mesh left behind
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t)  # the owner's group still works
+    got.append(float(t))
+    dist.destroy_process_group()
+    (out_dir / f"rank{rank}.txt").write_text(repr(got))
+
+
+def test_a_mesh_on_a_default_group_made_before_it_leaves_that_group_to_its_owner(tmp_path):
+    """Mesh.close() takes down the groups the mesh made (its axes', the node's, the patient gloo one)
+    and leaves a default group it found initialised: a Trainer under torchrun with use_cpu=True (or on
+    GPUs) evaluates with accelerate's group after train(), and a second train() builds another mesh."""
+    store = hosted_store(4, 120)
+    start_ranks(_borrowed_worker, 4, (4, store.port, tmp_path))
+    for r in range(4):
+        assert (tmp_path / f"rank{r}.txt").read_text() == repr([[0, 1, 2, 3], 0, [0, 1, 2, 3], 0, 6.0])
 
 
 # --- bad input and failures end the job --------------------------------------------------------------

@@ -75,6 +75,8 @@ def test_a_trainer_script_trains_evaluates_saves_and_calls_back(trained, model_f
     assert len(losses) == STEPS // 2 and sum(losses[-2:]) < sum(losses[:2])  # logged every 2 steps; it falls
     evals = [h for h in trainer.state.log_history if "eval_loss" in h]
     assert len(evals) == 3 and evals[-1]["eval_loss"] < evals[0]["eval_loss"]  # steps 8, 16, and the call after
+    # prepared for evaluation before training (as Trainer's train() prepares it), not by the first evaluation
+    assert not any("eval_model_preparation_time" in h for h in evals)
     assert "eval_token_accuracy" in final_eval  # compute_metrics ran on the Trainer's evaluation loop
     predicted = trainer.predict(trainer.eval_dataset)
     assert predicted.metrics["test_loss"] == pytest.approx(final_eval["eval_loss"], rel=1e-6)
@@ -139,10 +141,15 @@ def test_the_script_on_a_2x2_mesh_equals_its_1x1_run(trained, model_folder, tmp_
     batch per_device x accumulation x D is the 1x1 run's (4 x 4 x 1 = 4 x 2 x 2 = 16), its two data
     ranks each taking half (the P ranks of a shard see the same examples), in micro-batches of the
     same 4 examples as the 1x1 run's; only the float64 sums of the micro-batches' losses are added
-    in another order, within tests/distributed/test_mesh.py's data-parallel bound, 1e-6."""
+    in another order, within tests/distributed/test_mesh.py's data-parallel bound, 1e-6.
+    With --use-cpu, Trainer itself is distributed over the four processes: distzo's mesh builds its
+    groups on accelerate's default group (and leaves it to accelerate at the end: the script's
+    evaluate() after train() needs it), and Trainer's evaluation at step 8 finds the model prepared
+    (its first one would have moved every parameter under the engine, model.to("cpu:0"), and the
+    run would have trained one copy and evaluated another: 7e-2 off)."""
     out = tmp_path / "2x2"
     r = torchrun_script(4, SCRIPT, "--model", str(model_folder), "--output", str(out), "--steps", str(STEPS),
-                        "--mesh", "2x2", "--accumulation", "2", cwd=tmp_path, timeout=600)
+                        "--mesh", "2x2", "--accumulation", "2", "--use-cpu", cwd=tmp_path, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     ref = load_file(trained[4] / "final" / "model.safetensors")
     got = load_file(out / "final" / "model.safetensors")

@@ -101,3 +101,27 @@ def test_the_run_layer_never_asks_which_mode_runs():
             if isinstance(node, ast.Name) and node.id in classes:
                 found.append(f"{path.name}:{node.lineno} {node.id}")
     assert not found, found
+
+
+@pytest.mark.parametrize("overrides", [(), ("offload=cpu",), ("peft=lora",)])
+@pytest.mark.parametrize("replace", ["to cpu:0", "half", "in place"])
+def test_parameters_given_new_tensors_while_read_are_refused(overrides, replace):
+    """`model.to("cpu:0")` (what accelerate's prepare_model does on a distributed CPU job) copies every
+    parameter, `half()` casts them: inside `materialized()` either would leave the engine updating
+    tensors the model no longer reads, so it raises, naming the fix. Writing into the parameters in
+    place (loading a state dict) keeps their tensors and is allowed."""
+    from distzo.engine.base import ParametersReplaced
+
+    engine = engine_for(*overrides)
+    model = engine.model
+
+    def read_then(change):
+        with engine.materialized():
+            change()
+
+    if replace == "in place":
+        read_then(lambda: model.load_state_dict(model.state_dict()))
+        return
+    change = (lambda: model.to(torch.device("cpu", 0))) if replace == "to cpu:0" else model.half
+    with pytest.raises(ParametersReplaced, match="move, cast or wrap the model before training starts"):
+        read_then(change)

@@ -170,6 +170,33 @@ def packed_probe(model: nn.Module, vocab: int, dtype: torch.dtype, device: torch
                        [3, 6], stock, rel * (float(stock.abs().max()) + 1.0))
 
 
+def adapted_layer(module: nn.Module | None) -> str | None:
+    """What a PEFT adapter put in place of an embedding or the LM head, or None: a tuner layer (LoRA,
+    IA3, ...) keeps the layer as `base_layer` and adds a computation of its own, trainable tokens add
+    rows of their own; reading the layer's weight by rows would leave either out. (modules_to_save's
+    wrapper is none of these: its `weight` is the trained copy's.)"""
+    if module is None:
+        return None
+    if getattr(module, "base_layer", None) is not None:
+        return f"wrapped by a PEFT adapter layer ({type(module).__module__}.{type(module).__name__})"
+    if getattr(module, "token_adapter", None) is not None:
+        return "wrapped by PEFT's trainable tokens (trainable_token_indices)"
+    return None
+
+
+def check_plain_embeddings(model: nn.Module, arch: str, path: str) -> None:
+    """UnsupportedModelError where the input embedding or the LM head is `adapted_layer`: `path` (the
+    dedicated adapter, the general path) reads them by rows, so the ZO loss would not see the adapter
+    there while it is perturbed and updated."""
+    for which, get in (("input embedding", "get_input_embeddings"), ("LM head", "get_output_embeddings")):
+        try:
+            what = adapted_layer(getattr(model, get)())
+        except (NotImplementedError, AttributeError):
+            continue
+        if what is not None:
+            raise UnsupportedModelError(f"{arch}: its {which} is {what}, which {path} reads as a plain weight")
+
+
 class DecoderAdapter:
     """Base class: a decoder-only LM as stem, blocks, final and a (row-indexed) head."""
 
@@ -241,6 +268,7 @@ class RotaryDecoderAdapter(DecoderAdapter):
 
     def __init__(self, model: nn.Module):
         super().__init__(model)
+        check_plain_embeddings(model, self.arch, f"the dedicated {self.family} adapter")
         base = model.model
         self.base = base
         self.blocks = [(f"model.layers.{i}", layer)
@@ -288,6 +316,7 @@ class OPTAdapter(DecoderAdapter):
 
     def __init__(self, model: nn.Module):
         super().__init__(model)
+        check_plain_embeddings(model, self.arch, f"the dedicated {self.family} adapter")
         dec = model.model.decoder
         self.dec = dec
         self.blocks = [(f"model.decoder.layers.{i}", layer) for i, layer in enumerate(dec.layers)]

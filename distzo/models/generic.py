@@ -40,6 +40,7 @@ from .adapters import (
     WeightView,
     build_mask,
     call_with,
+    check_plain_embeddings,
     packed_probe,
 )
 
@@ -127,6 +128,7 @@ class GenericDecoderAdapter(DecoderAdapter):
             embed, head = model.get_input_embeddings(), model.get_output_embeddings()
         except (NotImplementedError, AttributeError) as exc:
             raise UnsupportedModelError(f"{arch}: cannot find its input or output embeddings ({exc})") from None
+        check_plain_embeddings(model, arch, "the general path")
         if not isinstance(embed, nn.Embedding):
             raise UnsupportedModelError(f"{arch}: its input embedding is a {type(embed).__name__}, not an "
                                         "nn.Embedding (or subclass) the general path can read by rows")

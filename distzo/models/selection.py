@@ -21,8 +21,14 @@ def adapter_for(model: nn.Module, path: str = "auto") -> DecoderAdapter:
     model_type = getattr(model.config, "model_type", "?")
     cls = ADAPTERS.get(model_type)
     if cls is not None and path in ("auto", "dedicated"):
+        try:
+            adapter = cls(model)
+        except UnsupportedModelError as dedicated:
+            if path == "dedicated":
+                raise
+            return _whole_model(model, dedicated)  # the general path reads the same layers as the dedicated one
         log.info("%s runs on the dedicated %s adapter", type(model).__name__, cls.family)
-        return cls(model)
+        return adapter
     if path == "whole":
         return WholeModelAdapter(model)
     if path == "dedicated":
@@ -33,11 +39,16 @@ def adapter_for(model: nn.Module, path: str = "auto") -> DecoderAdapter:
     except UnsupportedModelError as general:
         if path == "general":
             raise
-        try:
-            adapter = WholeModelAdapter(model)
-        except UnsupportedModelError as whole:
-            raise UnsupportedModelError(f"{general}; the whole-model fallback cannot run it either: "
-                                        f"{str(whole).split(': ', 1)[-1]}") from None
-        log.warning("%s; falling back to the whole model (stock forward, every parameter "
-                                            "perturbed at once, no offloading)", general)
-        return adapter
+        return _whole_model(model, general)
+
+
+def _whole_model(model: nn.Module, why: UnsupportedModelError) -> DecoderAdapter:
+    """The whole-model fallback, for a model `why` says the layer-driving paths cannot run."""
+    try:
+        adapter = WholeModelAdapter(model)
+    except UnsupportedModelError as whole:
+        raise UnsupportedModelError(f"{why}; the whole-model fallback cannot run it either: "
+                                    f"{str(whole).split(': ', 1)[-1]}") from None
+    log.warning("%s; falling back to the whole model (stock forward, every parameter perturbed at once, no "
+                "offloading)", why)
+    return adapter

@@ -30,6 +30,13 @@ def apply_peft(model: nn.Module, cfg: PeftConfig) -> None:
                               "model")
         return
     # checked before anything changes: a refused run leaves the model as it was
+    foreign = peft_library_layers(model)
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise DistzoError(f"this model carries the peft library's adapters ({shown}), which are its trainable set; "
+                          f"peft={method} would add distzo's {method} beside them and leave them untrained: drop "
+                          "the peft setting (ZOArguments(peft=None), ZOTrainer's default, trains a PEFT model's own "
+                          "adapter), or give the model without them")
     if carried is not None:
         _check_kept(model, cfg, carried)
     elif method in ("lora", "lora_fa"):
@@ -43,6 +50,15 @@ def apply_peft(model: nn.Module, cfg: PeftConfig) -> None:
         attach_prefix(model, cfg.prefix_tokens, cfg.init_seed)  # checked against the stock forward there
     else:
         raise ValueError(f"unknown peft method {cfg.method!r}")
+
+
+def peft_library_layers(model: nn.Module) -> list[str]:
+    """Names of the modules the peft library put into `model`: tuner layers (LoRA, IA3, ... keep the
+    layer they adapt as `base_layer`) and its wrappers (modules_to_save, trainable tokens)."""
+    return [name for name, module in model.named_modules()
+            if type(module).__module__.split(".", 1)[0] == "peft"
+            and (getattr(module, "base_layer", None) is not None or hasattr(module, "original_module")
+                 or hasattr(module, "token_adapter"))]
 
 
 def attached_peft(model: nn.Module) -> str | None:

@@ -14,7 +14,7 @@ from ..parallel.launch_env import launched_rank, launched_world_size
 from .args import MULTIRUN, SKIP_PRECHECK, fail, reported, split_args
 
 
-def claim_run_dir(cfg: Any):
+def claim_run_dir(cfg: Any, resumable: bool = True):
     """Before Hydra creates the run directory and writes .hydra/ into it: the library's checks of it
     (`RunDirectory.claim`); the claimed directory, which the Hydra job hands to the library so that a
     failure before training removes what this command created. A timestamped default
@@ -29,14 +29,14 @@ def claim_run_dir(cfg: Any):
     if not raw.strip():  # Hydra would run in the current directory, among whatever else is there
         fail("hydra.run.dir is empty; name the run's directory (hydra.run.dir=runs/a), or leave it out for the "
              "timestamped default")
-    if cfg.resume == "auto" and timestamped(raw):
+    if resumable and cfg.resume == "auto" and timestamped(raw):
         fail("resume=auto needs a fixed run directory that a restarted job finds again: add "
              "hydra.run.dir=/path/to/run")
     try:
         path, fixed = Path(OmegaConf.select(cfg, "hydra.run.dir")), True
     except Exception:  # an interpolation that needs Hydra's runtime (${now:...}): check its fixed part
         path, fixed = Path(raw.split("${", 1)[0] or "."), False
-    return RunDirectory.claim(typed(cfg), path, fixed=fixed)
+    return RunDirectory.claim(typed(cfg), path, fixed=fixed, resumable=resumable)
 
 
 def run_hydra(task: Callable[[Any, Any], Any], command: str, args: list[str]) -> None:
@@ -75,7 +75,7 @@ def run_hydra(task: Callable[[Any, Any], Any], command: str, args: list[str]) ->
         # eval deals its batches over whatever processes run (the library fits the mesh to them)
         cfg = compose_and_check(overrides, multirun=multirun, check_world=command != "eval" and not remote)
         if not multirun and launched_rank() == 0:
-            claimed = claim_run_dir(cfg)
+            claimed = claim_run_dir(cfg, resumable=command == "train")  # eval and bench continue no run
     sys.argv = ([f"distzo {command}"] + flags + overrides + worker_overrides()
                 + [f"hydra.help.app_name={command}"])
 

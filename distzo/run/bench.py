@@ -367,7 +367,7 @@ def bench(cfg: Config | DictConfig, run_dir: str | Path | RunDirectory | None = 
     cfg = typed(cfg)
     if validate_config:
         validate(cfg)
-    session = Session(cfg, run_dir)
+    session = Session(cfg, run_dir, resumable=False)  # a benchmark continues no run
     try:
         mesh = session.mesh
         clock = WorkClock() if mesh.device.type == "cpu" else None

@@ -174,7 +174,7 @@ def evaluate(cfg: Config | DictConfig, run_dir: str | Path | RunDirectory | None
         if isinstance(run_dir, RunDirectory):
             run_dir.remove_if_unused()  # the command line created it for this evaluation
         raise
-    session = Session(cfg, run_dir)
+    session = Session(cfg, run_dir, resumable=False)  # an evaluation continues no run
     try:
         mesh, run_dir = session.mesh, session.run_dir
         weights = final_weights(cfg.eval.run) if cfg.eval.run else None

@@ -64,12 +64,13 @@ class RunDirectory:
 
     @classmethod
     def claim(cls, cfg: Config, path: str | os.PathLike | None, key: str = "hydra.run.dir", fixed: bool = True,
-              continuing: bool = False) -> RunDirectory:
+              continuing: bool = False, resumable: bool = True) -> RunDirectory:
         """Check that `path` can hold this run (see the module docstring); raises ConfigError.
         fixed=False: `path` is only the fixed part of a directory that will be named at run time
         (Hydra's timestamped default), which cannot hold a run yet. continuing: the run continues
         from a snapshot given by path (the library's `resume_from`), so the run it holds is this one's
-        own earlier part, whose logs after that snapshot are cut off."""
+        own earlier part, whose logs after that snapshot are cut off. resumable=False (eval, bench):
+        the command continues no run, so a directory holding one is refused whatever `resume` says."""
         path = Path(path) if path is not None else default_run_dir()
         base = writable_ancestor(path, key)
         created_from = base.resolve() if not fixed or not path.exists() else None
@@ -77,10 +78,12 @@ class RunDirectory:
             for name in RESULT_FILES:  # resume=auto continues neither: refused whatever it says
                 if (path / name).exists():
                     raise ConfigError(f"{path} already holds a run ({name}); choose another {key}")
+            if (path / "metrics.jsonl").exists() and not resumable:
+                raise ConfigError(f"{path} already holds a run (metrics.jsonl); choose another {key}")
             if (path / "metrics.jsonl").exists() and cfg.resume != "auto":
                 raise ConfigError(f"{path} already holds a run (metrics.jsonl); choose another {key} or add "
                                   "resume=auto to continue it")
-            if cfg.resume == "auto":
+            if cfg.resume == "auto" and resumable:
                 check_resumable(cfg, path)
         return cls(path, created_from)
 

@@ -67,10 +67,12 @@ class Session:
     """A run's mesh and directory (see the module docstring). Collective: every rank constructs it
     with the same configuration. run_dir: a claimed RunDirectory (the command line claims it before
     Hydra writes), a path, or None (outputs/<date>/<time>); rank 0's is every rank's. continuing:
-    the run continues from a snapshot named by path (see RunDirectory.claim)."""
+    the run continues from a snapshot named by path; resumable=False: the command continues no run
+    (see RunDirectory.claim)."""
 
-    def __init__(self, cfg: Config, run_dir: RunDirectory | str | Path | None = None, continuing: bool = False):
-        self.continuing = continuing
+    def __init__(self, cfg: Config, run_dir: RunDirectory | str | Path | None = None, continuing: bool = False,
+                 resumable: bool = True):
+        self.continuing, self.resumable = continuing, resumable
         self.cfg = cfg
         self._handlers: list[logging.Handler] = []
         try:
@@ -98,7 +100,7 @@ class Session:
         """Rank 0 claims the directory and tells every rank which it is, or what is wrong with it
         (so every rank fails with the same line instead of waiting for rank 0)."""
         return self.mesh.decided_on_main(lambda: run_dir if isinstance(run_dir, RunDirectory) else RunDirectory.claim(
-            self.cfg, run_dir, key="run_dir", continuing=self.continuing))
+            self.cfg, run_dir, key="run_dir", continuing=self.continuing, resumable=self.resumable))
 
     def _log_to_run_dir(self) -> None:
         """The run's log in <run_dir>/train.log, and on the console when nothing else prints it."""

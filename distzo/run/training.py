@@ -202,6 +202,8 @@ class Trainer:
                                                model=model, tokenizer=tokenizer, task=task,
                                                optimizer_state=point.optimizer_state() if point is not None else None,
                                                sources=sources)
+        if self.best.enabled:  # the data decides it: checked before any of the run's files is written
+            self.best.check_task(c.task)
         self.start_step, self._nonfinite = (point.step, point.nonfinite_in_a_row) if point is not None else (0, 0)
         if point is not None and mesh.is_main:
             truncate_logs(run_dir, self.start_step)  # what came after the step reached is written again
@@ -226,7 +228,6 @@ class Trainer:
         self._loss_ema: float | None = None
         self._describe()
         if self.best.enabled:
-            self.best.check_task(c.task)
             if cfg.eval_every >= cfg.steps and mesh.is_main:
                 log.warning("keep_best=%s with eval_every=%d and steps=%d: the evaluation after the last step is "
                             "the only candidate, so the result is the last step's weights; set eval_every below "
@@ -656,8 +657,9 @@ class Trainer:
                 self.checkpoints.save(self.components.engine, step + 1, in_a_row)
             raise TrainingError(f"{in_a_row} steps in a row had non-finite losses (last at step {step + 1}); the "
                                 f"weights were left unchanged{' and snapshotted' if cfg.checkpoint.every else ''}. "
-                                f"Lower optim.lr (now {cfg.optim.lr:g}) or estimator.eps (now "
-                                f"{cfg.estimator.eps:g}), then resume=auto")
+                                f"Start a new run (another run directory) with a lower optim.lr (now {cfg.optim.lr:g}) "
+                                f"or estimator.eps (now {cfg.estimator.eps:g}): resume=auto continues only the same "
+                                "settings, which meet the same losses")
         return in_a_row
 
 

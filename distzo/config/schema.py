@@ -332,6 +332,23 @@ class TaskConfig:
     max_tokens: Optional[int] = setting(None, ">= 2")
     num_examples: int = setting(4000, "> 0")
 
+    def __post_init__(self) -> None:
+        # A command line cannot type a newline: Hydra keeps `\n` in a quoted override as the two
+        # characters (so does a single-quoted YAML string), which would reach the prompts as a
+        # backslash and an n. In the texts a prompt is built from, `\n` and `\t` are a newline and a tab.
+        for name in TEXT_SETTINGS:
+            setattr(self, name, control_characters(getattr(self, name)))
+        self.label_words = [control_characters(w) for w in self.label_words]
+
+
+# The TaskConfig settings whose text goes into prompts, completions or the stop rule as written.
+TEXT_SETTINGS = ("template", "candidate_template", "completion_template", "stop", "demo_separator")
+
+
+def control_characters(text: Any) -> Any:
+    """`text` with the two-character escapes `\n` and `\t` as a newline and a tab (a non-string as it is)."""
+    return text.replace("\\n", "\n").replace("\\t", "\t") if isinstance(text, str) else text
+
 
 @dataclass
 class EstimatorSettings:

@@ -241,3 +241,28 @@ def test_a_damaged_saved_configuration_says_so_and_not_that_distzo_changed(tmp_p
         (tmp_path / CONFIG_FILE).write_text(text)
         with pytest.raises(RunFilesError, match=message):
             load_run_config(tmp_path, key="eval.run")
+
+
+def test_escaped_newlines_and_tabs_in_prompt_texts_are_the_characters(tokenizer, tmp_path):
+    """On a command line `"task.template='Q: {question}\\nA:'"` reaches Hydra as a backslash and an n
+    (its quoted strings keep them); the prompt texts (template, candidate and completion templates,
+    stop, demo separator, label words) take `\\n` and `\\t` as a newline and a tab, and a prompt
+    built from the template has the newline. Typing the typed configuration again changes nothing."""
+    import json
+
+    from distzo.config.compose import saved_form
+    from distzo.data.tasks import PromptTask
+
+    path = tmp_path / "qa.jsonl"
+    path.write_text("".join(json.dumps({"question": f"q{i}", "answers": [f"a{i}"]}) + "\n" for i in range(8)))
+    cfg = typed(compose_config(["model=tiny", "task=custom", "task.kind=generation", f"task.path={path}",
+                                "task.template='Q: {question}\\nA:'", "task.stop='\\n'",
+                                "task.demo_separator='\\n\\t'", "task.completion_template=' {answer}\\t'",
+                                "task.val_size=2", "task.test_size=2"]))
+    t = cfg.task
+    assert (t.template, t.stop, t.demo_separator, t.completion_template) == ("Q: {question}\nA:", "\n", "\n\t",
+                                                                             " {answer}\t")
+    assert typed(saved_form(cfg)).task == t
+    task = PromptTask(t, tokenizer, "loss")
+    prompt = tokenizer.decode(task._prompts["train"][0])
+    assert "\n" in prompt and "\\" not in prompt

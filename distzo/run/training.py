@@ -234,6 +234,11 @@ class Trainer:
                             "steps (MeZO validates every steps/5)", cfg.keep_best, cfg.eval_every, cfg.steps)
             if best_resume is not None:
                 self._continue_best(*best_resume[:3])
+        elif point is not None and self._evaluation_due(self.start_step) \
+                and not self._logged_validation(self.start_step):
+            # a stop that came after the step and before its evaluation: the evaluation, as the
+            # uninterrupted run logged it (keep_best's resume does the same in _continue_best)
+            self.evaluate("validation")
 
     def _catch_up(self, point: ResumePoint, rebuild_best: int | None) -> None:
         """Resume: the logged steps after the point's snapshot (or the initial weights) re-applied,
@@ -292,16 +297,21 @@ class Trainer:
         point, outcome, self.best.best = self.mesh.decided_on_main(plan)
         return point, outcome
 
+    def _evaluation_due(self, step: int) -> bool:
+        """Whether `fit` evaluates validation after `step` (the last step's is `_finish`'s)."""
+        every = self.cfg.eval_every
+        return bool(every) and 0 < step < self.cfg.steps and step % every == 0
+
     def _continue_best(self, evaluated: set[int], save: bool, adopt: str | None) -> None:
         """keep_best on resume, the weights of the step reached current and the logs cut to it: best/
         from the run's snapshot of the best step where `_plan_best_resume` found one; the evaluation of
         the step reached, if the interruption came before it (as the uninterrupted run evaluated it);
         and the best's snapshot where it is to be written again."""
-        cfg, step = self.cfg, self.start_step
+        step = self.start_step
         if adopt is not None and self.mesh.is_main:
             self.best.adopt(adopt)
             log.info("keep_best=%s: the best so far, %s, from %s", self.best.metric, self.best.describe(), adopt)
-        if 0 < step < cfg.steps and step % cfg.eval_every == 0 and step not in evaluated:
+        if self._evaluation_due(step) and step not in evaluated:
             save = self.best.offer(step, self.evaluate("validation")) or save
         if save:
             self._save_best()
@@ -414,7 +424,7 @@ class Trainer:
                 if self.checkpoints.due(done):
                     with stop.holding():
                         self.snapshot()
-                if cfg.eval_every and done % cfg.eval_every == 0 and done < cfg.steps:
+                if self._evaluation_due(done):
                     if self.best.offer(done, self.evaluate("validation")):  # keep_best's new best
                         with stop.holding():
                             self._save_best()
@@ -487,9 +497,14 @@ class Trainer:
     def _logged_validation_before(self) -> dict[str, Any] | None:
         """The validation evaluation of step 0 that metrics.jsonl holds (None without one), read on rank
         0 for every rank. Collective."""
+        return self._logged_validation(0)
+
+    def _logged_validation(self, step: int) -> dict[str, Any] | None:
+        """The validation evaluation of `step` that metrics.jsonl holds (None without one), read on rank
+        0 for every rank. Collective."""
         def read() -> dict[str, Any] | None:
             return next((r for r in read_jsonl(self.run_dir / "metrics.jsonl") if r.get("type") == "eval"
-                         and r.get("split") == "validation" and r.get("step") == 0), None)
+                         and r.get("split") == "validation" and r.get("step") == step), None)
 
         return self.mesh.decided_on_main(read)
 

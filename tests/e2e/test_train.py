@@ -97,6 +97,39 @@ def test_final_folder_loads_back_as_a_local_model(tmp_path):
 def test_non_finite_loss_stops_with_a_clear_error(tmp_path):
     from distzo.run.training import TrainingError
 
-    with pytest.raises(TrainingError, match="3 steps in a row had non-finite losses .* Lower optim.lr"):
+    with pytest.raises(TrainingError, match="3 steps in a row had non-finite losses .* Start a new run"):
         # float16 weights overflow after the first (huge) update: inf - inf = nan in the next forward
         run(tmp_path, "nan", "steps=5", "optim.lr=1e8", "model.dtype=float16")
+
+
+def test_a_stop_on_an_evaluation_step_keeps_that_evaluation(tmp_path):
+    """SIGTERM during step 4 of a run that validates every 4 steps: the run stops after the step's
+    snapshot, before its evaluation; resume=auto evaluates step 4 first, so metrics.jsonl holds the
+    uninterrupted run's evaluations, the same figures (the same weights, bitwise)."""
+    import os
+    import signal
+
+    from distzo.run.callbacks import Callback
+    from distzo.run.signals import Stopped
+
+    settings = (*TINY, "steps=8", "eval_every=4", "task.val_size=16", "task.test_size=16", "checkpoint.every=2",
+                "save_final=false")
+    whole, _ = run(tmp_path, "whole", *settings)
+
+    class StopAt4(Callback):
+        def on_step_end(self, trainer, record):
+            if record.step == 4:
+                os.kill(os.getpid(), signal.SIGTERM)  # the stop is noticed once step 4 is done
+
+    stopped = tmp_path / "stopped"
+    with pytest.raises(Stopped, match="after step 4"):
+        train(make_config(*settings), stopped, callbacks=[StopAt4()])
+    train(make_config(*settings, "resume=auto"), stopped)
+
+    def evaluations(d):
+        return [(r["step"], r["split"], r["loss"], r["accuracy"]) for r in read_jsonl(d / "metrics.jsonl")
+                if r["type"] == "eval"]
+
+    assert [e[:2] for e in evaluations(whole)] == [(0, "validation"), (4, "validation"), (8, "validation"),
+                                                   (8, "test")]
+    assert evaluations(stopped) == evaluations(whole)

@@ -80,10 +80,26 @@ def run_hydra(task: Callable[[Any, Any], Any], command: str, args: list[str]) ->
                 + [f"hydra.help.app_name={command}"])
 
     def job(cfg):
+        if multirun:
+            return sweep_job(task, cfg)
         with reported():
             return task(cfg, claimed)
 
     hydra.main(config_path=conf, config_name="config", version_base="1.3")(job)()
+
+
+def sweep_job(task: Callable[[Any, Any], Any], cfg: Any) -> Any:
+    """One job of a `-m` sweep: a DistzoError is its one line, then raised on to the sweeper, which
+    records the job as failed and goes on as its settings say (Hydra's basic sweeper runs the rest
+    and reports the first failure at the end; Optuna's counts it against max_failure_rate). Exiting
+    here, as a single run does, would end the whole sweep at its first failed job."""
+    from ..errors import DistzoError, write_error_line
+
+    try:
+        return task(cfg, None)
+    except DistzoError as exc:
+        write_error_line(str(exc))
+        raise
 
 
 def worker_overrides() -> list[str]:

@@ -91,3 +91,17 @@ def test_multirun_sweeps_from_the_command_line(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert sorted(p.name for p in (tmp_path / "sweep").iterdir() if p.is_dir()) == ["0", "1"]
     assert all((tmp_path / "sweep" / d / "metrics.jsonl").is_file() for d in ("0", "1"))
+
+
+def test_a_failed_job_of_a_sweep_leaves_the_others_to_run(tmp_path):
+    """Hydra's convention: a job that fails is recorded as failed and the sweep goes on (the basic
+    sweeper runs the rest, then reports the first failure, exit status 1; Optuna's counts it against
+    max_failure_rate). Job 0's losses overflow float16 weights (its one line on stderr); job 1 runs."""
+    sweep = tmp_path / "sweep"
+    r = distzo("train", "-m", "model=tiny", "model.dtype=float16", "task=synthetic-cue", "steps=4", "eval_every=0",
+               "save_final=false", "checkpoint.every=0", "task.val_size=16", "task.test_size=16",
+               "optim.lr=1e8,1e-3", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert r.returncode == 1
+    lines = [x for x in r.stderr.splitlines() if x.startswith("distzo: error:")]
+    assert len(lines) == 1 and "non-finite losses" in lines[0], r.stderr[-3000:]
+    assert not (sweep / "0" / "summary.json").exists() and (sweep / "1" / "summary.json").is_file()

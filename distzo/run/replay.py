@@ -163,5 +163,13 @@ def _nearest_snapshot(run_dir: Path, target: int, initial: bool = False):
             return path, tensors, state
         except CorruptSnapshot as exc:
             log.warning("Skipping a corrupt snapshot: %s", exc)
-    raise ReplayError(f"no valid snapshot at or before step {target} in {run_dir}/checkpoints "
-                      "(train with checkpoint.every > 0, or replay from the initial weights with --from-step 0)")
+    later = [int(p.name.split("-")[1]) for p in list_snapshots(run_dir) if int(p.name.split("-")[1]) > target]
+    if candidates:
+        why = "those at or before it are corrupt (the warnings above name them)"
+    elif later:
+        why = (f"its earliest snapshot is of step {later[0]} (checkpoint.every sets the cadence, checkpoint.keep how "
+               "many stay)")
+    else:
+        why = "the run wrote none (checkpoint.every=0)"
+    raise ReplayError(f"no valid snapshot at or before step {target} in {run_dir}/checkpoints: {why}; replay from "
+                      "the initial weights with --from-step 0 (every logged step re-applied)")

@@ -152,6 +152,9 @@ def test_replay_through_the_api(cli_run, tmp_path):
             distzo.replay(cli_run, step=2, out=where)
     assert {path: path.read_bytes() for path in kept} == kept
     assert distzo.replay(cli_run, step=4, out=out, overwrite=True) == out
+    with pytest.raises(ReplayError, match=r"no valid snapshot at or before step 1 .*: its earliest snapshot is of "
+                                          r"step 2 \(checkpoint.every sets the cadence.*--from-step 0"):
+        distzo.replay(cli_run, step=1, out=tmp_path / "step1.safetensors")
     with pytest.raises(ReplayError, match="--device foo: replay draws the directions on cpu or cuda"):
         distzo.replay(cli_run, out=tmp_path / "x.safetensors", device="foo")
     if not torch.cuda.is_available():

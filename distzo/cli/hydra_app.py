@@ -45,6 +45,7 @@ def run_hydra(task: Callable[[Any, Any], Any], command: str, args: list[str]) ->
     import hydra
 
     from ..config.compose import (
+        absolute_path_overrides,
         config_dir,
         override_key,
         register_configs,
@@ -58,7 +59,7 @@ def run_hydra(task: Callable[[Any, Any], Any], command: str, args: list[str]) ->
     register_configs()
     flags, overrides = split_args(args)
     multirun = bool(MULTIRUN.intersection(flags))
-    overrides = upgrade_overrides(overrides if multirun else restart_overrides(overrides))
+    overrides = absolute_path_overrides(upgrade_overrides(overrides if multirun else restart_overrides(overrides)))
     if multirun and launched_world_size() > 1:
         fail("-m (multirun) cannot run under torchrun: every rank would sweep on its own; run one torchrun "
              "per configuration instead")

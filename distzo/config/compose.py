@@ -266,14 +266,42 @@ def override_key(override: str) -> str:
     return override.split("=", 1)[0].lstrip("+~")
 
 
+# Settings that name a local file or folder (or a hub id, which no local path shadows).
+PATH_SETTINGS = ("model.path", "model.tokenizer", "task.path", "eval.run")
+
+
+def absolute_path_overrides(overrides: list[str], cwd: str | None = None) -> list[str]:
+    """The overrides with a relative `PATH_SETTINGS` value that exists here made absolute, as Hydra's
+    `to_absolute_path` would: it then names the same file under `hydra.job.chdir=true` (the job runs in
+    its output directory), in the saved configuration an `eval.run=...` reads from another directory,
+    and in a resumed run started elsewhere. A value that exists nowhere here (a hub id), a sweep's
+    list, or an interpolation is left as written."""
+    cwd = cwd or os.getcwd()
+    out = []
+    for o in overrides:
+        key, _, value = o.partition("=")
+        bare = value.strip("'\"")
+        named = override_key(o) == "model.tokenizer" and bare == "smollm2"  # the preset's name comes first
+        if (override_key(o) in PATH_SETTINGS and bare and not named and not os.path.isabs(os.path.expanduser(bare))
+                and not any(c in bare for c in ",()[]{}$") and os.path.exists(os.path.join(cwd, bare))):
+            path = os.path.normpath(os.path.join(cwd, bare))
+            o = f"{key}={path}" if re.fullmatch(r"[\w./+@~-]+", path) else f"{key}={hydra_quoted(path)}"
+        out.append(o)
+    return out
+
+
+def hydra_quoted(value: str) -> str:
+    """`value` as one single-quoted string of Hydra's override grammar."""
+    # In Hydra's quoted strings a backslash escapes only a quote, or the backslashes before one
+    # (the closing quote included); elsewhere it is itself.
+    return "'" + re.sub(r"(\\*)('|$)", lambda m: m.group(1) * 2 + ("\\" if m.group(2) else "") + m.group(2),
+                        value) + "'"
+
+
 def shell_quoted_override(key: str, value: str) -> str:
     """`key=value` with the value as one quoted string of Hydra's grammar, itself double-quoted for
     the shell: the form to type when the bare value holds override syntax."""
-    # In Hydra's quoted strings a backslash escapes only a quote, or the backslashes before one
-    # (the closing quote included); elsewhere it is itself.
-    hydra_value = "'" + re.sub(r"(\\*)('|$)", lambda m: m.group(1) * 2 + ("\\" if m.group(2) else "") + m.group(2),
-                               value) + "'"
-    text = f"{key}={hydra_value}"
+    text = f"{key}={hydra_quoted(value)}"
     for ch in ("\\", '"', "$", "`"):  # what a double-quoted shell word still interprets
         text = text.replace(ch, "\\" + ch)
     return f'"{text}"'

@@ -105,3 +105,19 @@ def test_a_failed_job_of_a_sweep_leaves_the_others_to_run(tmp_path):
     lines = [x for x in r.stderr.splitlines() if x.startswith("distzo: error:")]
     assert len(lines) == 1 and "non-finite losses" in lines[0], r.stderr[-3000:]
     assert not (sweep / "0" / "summary.json").exists() and (sweep / "1" / "summary.json").is_file()
+
+
+def test_a_relative_data_path_is_found_from_a_job_that_changes_directory(tmp_path):
+    """hydra.job.chdir=true runs the job in its output directory; task.path=reviews.jsonl, relative to
+    where the command ran, still names that file (made absolute before Hydra composes, so the saved
+    configuration holds it as well)."""
+    import json
+
+    rows = [{"text": f"movie {i} was", "label": i % 2} for i in range(40)]
+    (tmp_path / "reviews.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    r = distzo("train", "model=tiny", "task=custom", "task.path=reviews.jsonl", "steps=1", "eval_every=0",
+               "save_final=false", "checkpoint.every=0", "task.val_size=8", "task.test_size=8",
+               "hydra.job.chdir=true", "hydra.run.dir=run", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    saved = (tmp_path / "run" / ".hydra" / "config.yaml").read_text()
+    assert f"path: {tmp_path / 'reviews.jsonl'}" in saved

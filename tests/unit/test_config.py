@@ -266,3 +266,24 @@ def test_escaped_newlines_and_tabs_in_prompt_texts_are_the_characters(tokenizer,
     task = PromptTask(t, tokenizer, "loss")
     prompt = tokenizer.decode(task._prompts["train"][0])
     assert "\n" in prompt and "\\" not in prompt
+
+
+def test_relative_paths_on_the_command_line_become_absolute_where_they_exist(tmp_path):
+    """As Hydra's to_absolute_path: a relative file or folder that exists from here names the same
+    one under hydra.job.chdir=true and in the saved configuration; hub ids, the tokenizer preset's
+    name, sweeps' lists, other settings and absolute paths stay as written; a path with characters
+    of Hydra's grammar comes back quoted."""
+    from distzo.config.compose import absolute_path_overrides
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "reviews.jsonl").write_text("{}\n")
+    (tmp_path / "my model").mkdir()
+    (tmp_path / "smollm2").mkdir()
+    given = ["task.path=data/reviews.jsonl", "task.path='data/reviews.jsonl'", "model.path=acme/tiny",
+             "+model.tokenizer=./smollm2", "model.tokenizer=smollm2", "task.path=data/reviews.jsonl,other.jsonl",
+             "model.path=my model", "task.template=data/reviews.jsonl", f"eval.run={tmp_path}/data", "eval.run=gone"]
+    assert absolute_path_overrides(given, str(tmp_path)) == [
+        f"task.path={tmp_path}/data/reviews.jsonl", f"task.path={tmp_path}/data/reviews.jsonl", "model.path=acme/tiny",
+        f"+model.tokenizer={tmp_path}/smollm2", "model.tokenizer=smollm2", "task.path=data/reviews.jsonl,other.jsonl",
+        f"model.path='{tmp_path}/my model'", "task.template=data/reviews.jsonl", f"eval.run={tmp_path}/data",
+        "eval.run=gone"]

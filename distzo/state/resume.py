@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
@@ -164,9 +165,29 @@ class ResumePoint:
         return read_optimizer_state(Path(self.snapshot)) if self.snapshot is not None else None
 
 
+# fingerprint_keys' entries that name a file or folder (the command line makes relative ones absolute)
+_PATH_KEYS = (("model", "path"), ("model", "tokenizer"), ("task", "path"))
+
+
+def _as_recorded_paths(keys: dict[str, Any], recorded: dict[str, Any] | None) -> dict[str, Any]:
+    """`keys` with each path the run recorded relative (written before the command line made them
+    absolute) put back where it names the same file from here, so such a run still resumes."""
+    if not recorded:
+        return keys
+    keys = json.loads(json.dumps(keys))
+    for section, key in _PATH_KEYS:
+        there, here = recorded.get(section, {}).get(key), keys.get(section, {}).get(key)
+        if isinstance(there, str) and isinstance(here, str) and not os.path.isabs(there) \
+                and os.path.isabs(here) and os.path.abspath(os.path.expanduser(there)) == here:
+            keys[section][key] = there
+    return keys
+
+
 def check_identity(cfg: Config, where: str, identity: dict[str, Any]) -> int:
     """The seed of a run that `cfg` may continue; raises ResumeError naming the difference."""
-    if identity.get("config_fingerprint") != config_fingerprint(cfg):
+    recorded = identity.get("config_fingerprint")
+    if recorded != config_fingerprint(cfg) \
+            and recorded != _digest(_as_recorded_paths(fingerprint_keys(cfg), identity.get("fingerprint_keys"))):
         named = fingerprint_differences(identity["fingerprint_keys"], cfg) if identity.get("fingerprint_keys") else []
         if named:  # runs written since run.json records the keys themselves, not only their hash
             raise ResumeError(f"cannot resume from {where}: it was written with another configuration ("

@@ -124,3 +124,17 @@ def test_a_run_written_before_the_keys_were_recorded_is_refused_with_the_general
     assert check_identity(_cfg("model=tiny"), "run", written) == 0
     with pytest.raises(ResumeError, match="it was written with a different model, task, estimator"):
         check_identity(_cfg("model=tiny optim.lr=0.5"), "run", written)
+
+
+def test_a_run_that_recorded_a_relative_data_path_resumes_with_it_made_absolute(tmp_path, monkeypatch):
+    """Runs started before the command line made paths absolute recorded task.path as typed; the
+    same command from the same directory now gives the absolute path of the same file, which resumes.
+    Another file does not."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "reviews.jsonl").write_text("{}\n")
+    (tmp_path / "other.jsonl").write_text("{}\n")
+    written = run_identity(_cfg("model=tiny task=custom task.path=reviews.jsonl"), 0, Mesh.single("cpu"))
+    here = _cfg(f"model=tiny task=custom task.path={tmp_path / 'reviews.jsonl'}")
+    assert config_fingerprint(here) != written["config_fingerprint"] and check_identity(here, "run", written) == 0
+    with pytest.raises(ResumeError, match="task.path: \"reviews.jsonl\" there"):
+        check_identity(_cfg(f"model=tiny task=custom task.path={tmp_path / 'other.jsonl'}"), "run", written)

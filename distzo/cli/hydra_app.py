@@ -77,8 +77,9 @@ def run_hydra(task: Callable[[Any, Any], Any], command: str, args: list[str]) ->
         cfg = compose_and_check(overrides, multirun=multirun, check_world=command != "eval" and not remote)
         if not multirun and launched_rank() == 0:
             claimed = claim_run_dir(cfg, resumable=command == "train")  # eval and bench continue no run
-    sys.argv = ([f"distzo {command}"] + flags + overrides + worker_overrides()
-                + [f"hydra.help.app_name={command}"])
+    # The flags last: a flag whose value is optional (`--info`) would take the next override as it.
+    sys.argv = ([f"distzo {command}"] + overrides + worker_overrides() + [f"hydra.help.app_name={command}"]
+                + flags)
 
     def job(cfg):
         if multirun:

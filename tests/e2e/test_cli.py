@@ -41,6 +41,8 @@ def test_train_help_and_cfg_are_hydras():
     assert "steps: 200" in r.stdout
     r = distzo("train", "--cfg", "job", "model=tiny", "steps=7")
     assert r.returncode == 0 and "steps: 7" in r.stdout and "name: tiny" in r.stdout
+    r = distzo("train", "model=tiny", "--info")  # --info alone is Hydra's `all`, whatever follows it in argv
+    assert r.returncode == 0 and "Installed Hydra Plugins" in r.stdout and "Defaults List" in r.stdout, r.stderr
 
 
 # docs/errors.md lists every mistake and tests/e2e/test_errors.py runs each row; these check that

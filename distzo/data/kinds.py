@@ -44,10 +44,16 @@ if TYPE_CHECKING:  # the task calls its kind with itself
 def format_string(template: str, key: str) -> list[str]:
     """The fields of a configured format string; ConfigError when it is not one."""
     try:
-        return template_fields(template)
+        names = template_fields(template)
     except ValueError as exc:
         raise ConfigError(f"{key}={template!r} is not a valid format string ({exc}); write fields as {{name}} and a "
                           "literal brace as {{ or }}") from None
+    for name in names:
+        if "." in name:  # str.format's attribute access: {review.upper} renders a method's repr
+            raise ConfigError(f"{key}={template!r} reads {{{name}}}, an attribute of a field, which renders as "
+                              "Python's text for that object; read fields by name ({review}), or a nested field "
+                              "by key ({meta[title]})")
+    return names
 
 
 class Kind:

@@ -208,6 +208,10 @@ class MultipleChoice(Kind):
         if t.dataset in ("file",) and not t.candidates_field and not t.candidate_fields:
             raise ConfigError("task.kind=multiple_choice needs the record's candidates: task.candidates_field=<a list "
                               "field> or task.candidate_fields=[<one field per candidate>, ...]")
+        if list(t.label_words) != list(TaskConfig().label_words):  # the default's words: not set
+            raise ConfigError(f"task.label_words={list(t.label_words)} is read by task.kind=classification only; a "
+                              "multiple-choice record brings its own candidates (task.candidates_field or "
+                              "task.candidate_fields): drop task.label_words, or use task.kind=classification")
 
     @classmethod
     def example(cls, fmt: RecordFormatter, row: dict[str, Any], where: str) -> Example:

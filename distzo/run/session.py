@@ -63,6 +63,17 @@ def under_hydra() -> bool:
     return HydraConfig.initialized()
 
 
+def _run_dir_setting() -> str:
+    """The setting that names the run directory, for its errors: Hydra's (a sweep's jobs are
+    `hydra.sweep.dir`'s subfolders) or the library's `run_dir`."""
+    if not under_hydra():
+        return "run_dir"
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return "hydra.sweep.dir" if HydraConfig.get().mode == RunMode.MULTIRUN else "hydra.run.dir"
+
+
 class Session:
     """A run's mesh and directory (see the module docstring). Collective: every rank constructs it
     with the same configuration. run_dir: a claimed RunDirectory (the command line claims it before
@@ -99,8 +110,9 @@ class Session:
     def _claim(self, run_dir: RunDirectory | str | Path | None) -> RunDirectory:
         """Rank 0 claims the directory and tells every rank which it is, or what is wrong with it
         (so every rank fails with the same line instead of waiting for rank 0)."""
+        key = _run_dir_setting()
         return self.mesh.decided_on_main(lambda: run_dir if isinstance(run_dir, RunDirectory) else RunDirectory.claim(
-            self.cfg, run_dir, key="run_dir", continuing=self.continuing, resumable=self.resumable))
+            self.cfg, run_dir, key=key, continuing=self.continuing, resumable=self.resumable))
 
     def _log_to_run_dir(self) -> None:
         """The run's log in <run_dir>/train.log, and on the console when nothing else prints it."""

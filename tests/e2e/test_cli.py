@@ -93,6 +93,12 @@ def test_multirun_sweeps_from_the_command_line(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert sorted(p.name for p in (tmp_path / "sweep").iterdir() if p.is_dir()) == ["0", "1"]
     assert all((tmp_path / "sweep" / d / "metrics.jsonl").is_file() for d in ("0", "1"))
+    again = distzo("train", "-m", "model=tiny", "task=synthetic-cue", "steps=2", "eval_every=0", "save_final=false",
+                   "optim.lr=1e-4,1e-3", f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path)
+    assert again.returncode == 1  # each job refuses its used directory, naming the sweep's setting
+    lines = [x for x in again.stderr.splitlines() if x.startswith("distzo: error:")]
+    assert len(lines) == 2 and all("already holds a run (metrics.jsonl); choose another hydra.sweep.dir" in x
+                                   for x in lines), again.stderr[-2000:]
 
 
 def test_a_failed_job_of_a_sweep_leaves_the_others_to_run(tmp_path):

@@ -289,6 +289,8 @@ def _read_file(path: Path, fmt: str, json_object: Callable[[dict[str, Any]], Rec
         return ds.to_list()  # arrow decodes a JSON file's strings here, so a byte that is not UTF-8 fails here
     except Exception as exc:  # the builders raise many kinds: arrow, pandas, json, OS errors
         cause = _innermost(exc)
+        if "corresponds to no data" in str(cause):  # a header line alone, or blank lines: no records (as empty)
+            return []
         if isinstance(cause, UnicodeDecodeError):
             raise DataError(f"cannot read {path}: it is not UTF-8 (byte 0x{cause.object[cause.start]:02x} does not "
                             "decode); re-save it as UTF-8") from None

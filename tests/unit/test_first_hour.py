@@ -65,12 +65,15 @@ def test_set_sizes_are_used_as_given_and_a_pool_too_small_is_refused():
         split_pool(pool(2), None, None, None, 0, "f")
 
 
-def test_a_file_without_records_says_so(tokenizer, tmp_path):
-    """Not that the split sizes leave no training data, which no size would fix."""
-    (tmp_path / "empty.jsonl").write_text("")
-    with pytest.raises(DataError, match=r"^.*empty.jsonl holds no records; fill it, or point task.path "
+@pytest.mark.parametrize("name,text", [("empty.jsonl", ""), ("blank.jsonl", "  \n\n"), ("header.csv", "text,label\n"),
+                                       ("header.tsv", "text\tlabel\n")])
+def test_a_file_without_records_says_so(tokenizer, tmp_path, name, text):
+    """Not that the split sizes leave no training data, which no size would fix, nor the datasets
+    builder's "Instruction "data" corresponds to no data!" (blank lines, or a header alone)."""
+    (tmp_path / name).write_text(text)
+    with pytest.raises(DataError, match=rf"^.*{name} holds no records; fill it, or point task.path "
                                         r"\(or task.subset\) at the data$"):
-        PromptTask(make_config("task=custom", f"task.path={tmp_path / 'empty.jsonl'}").task, tokenizer)
+        PromptTask(make_config("task=custom", f"task.path={tmp_path / name}").task, tokenizer)
 
 
 def test_own_splits_are_cut_and_a_drawn_validation_split_is_a_tenth():

@@ -488,7 +488,8 @@ class Trainer:
         self.metrics.write("summary", **finite_json(summary))  # as summary.json: a figure that is no number is null
         pace = (f"{format_duration(summary['train_time_s'])} training, median {summary['step_time_s']:.2f} s/step"
                 if step_times else "no step left to train")
-        chosen = f" (keep_best: step {self.best.best.step}'s weights)" if self._restored else ""
+        chosen = (f" (keep_best={self.best.metric}: step {self.best.best.step}'s weights, the best "
+                  f"{self.best.metric} {self.best.best.result[self.best.metric]:.4f})" if self._restored else "")
         log.info("Validation %s -> %s after %d steps%s (%s); test %s",
                  headline(first) if first else f"(resumed at step {self.start_step})", headline(result), steps, chosen,
                  pace, headline(test))
@@ -528,9 +529,10 @@ class Trainer:
                                 f"left in {self.best.path} (it holds {what}); resume=auto keep_best=null in the same "
                                 "hydra.run.dir writes the last step's result instead")
         if mesh.is_main:
-            log.info("keep_best=%s: the result is the weights of step %d (%s; step %d: %s); rebuilding the model "
-                     "from %s", self.best.metric, best.step, headline(best.result), self.step_count,
-                     headline(last), self.best.path)
+            metric = self.best.metric
+            log.info("keep_best=%s: the result is the weights of step %d (%s %.4f, %s; step %d: %s %.4f, %s); "
+                     "rebuilding the model from %s", metric, best.step, metric, best.result[metric],
+                     headline(best.result), self.step_count, metric, last[metric], headline(last), self.best.path)
         c, self.components, self.evaluator = self.components, None, None
         task, sources = c.task, c.sources
         c.close()

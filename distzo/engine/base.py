@@ -120,6 +120,11 @@ class Engine(ABC):
     def check_can_generate(self) -> None:
         """Whether the stock model can decode on its own parameters here (raises EngineError if not)."""
 
+    def stock_forward(self) -> AbstractContextManager:
+        """Inside `materialized`: the context in which the stock model's own forward runs on the
+        compute device (transformers' Trainer evaluating); offloaded blocks are streamed through it."""
+        return nullcontext()
+
     def transfer_stats(self) -> dict[str, float]:
         """Cumulative bytes this rank moved host-to-device (`h2d_bytes`), back (`d2h_bytes`) and from
         node peers (`peer_bytes`, sliced offloading), and seconds spent in those transfers

@@ -199,6 +199,9 @@ class StageLoop(Engine):
     def check_can_generate(self) -> None:
         self.store.check_can_generate()
 
+    def stock_forward(self):
+        return self.store.stock_forward()
+
     def transfer_stats(self) -> dict[str, float]:
         return self.store.transfer_stats()
 

@@ -101,6 +101,12 @@ class WeightStore:
         """Context in which forwards read the (flushed) master without collectives."""
         return nullcontext()
 
+    def stock_forward(self):
+        """Context (inside `local_reads`) in which the stock model's own forward runs on the compute
+        device (transformers' Trainer evaluating and predicting): nothing to do where the model's
+        parameters are there already."""
+        return nullcontext()
+
     # --- the optimizer's state, beside the masters ---------------------------------------------------
 
     def optimizer_state(self) -> dict[str, torch.Tensor]:

@@ -20,7 +20,7 @@ import os
 import re
 import shutil
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -661,16 +661,24 @@ class ZOLoop:
 
     def _zo_evaluation(self, run, *a, **kw):
         """`run` (Trainer's evaluate or predict) at the current weights."""
+        if self.zo is None:
+            _check_one_device(self.model)
         self._zo_doing = "evaluation"  # stays set if it raises: the out-of-memory refusal reads it
         with self._at_current_weights():
             out = run(*a, **kw)
         self._zo_doing = None
         return out
 
+    @contextmanager
     def _at_current_weights(self):
         """The model's parameters hold the current weights inside (distzo's engine may keep them
-        elsewhere between steps); nothing to do before training has started."""
-        return self.zo.materialized() if self.zo is not None else nullcontext()
+        elsewhere between steps), and its forward runs on the device (offloaded blocks streamed
+        through it); nothing to do before training has started."""
+        if self.zo is None:
+            yield
+            return
+        with self.zo.materialized(), self.zo.components.engine.stock_forward():
+            yield
 
     def _issue_warnings_after_load(self, load_result) -> None:
         """Trainer's warnings after loading the best checkpoint, less the keys of tied parameters
@@ -706,6 +714,18 @@ def _init_trainer(self, zo_args, kwargs, base: type) -> None:
                              "Trainer would evaluate on the CPU and distzo train elsewhere; drop one of them")
     self._train_batch_size = self.args.per_device_train_batch_size  # auto_find_batch_size starts from the micro-batch
     _quiet_replicas(self)
+
+
+def _check_one_device(model: Any) -> None:
+    """Outside training, Trainer's evaluation runs the model as it is: after an offload='cpu' run on a
+    GPU its blocks are still in host memory (the engine streamed them while it trained), which the
+    stock forward cannot mix with the rest on the device."""
+    devices = sorted({str(p.device) for p in model.parameters()})
+    if len(devices) > 1:
+        raise ZOTrainerError(f"the model's parameters are on several devices ({', '.join(devices)}): after "
+                             "train() with offload='cpu' its blocks stay in host memory, and Trainer's evaluation "
+                             "runs the model as it is; evaluate during training (eval_strategy, which streams the "
+                             "blocks), or move the model where it fits first (trainer.model.to('cuda'))")
 
 
 def _refuse_own_loss(cls: type, base: type) -> None:

@@ -593,3 +593,16 @@ def test_zosfttrainer_says_what_it_trains_and_where(model_folder, tmp_path, capl
     trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
     assert line.startswith(f"Training {trainable:,} of ") and "(those the model marks trainable; peft=none)" in line
     assert line.endswith(f"run dir {(tmp_path / 'sft' / 'zo').resolve()}")
+
+
+def test_evaluating_a_model_split_across_devices_outside_training_is_refused(model_folder, tmp_path):
+    """After train() with offload='cpu' on a GPU the blocks stay in host memory while the rest is on
+    the device; Trainer's evaluation would fail inside the stock forward with a device mismatch.
+    Refused in one line instead (simulated here with one layer on the meta device)."""
+    from distzo.hf.trainer import ZOTrainerError
+
+    trainer = example(SCRIPT).build(str(model_folder), str(tmp_path / "split"), 2, None)
+    trainer.model.model.layers[0].to("meta")
+    with pytest.raises(ZOTrainerError, match=r"on several devices \(cpu, meta\): after train\(\) with "
+                                             r"offload='cpu' its blocks stay in host memory"):
+        trainer.evaluate()

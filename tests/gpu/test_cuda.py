@@ -374,9 +374,10 @@ def test_a_row_wider_than_the_grid_limit_is_drawn_whole():
 def test_zotrainer_offloaded_on_cuda_equals_resident(tmp_path):
     """examples/hf_trainer.py's ZOTrainer with ZOArguments(offload="cpu") on the GPU, evaluating every 4
     steps through Trainer's own evaluation loop, against the same script resident: the same weights,
-    bitwise (offloaded = resident, the same kernels on the same shapes), and the same evaluations.
-    Not yet run on a GPU: Trainer places the model on the device at construction and prepares it for
-    each evaluation, while offloading keeps its blocks in host memory (docs/hf.md)."""
+    bitwise (offloaded = resident, the same kernels on the same shapes), and the same evaluations:
+    Trainer's stock forward streams the offloaded blocks through the device (the engine's
+    `stock_forward`; its mechanism is checked on a CPU in tests/unit/test_engine_modes.py). Not yet
+    run on a GPU."""
     from tests.e2e.test_hf import SCRIPT, example, save_tiny_llama
 
     folder = save_tiny_llama(tmp_path / "tiny-llama")

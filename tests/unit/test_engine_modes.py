@@ -125,3 +125,33 @@ def test_parameters_given_new_tensors_while_read_are_refused(overrides, replace)
     change = (lambda: model.to(torch.device("cpu", 0))) if replace == "to cpu:0" else model.half
     with pytest.raises(ParametersReplaced, match="move, cast or wrap the model before training starts"):
         read_then(change)
+
+
+@pytest.mark.parametrize("transfer", [(), ("offload.transfer_dtype=bfloat16",)])
+def test_the_stock_forward_of_an_offloaded_model_streams_its_blocks(transfer):
+    """What transformers' Trainer evaluates through mid-run on a GPU, where offloaded blocks live in
+    host memory (the engine's `stock_forward`): each block's parameters stand in from its slot while
+    the block runs, and are the host masters again afterwards. Forced on the CPU: the logits equal
+    the plain forward's bitwise (full-precision transfer: the same values, the same operations; a
+    bfloat16 transfer rounds the block weights, as the engine's own walk reads them), and the
+    parameters, hooks and slots are as before."""
+    engine = engine_for("offload=cpu", *transfer)
+    model, store = engine.model, engine.store
+    ids = torch.tensor([[5, 17, 33, 9, 120, 7]])
+    read = []
+    probe = model.model.layers[1].self_attn.q_proj.register_forward_pre_hook(
+        lambda m, a: read.append(m.weight.data_ptr()))
+    with engine.materialized():
+        before = [p.data_ptr() for p in model.parameters()]
+        with torch.inference_mode():
+            plain = model(ids).logits
+            with store.stock_forward(force=True):
+                streamed = model(ids).logits
+        assert [p.data_ptr() for p in model.parameters()] == before
+    probe.remove()
+    assert read[0] == model.model.layers[1].self_attn.q_proj.weight.data_ptr() != read[1]  # host master, then a slot
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+    if transfer:
+        assert not torch.equal(streamed, plain) and torch.allclose(streamed, plain, atol=5e-2)
+    else:
+        assert torch.equal(streamed, plain)

@@ -46,6 +46,9 @@ class StopRequests:
         self._holding = False
         self._held: list[int] = []
         self._previous: dict[int, object] = {}
+        # Set once the last step is done: a stop then lets the run finish (its final evaluations and
+        # saved model take less than a resume would redo), and says so.
+        self.finishing = False
 
     def __enter__(self) -> StopRequests:
         if threading.current_thread() is threading.main_thread():
@@ -77,8 +80,13 @@ class StopRequests:
             raise KeyboardInterrupt  # a second Ctrl-C: stop now (at most the step in flight is lost)
         if self.signum is None:
             self.signum = signum
-            log.warning("%s received: finishing the step in flight, then a snapshot and exit%s",
-                        signal.Signals(signum).name, " (Ctrl-C again to abort now)" if signum == signal.SIGINT else "")
+            again = " (Ctrl-C again to abort now)" if signum == signal.SIGINT else ""
+            if self.finishing:
+                log.warning("%s received after the last step: finishing the final evaluations and the saved model, "
+                            "then exit%s", signal.Signals(signum).name, again)
+            else:
+                log.warning("%s received: finishing the step in flight, then a snapshot and exit%s",
+                            signal.Signals(signum).name, again)
 
     def agreed(self, mesh) -> bool:
         """Whether any rank has been signalled: every rank calls this at the same point of every step

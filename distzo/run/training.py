@@ -428,6 +428,7 @@ class Trainer:
                     if self.best.offer(done, self.evaluate("validation")):  # keep_best's new best
                         with stop.holding():
                             self._save_best()
+            stop.finishing = True  # a stop from here on lets the run finish (StopRequests)
             summary = self._finish(first, wall_start)
         self.callbacks.on_train_end(self, summary)
         return summary

@@ -133,3 +133,24 @@ def test_a_stop_on_an_evaluation_step_keeps_that_evaluation(tmp_path):
     assert [e[:2] for e in evaluations(whole)] == [(0, "validation"), (4, "validation"), (8, "validation"),
                                                    (8, "test")]
     assert evaluations(stopped) == evaluations(whole)
+
+
+def test_a_stop_after_the_last_step_lets_the_run_finish_and_says_so(tmp_path, caplog):
+    """SIGTERM during the final test evaluation: the run finishes (its evaluations and summary take
+    less than a resume would redo) and the log says that, not that a snapshot and exit follow."""
+    import os
+    import signal
+
+    from distzo.run.callbacks import Callback
+
+    class StopInTest(Callback):
+        def on_evaluate(self, trainer, split, result):
+            if split == "test":
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    with caplog.at_level("WARNING", logger="distzo"):
+        summary = train(make_config(*TINY, "steps=2", "task.val_size=16", "task.test_size=16", "save_final=false"),
+                        tmp_path / "run", callbacks=[StopInTest()])
+    assert summary["steps"] == 2 and (tmp_path / "run" / "summary.json").is_file()
+    assert "SIGTERM received after the last step: finishing the final evaluations" in caplog.text
+    assert "then a snapshot and exit" not in caplog.text

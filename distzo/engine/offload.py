@@ -31,13 +31,13 @@ state stays on the device with the outer stage.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Any, Iterator, Mapping
+from contextlib import contextmanager, nullcontext
+from typing import Iterator, Mapping
 
 import torch
 from torch import nn
 
-from ..models.adapters import DecoderAdapter, parameter_slots
+from ..models.adapters import DecoderAdapter
 from ..parallel.node import Node, mapped_resident_bytes
 from ..registry import register
 from ..zo.optimizers import SGD, Optimizer
@@ -53,6 +53,7 @@ from .streamer import (
     SlicedBlockStreamer,
     build_host_blocks,
     place_resident,
+    streamed_stock_forward,
 )
 
 
@@ -156,47 +157,19 @@ class OffloadStore(WeightStore):
             raise EngineConfigError("generation tasks decode with the stock model on its own parameters, and "
                                     "offloaded blocks live in host memory; evaluate them with offload=none")
 
-    @contextmanager
-    def stock_forward(self, force: bool = False) -> Iterator[None]:
-        """The stock model's forward on the compute device, its blocks streamed (ZO2's offloaded
-        inference): as the forward reaches block i, the block's weights go up through the slot ring
-        (the next ones prefetched) and stand in for its parameters, as `call_with` swaps them; after
-        it the parameters are put back and the slot released, nothing written back. On a CPU the host
-        masters are the forward's own parameters and nothing is done (force: stream anyway, which the
-        tests use to check the swapping against the plain forward)."""
+    def stock_forward(self, force: bool = False):
+        """The stock model's forward on the compute device, its blocks streamed through the slot ring
+        (`streamed_stock_forward`); on a CPU the host masters are the forward's own parameters and
+        nothing is done (force: stream anyway, which the tests use to check the swapping)."""
         if self.device.type == "cpu" and not force:
-            yield
-            return
-        swapped: dict[int, list[tuple[nn.Module, str, Any]]] = {}
+            return nullcontext()
 
-        def enter(i: int, prefix: str, slots: dict[str, tuple[nn.Module, str]]) -> None:
+        def acquire(i: int) -> Mapping[str, torch.Tensor]:
             self.streamer.prefetch_from(i)
-            saved = []
-            for name, view in self.streamer.acquire(i).items():
-                sub, attr = slots[name[len(prefix) + 1:]]
-                saved.append((sub, attr, sub._parameters[attr]))
-                sub._parameters[attr] = view
-            swapped[i] = saved
+            return self.streamer.acquire(i)
 
-        def leave(i: int) -> None:
-            for sub, attr, old in reversed(swapped.pop(i)):
-                sub._parameters[attr] = old
-            self.streamer.release(i, write_back=False)
-
-        hooks = []
-        for i, (prefix, module) in enumerate(self.adapter.blocks):
-            slots = parameter_slots(module)
-            hooks.append(module.register_forward_pre_hook(
-                lambda _m, _a, i=i, prefix=prefix, slots=slots: enter(i, prefix, slots)))
-            hooks.append(module.register_forward_hook(lambda _m, _a, _o, i=i: leave(i)))
-        try:
-            yield
-        finally:
-            for hook in hooks:
-                hook.remove()
-            for i in list(swapped):  # a forward that raised inside a block
-                leave(i)
-            self.streamer.synchronize()
+        return streamed_stock_forward(self.adapter, acquire, lambda i: self.streamer.release(i, write_back=False),
+                                      self.streamer.synchronize)
 
     def host_master_bytes(self) -> dict[str, int]:
         copy = sum(b.numel * b.flat.element_size() for b in self.host_blocks)

@@ -19,7 +19,7 @@ all-gathers the others from its peers. A frozen block awaits no update, so nothi
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -44,6 +44,7 @@ from .streamer import (
     _pin,
     host_buffer,
     place_resident,
+    streamed_stock_forward,
 )
 
 ALIGN = 16  # bytes: every inner tensor starts where any dtype's view of it is aligned
@@ -212,6 +213,21 @@ class StreamedBaseStore(ResidentStore):
         if self.device.type != "cpu":
             raise EngineConfigError("generation tasks decode with the stock model on its own parameters, and the "
                                     "streamed base lives in host memory; evaluate them with offload=none")
+
+    def stock_forward(self, force: bool = False):
+        """The stock model's forward on the compute device, the frozen base's blocks streamed
+        (`streamed_stock_forward`); on a CPU the host copy is the forward's own parameters and nothing
+        is done (force: stream anyway, the tests' check)."""
+        if self.device.type == "cpu" and not force:
+            return nullcontext()
+
+        def acquire(i: int) -> dict[str, torch.Tensor]:
+            self.streamer.prefetch_from(i)
+            self.streamer.acquire(i)
+            return self._sources(i)
+
+        return streamed_stock_forward(self.adapter, acquire, lambda i: self.streamer.release(i, write_back=False),
+                                      self.streamer.synchronize)
 
     def host_master_bytes(self) -> dict[str, int]:
         copy = sum(b.numel for b in self.host_blocks)

@@ -28,13 +28,13 @@ from abc import ABC, abstractmethod
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..models.adapters import DecoderAdapter
+from ..models.adapters import DecoderAdapter, parameter_slots
 from ..models.mapped import MappedFiles
 from ..parallel.node import Node
 
@@ -619,6 +619,45 @@ class BlockStreamer:
         finally:
             if self.cuda:
                 unpin_all()
+
+
+@contextmanager
+def streamed_stock_forward(adapter: DecoderAdapter, acquire: Callable[[int], Mapping[str, torch.Tensor]],
+                           release: Callable[[int], None], synchronize: Callable[[], None]) -> Iterator[None]:
+    """Inside: the stock model's own forward (transformers' Trainer evaluating) reads streamed blocks
+    (ZO2's offloaded inference). As the forward reaches block i, `acquire(i)` uploads it (and starts
+    the next ones) and returns its tensors by full parameter name, which stand in for the block's
+    parameters as `call_with` swaps them; after the block the parameters are put back and
+    `release(i)` frees its slot, nothing written back."""
+    swapped: dict[int, list[tuple[nn.Module, str, Any]]] = {}
+
+    def enter(i: int, prefix: str, slots: dict[str, tuple[nn.Module, str]]) -> None:
+        saved = []
+        for name, tensor in acquire(i).items():
+            sub, attr = slots[name[len(prefix) + 1:]]
+            saved.append((sub, attr, sub._parameters[attr]))
+            sub._parameters[attr] = tensor
+        swapped[i] = saved
+
+    def leave(i: int) -> None:
+        for sub, attr, old in reversed(swapped.pop(i)):
+            sub._parameters[attr] = old
+        release(i)
+
+    hooks = []
+    for i, (prefix, module) in enumerate(adapter.blocks):
+        slots = parameter_slots(module)
+        hooks.append(module.register_forward_pre_hook(lambda _m, _a, i=i, prefix=prefix, slots=slots:
+                                                      enter(i, prefix, slots)))
+        hooks.append(module.register_forward_hook(lambda _m, _a, _o, i=i: leave(i)))
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+        for i in list(swapped):  # a forward that raised inside a block
+            leave(i)
+        synchronize()
 
 
 # (block index, the slot's flat buffer, [lo, hi) of the block, the slot's float32 delta buffer or None)

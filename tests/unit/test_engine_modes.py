@@ -127,31 +127,40 @@ def test_parameters_given_new_tensors_while_read_are_refused(overrides, replace)
         read_then(change)
 
 
-@pytest.mark.parametrize("transfer", [(), ("offload.transfer_dtype=bfloat16",)])
-def test_the_stock_forward_of_an_offloaded_model_streams_its_blocks(transfer):
-    """What transformers' Trainer evaluates through mid-run on a GPU, where offloaded blocks live in
-    host memory (the engine's `stock_forward`): each block's parameters stand in from its slot while
-    the block runs, and are the host masters again afterwards. Forced on the CPU: the logits equal
-    the plain forward's bitwise (full-precision transfer: the same values, the same operations; a
-    bfloat16 transfer rounds the block weights, as the engine's own walk reads them), and the
-    parameters, hooks and slots are as before."""
-    engine = engine_for("offload=cpu", *transfer)
-    model, store = engine.model, engine.store
-    ids = torch.tensor([[5, 17, 33, 9, 120, 7]])
+@pytest.mark.parametrize("overrides", [("offload=cpu",), ("offload=cpu", "offload.transfer_dtype=bfloat16"),
+                                       ("offload=cpu", "peft=lora", "model.quantize=int8")])
+def test_the_stock_forward_of_an_offloaded_model_streams_its_blocks(overrides):
+    """What transformers' Trainer evaluates through mid-run on a GPU, where offloaded blocks (or a
+    streamed quantized base's) live in host memory (the engine's `stock_forward`): each block's
+    parameters stand in from its slot while the block runs, and are the host copies again
+    afterwards. Forced on the CPU: the logits equal the plain forward's bitwise (the same values, the
+    same operations), except through a bfloat16 transfer, which rounds the block weights as the
+    engine's own walk reads them; the parameters, hooks and slots are as before."""
+    from distzo.models.quantize import quantize_base
+
+    cfg = make_config("model=tiny", *overrides)
+    model = random_model("llama", 300, {}, 0, torch.float32)
+    quantize_base(model, cfg.model.quantize)
+    apply_peft(model, cfg.peft)
+    engine = build_engine(EngineSetup(Mesh.single(), model, adapter_for(model), TrainableParams.from_model(model),
+                                      Directions(0), build_estimator(cfg.estimator), cfg.engine, cfg.offload, cfg.comm,
+                                      str(cfg.peft.method), cfg.micro_batch_size))
+    store = engine.store
+    q_proj = model.model.layers[1].self_attn.q_proj
     read = []
-    probe = model.model.layers[1].self_attn.q_proj.register_forward_pre_hook(
-        lambda m, a: read.append(m.weight.data_ptr()))
+    probe = q_proj.register_forward_pre_hook(lambda m, a: read.append(m._parameters["weight"]))
+    ids = torch.tensor([[5, 17, 33, 9, 120, 7]])
     with engine.materialized():
-        before = [p.data_ptr() for p in model.parameters()]
+        before = list(model.parameters())
         with torch.inference_mode():
             plain = model(ids).logits
             with store.stock_forward(force=True):
                 streamed = model(ids).logits
-        assert [p.data_ptr() for p in model.parameters()] == before
+        assert all(a is b for a, b in zip(model.parameters(), before))
     probe.remove()
-    assert read[0] == model.model.layers[1].self_attn.q_proj.weight.data_ptr() != read[1]  # host master, then a slot
-    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
-    if transfer:
+    assert read[0] is q_proj._parameters["weight"] and read[1] is not read[0]  # the host copy, then its slot's
+    assert not any(m._forward_pre_hooks for m in model.modules() if m is not q_proj)
+    if "offload.transfer_dtype=bfloat16" in overrides:
         assert not torch.equal(streamed, plain) and torch.allclose(streamed, plain, atol=5e-2)
     else:
         assert torch.equal(streamed, plain)

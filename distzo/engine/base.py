@@ -62,13 +62,14 @@ class Materialized:
 
     def generate(self, task, prompts: Sequence[Sequence[int]]) -> list[str]:
         """Greedy answers to `prompts` (token ids) under the task's stop rule, with the stock
-        `generate` and its KV cache on the model's own (master) parameters: on this rank alone."""
+        `generate` and its KV cache on the model's own (master) parameters, blocks kept in host memory
+        streamed through the device at each forward (`Engine.stock_forward`): on this rank alone."""
         from ..data.decoding import greedy_decode
         from ..peft.prefix import has_prefix
 
-        self._engine.check_can_generate()
         # Prefix tuning hands attention a cache stand-in of its own, in place of generate's KV cache.
-        with self._engine.forward_arithmetic():  # decoding in the engine's compute mode, as it scores
+        # Decoding in the engine's compute mode, as it scores.
+        with self._engine.stock_forward(), self._engine.forward_arithmetic():
             return greedy_decode(self.model, task.tokenizer, prompts, task.max_new_tokens, task.stop, task.pad_id,
                                  use_cache=not has_prefix(self.model))
 
@@ -116,9 +117,6 @@ class Engine(ABC):
     def forward_arithmetic(self) -> AbstractContextManager:
         """The context the forward passes run in (`engine.compute`): none by default."""
         return nullcontext()
-
-    def check_can_generate(self) -> None:
-        """Whether the stock model can decode on its own parameters here (raises EngineError if not)."""
 
     def stock_forward(self) -> AbstractContextManager:
         """Inside `materialized`: the context in which the stock model's own forward runs on the

@@ -196,9 +196,6 @@ class StageLoop(Engine):
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return nullcontext()
 
-    def check_can_generate(self) -> None:
-        self.store.check_can_generate()
-
     def stock_forward(self):
         return self.store.stock_forward()
 

@@ -42,7 +42,6 @@ from ..parallel.node import Node, mapped_resident_bytes
 from ..registry import register
 from ..zo.optimizers import SGD, Optimizer
 from ..zo.params import TrainableParams
-from .base import EngineConfigError
 from .build import EngineMode, EngineSetup
 from .loop import StageLoop
 from .optstate import StateBuffers, state_key
@@ -151,11 +150,6 @@ class OffloadStore(WeightStore):
 
     def close(self) -> None:
         self.streamer.close()
-
-    def check_can_generate(self) -> None:
-        if self.device.type != "cpu":
-            raise EngineConfigError("generation tasks decode with the stock model on its own parameters, and "
-                                    "offloaded blocks live in host memory; evaluate them with offload=none")
 
     def stock_forward(self, force: bool = False):
         """The stock model's forward on the compute device, its blocks streamed through the slot ring

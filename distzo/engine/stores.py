@@ -132,9 +132,6 @@ class WeightStore:
         `node_shared` (whether the node's ranks share one copy); {} for a store without one."""
         return {}
 
-    def check_can_generate(self) -> None:
-        """Whether the stock model can decode on its own parameters here (raises EngineConfigError if not)."""
-
     def describe(self) -> str:
         raise NotImplementedError
 

@@ -209,11 +209,6 @@ class StreamedBaseStore(ResidentStore):
     def synchronize(self) -> None:
         self.streamer.synchronize()
 
-    def check_can_generate(self) -> None:
-        if self.device.type != "cpu":
-            raise EngineConfigError("generation tasks decode with the stock model on its own parameters, and the "
-                                    "streamed base lives in host memory; evaluate them with offload=none")
-
     def stock_forward(self, force: bool = False):
         """The stock model's forward on the compute device, the frozen base's blocks streamed
         (`streamed_stock_forward`); on a CPU the host copy is the forward's own parameters and nothing

@@ -164,3 +164,24 @@ def test_the_stock_forward_of_an_offloaded_model_streams_its_blocks(overrides):
         assert not torch.equal(streamed, plain) and torch.allclose(streamed, plain, atol=5e-2)
     else:
         assert torch.equal(streamed, plain)
+
+
+def test_greedy_decoding_through_streamed_blocks_is_the_plain_decoding():
+    """Generation tasks evaluate with the stock `generate` (KV cache) on the master weights; where the
+    blocks live in host memory on a GPU each decode step's forward streams them (`stock_forward`).
+    Forced on the CPU, the answers are the plain decoding's (its argmax over the same logits)."""
+    from distzo.data.decoding import greedy_decode
+    from distzo.models.loading import load_tokenizer
+
+    tokenizer = load_tokenizer("smollm2")
+    model = random_model("llama", len(tokenizer), {}, 0, torch.float32)
+    cfg = make_config("model=tiny", "offload=cpu")
+    engine = build_engine(EngineSetup(Mesh.single(), model, adapter_for(model), TrainableParams.from_model(model),
+                                      Directions(0), build_estimator(cfg.estimator), cfg.engine, cfg.offload, cfg.comm,
+                                      "none", None))
+    prompts = [tokenizer("Q: what is red A:").input_ids, tokenizer("Q: name a cat A:").input_ids]
+    with engine.materialized(), torch.inference_mode():
+        plain = greedy_decode(model, tokenizer, prompts, 6, "\n", tokenizer.pad_token_id)
+        with engine.store.stock_forward(force=True):
+            streamed = greedy_decode(model, tokenizer, prompts, 6, "\n", tokenizer.pad_token_id)
+    assert streamed == plain and any(answer.strip() for answer in plain)

@@ -391,3 +391,24 @@ def test_zotrainer_offloaded_on_cuda_equals_resident(tmp_path):
     (resident, resident_evals), (offloaded, offloaded_evals) = runs["none"], runs["cpu"]
     assert all(torch.equal(resident[k].cpu(), offloaded[k].cpu()) for k in resident)
     assert offloaded_evals == resident_evals and len(resident_evals) == 2
+
+
+@pytest.mark.parametrize("offload", [["offload=cpu"], ["offload=cpu", "peft=lora", "model.quantize=int8",
+                                                        "optim.lr=1e-2"]])
+def test_a_generation_task_evaluates_with_blocks_in_host_memory(tmp_path, offload):
+    """Generation tasks evaluate with the stock generate; with the blocks (or the quantized base) in
+    host memory its forwards stream them through the device (Engine.stock_forward): the same
+    answers and weights as resident, bitwise (the same kernels on the same shapes)."""
+    rows = [{"prompt": f"Translate {w} to French:", "completion": f"le {w}"} for w in
+            ["cat", "dog", "house", "tree", "car", "book", "sun", "moon", "river", "stone", "bread", "water"] * 3]
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = [*FAST, "model=tiny", "steps=2", "task=custom", "task.kind=generation", f"task.path={data}",
+            "task.template='{prompt}'", "task.answers_field=completion", "task.max_new_tokens=4",
+            "task.val_size=4", "task.test_size=4", *[a for a in offload if a != "offload=cpu"]]
+    res = train(make_config(*args), tmp_path / "r")
+    off = train(make_config(*args, "offload=cpu"), tmp_path / "o")
+    assert (res["validation_f1_after"], res["test_f1"]) == (off["validation_f1_after"], off["test_f1"])
+    name = "adapter.safetensors" if "peft=lora" in offload else "model.safetensors"
+    a, b = load_file(tmp_path / "r" / "final" / name), load_file(tmp_path / "o" / "final" / name)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -96,11 +96,17 @@ def sweep_job(task: Callable[[Any, Any], Any], cfg: Any) -> Any:
     and reports the first failure at the end; Optuna's counts it against max_failure_rate). Exiting
     here, as a single run does, would end the whole sweep at its first failed job."""
     from ..errors import DistzoError, write_error_line
+    from ..parallel.mesh import peer_failure
 
     try:
         return task(cfg, None)
     except DistzoError as exc:
         write_error_line(str(exc))
+        raise
+    except RuntimeError as exc:  # a job's mesh (a SLURM launcher's) whose peer failed first: say so in one line
+        line = peer_failure(exc)
+        if line is not None:
+            write_error_line(line)
         raise
 
 

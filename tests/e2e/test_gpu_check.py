@@ -20,8 +20,9 @@ def gpu_check(tmp_path: Path, stages: str, deadline_s: int) -> tuple[subprocess.
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}  # the script's pytest is its own
     # One pytest worker: four, each importing torch and transformers, could outrun the smoke stage's 90 s
     # on a 2-core machine that runs the suite's other worker beside them.
+    # CARRIED: not this checkout's .gpu/, whose wheels benchmarks/gpu_prepare.sh chose for the GPU image
     env.update(PYTHON=sys.executable, STAGES=stages, DEADLINE_S=str(deadline_s), OUT=str(device_out),
-               GPU_TEST_WORKERS="1")
+               GPU_TEST_WORKERS="1", CARRIED=str(tmp_path))
     r = subprocess.run(["bash", "benchmarks/gpu_check.sh", str(out)], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=300)
     return r, out, device_out

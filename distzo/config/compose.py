@@ -32,18 +32,27 @@ PLUGINS = {("hydra/launcher", "submitit_slurm"): "hydra-submitit-launcher",
 def register_configs() -> None:
     """Register the schemas so that YAML presets are checked against them, and each registered
     estimator's and optimizer's settings as the options of the `estimator` and `optim` config groups
-    (`estimator=agzo`: AGZO's settings with their defaults; distzo.registry)."""
+    (`estimator=agzo`: AGZO's settings with their defaults; distzo.registry). Once per process for
+    the same components: Hydra's ConfigStore keeps what was stored, and storing it again cost each
+    composition about a quarter of its time (a command composes three to five times)."""
+    global _registered
+    components = tuple((point, name, cls) for point in SETTINGS_BASES for name, cls in registry(point).items())
+    if components == _registered:
+        return
     store = ConfigStore.instance()
     # The top-level schema types every group's node, so each preset YAML merged into `model` or
     # `task` is checked against its dataclass without per-group schema entries.
     store.store(name="distzo_schema", node=Config)
-    for point, base in SETTINGS_BASES.items():
-        for name, cls in registry(point).items():
-            try:
-                node = component_settings(point, name, cls, base)
-            except ValueError as exc:  # a plugin's mistake: one line naming it, whichever component a run chooses
-                raise ConfigError(f"{exc}; fix it, or remove its module from DISTZO_PLUGINS") from None
-            store.store(group=registry(point).point.group, name=name, node=node)
+    for point, name, cls in components:
+        try:
+            node = component_settings(point, name, cls, SETTINGS_BASES[point])
+        except ValueError as exc:  # a plugin's mistake: one line naming it, whichever component a run chooses
+            raise ConfigError(f"{exc}; fix it, or remove its module from DISTZO_PLUGINS") from None
+        store.store(group=registry(point).point.group, name=name, node=node)
+    _registered = components
+
+
+_registered: tuple | None = None  # the (point, name, class) of every component register_configs stored
 
 
 SETTINGS_BASES = {"estimator": EstimatorSettings, "optimizer": OptimSettings}

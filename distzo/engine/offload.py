@@ -157,13 +157,7 @@ class OffloadStore(WeightStore):
         nothing is done (force: stream anyway, which the tests use to check the swapping)."""
         if self.device.type == "cpu" and not force:
             return nullcontext()
-
-        def acquire(i: int) -> Mapping[str, torch.Tensor]:
-            self.streamer.prefetch_from(i)
-            return self.streamer.acquire(i)
-
-        return streamed_stock_forward(self.adapter, acquire, lambda i: self.streamer.release(i, write_back=False),
-                                      self.streamer.synchronize)
+        return streamed_stock_forward(self.adapter, self.streamer)
 
     def host_master_bytes(self) -> dict[str, int]:
         copy = sum(b.numel * b.flat.element_size() for b in self.host_blocks)

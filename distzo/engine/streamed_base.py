@@ -215,14 +215,7 @@ class StreamedBaseStore(ResidentStore):
         is done (force: stream anyway, the tests' check)."""
         if self.device.type == "cpu" and not force:
             return nullcontext()
-
-        def acquire(i: int) -> dict[str, torch.Tensor]:
-            self.streamer.prefetch_from(i)
-            self.streamer.acquire(i)
-            return self._sources(i)
-
-        return streamed_stock_forward(self.adapter, acquire, lambda i: self.streamer.release(i, write_back=False),
-                                      self.streamer.synchronize)
+        return streamed_stock_forward(self.adapter, self.streamer, self._sources)
 
     def host_master_bytes(self) -> dict[str, int]:
         copy = sum(b.numel for b in self.host_blocks)

@@ -622,14 +622,19 @@ class BlockStreamer:
 
 
 @contextmanager
-def streamed_stock_forward(adapter: DecoderAdapter, acquire: Callable[[int], Mapping[str, torch.Tensor]],
-                           release: Callable[[int], None], synchronize: Callable[[], None]) -> Iterator[None]:
+def streamed_stock_forward(adapter: DecoderAdapter, streamer: BlockStreamer,
+                           tensors: Callable[[int], Mapping[str, torch.Tensor]] | None = None) -> Iterator[None]:
     """Inside: the stock model's own forward (transformers' Trainer evaluating) reads streamed blocks
-    (ZO2's offloaded inference). As the forward reaches block i, `acquire(i)` uploads it (and starts
-    the next ones) and returns its tensors by full parameter name, which stand in for the block's
-    parameters as `call_with` swaps them; after the block the parameters are put back and
-    `release(i)` frees its slot, nothing written back."""
+    (ZO2's offloaded inference). As the forward reaches block i, the streamer uploads it (and starts
+    the next ones); its tensors by full parameter name (`tensors(i)`, by default what the streamer's
+    `acquire` returns) stand in for the block's parameters as `call_with` swaps them; after the block
+    the parameters are put back and its slot is released, nothing written back."""
     swapped: dict[int, list[tuple[nn.Module, str, Any]]] = {}
+
+    def acquire(i: int) -> Mapping[str, torch.Tensor]:
+        streamer.prefetch_from(i)
+        acquired = streamer.acquire(i)
+        return tensors(i) if tensors is not None else acquired
 
     def enter(i: int, prefix: str, slots: dict[str, tuple[nn.Module, str]]) -> None:
         saved = []
@@ -642,7 +647,7 @@ def streamed_stock_forward(adapter: DecoderAdapter, acquire: Callable[[int], Map
     def leave(i: int) -> None:
         for sub, attr, old in reversed(swapped.pop(i)):
             sub._parameters[attr] = old
-        release(i)
+        streamer.release(i, write_back=False)
 
     hooks = []
     for i, (prefix, module) in enumerate(adapter.blocks):
@@ -657,7 +662,7 @@ def streamed_stock_forward(adapter: DecoderAdapter, acquire: Callable[[int], Map
             hook.remove()
         for i in list(swapped):  # a forward that raised inside a block
             leave(i)
-        synchronize()
+        streamer.synchronize()
 
 
 # (block index, the slot's flat buffer, [lo, hi) of the block, the slot's float32 delta buffer or None)

@@ -78,11 +78,9 @@ class RunDirectory:
             for name in RESULT_FILES:  # resume=auto continues neither: refused whatever it says
                 if (path / name).exists():
                     raise ConfigError(f"{path} already holds a run ({name}); choose another {key}")
-            if (path / "metrics.jsonl").exists() and not resumable:
-                raise ConfigError(f"{path} already holds a run (metrics.jsonl); choose another {key}")
-            if (path / "metrics.jsonl").exists() and cfg.resume != "auto":
-                raise ConfigError(f"{path} already holds a run (metrics.jsonl); choose another {key} or add "
-                                  "resume=auto to continue it")
+            if (path / "metrics.jsonl").exists() and (not resumable or cfg.resume != "auto"):
+                continue_it = " or add resume=auto to continue it" if resumable else ""
+                raise ConfigError(f"{path} already holds a run (metrics.jsonl); choose another {key}{continue_it}")
             if cfg.resume == "auto" and resumable:
                 check_resumable(cfg, path)
         return cls(path, created_from)

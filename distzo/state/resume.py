@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from ..config.compose import PATH_SETTINGS
 from ..config.legacy import v1_sections
 from ..config.schema import Config
 from ..engine import Engine
@@ -165,17 +166,14 @@ class ResumePoint:
         return read_optimizer_state(Path(self.snapshot)) if self.snapshot is not None else None
 
 
-# fingerprint_keys' entries that name a file or folder (the command line makes relative ones absolute)
-_PATH_KEYS = (("model", "path"), ("model", "tokenizer"), ("task", "path"))
-
-
 def _as_recorded_paths(keys: dict[str, Any], recorded: dict[str, Any] | None) -> dict[str, Any]:
     """`keys` with each path the run recorded relative (written before the command line made them
     absolute) put back where it names the same file from here, so such a run still resumes."""
     if not recorded:
         return keys
     keys = json.loads(json.dumps(keys))
-    for section, key in _PATH_KEYS:
+    for setting in PATH_SETTINGS:  # those the fingerprint holds (eval.run is not among them)
+        section, key = setting.split(".")
         there, here = recorded.get(section, {}).get(key), keys.get(section, {}).get(key)
         if isinstance(there, str) and isinstance(here, str) and not os.path.isabs(there) \
                 and os.path.isabs(here) and os.path.abspath(os.path.expanduser(there)) == here:

@@ -459,7 +459,7 @@ class Trainer:
         step_times = self._step_times
         # A resumed session evaluated nothing before training: the run's own evaluation before its
         # first step is in metrics.jsonl (logs are cut after the resume point, never before step 1).
-        before = first if first is not None else self._logged_validation_before()
+        before = first if first is not None else self._logged_validation(0)
         summary = Summary({
             "steps": steps, "resumed_from_step": self.start_step, "seed": self.seed, "mesh": str(mesh.shape),
             "directions_version": DIRECTIONS_VERSION,
@@ -495,11 +495,6 @@ class Trainer:
                  headline(first) if first else f"(resumed at step {self.start_step})", headline(result), steps, chosen,
                  pace, headline(test))
         return summary
-
-    def _logged_validation_before(self) -> dict[str, Any] | None:
-        """The validation evaluation of step 0 that metrics.jsonl holds (None without one), read on rank
-        0 for every rank. Collective."""
-        return self._logged_validation(0)
 
     def _logged_validation(self, step: int) -> dict[str, Any] | None:
         """The validation evaluation of `step` that metrics.jsonl holds (None without one), read on rank

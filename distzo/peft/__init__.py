@@ -55,10 +55,11 @@ def apply_peft(model: nn.Module, cfg: PeftConfig) -> None:
 def peft_library_layers(model: nn.Module) -> list[str]:
     """Names of the modules the peft library put into `model`: tuner layers (LoRA, IA3, ... keep the
     layer they adapt as `base_layer`) and its wrappers (modules_to_save, trainable tokens)."""
+    from ..models.adapters import adapted_layer
+
     return [name for name, module in model.named_modules()
             if type(module).__module__.split(".", 1)[0] == "peft"
-            and (getattr(module, "base_layer", None) is not None or hasattr(module, "original_module")
-                 or hasattr(module, "token_adapter"))]
+            and (adapted_layer(module) is not None or hasattr(module, "original_module"))]
 
 
 def attached_peft(model: nn.Module) -> str | None:

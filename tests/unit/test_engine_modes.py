@@ -21,9 +21,12 @@ from distzo.zo.params import TrainableParams
 from tests.conftest import make_config
 
 
-def engine_for(*overrides):
+def engine_for(*overrides, vocab: int = 300):
+    from distzo.models.quantize import quantize_base
+
     cfg = make_config("model=tiny", *overrides)
-    model = random_model("llama", 300, {}, 0, torch.float32)
+    model = random_model("llama", vocab, {}, 0, torch.float32)
+    quantize_base(model, cfg.model.quantize)
     apply_peft(model, cfg.peft)
     params = TrainableParams.from_model(model)
     estimator = build_estimator(cfg.estimator)
@@ -136,16 +139,8 @@ def test_the_stock_forward_of_an_offloaded_model_streams_its_blocks(overrides):
     afterwards. Forced on the CPU: the logits equal the plain forward's bitwise (the same values, the
     same operations), except through a bfloat16 transfer, which rounds the block weights as the
     engine's own walk reads them; the parameters, hooks and slots are as before."""
-    from distzo.models.quantize import quantize_base
-
-    cfg = make_config("model=tiny", *overrides)
-    model = random_model("llama", 300, {}, 0, torch.float32)
-    quantize_base(model, cfg.model.quantize)
-    apply_peft(model, cfg.peft)
-    engine = build_engine(EngineSetup(Mesh.single(), model, adapter_for(model), TrainableParams.from_model(model),
-                                      Directions(0), build_estimator(cfg.estimator), cfg.engine, cfg.offload, cfg.comm,
-                                      str(cfg.peft.method), cfg.micro_batch_size))
-    store = engine.store
+    engine = engine_for(*overrides)
+    model, store = engine.model, engine.store
     q_proj = model.model.layers[1].self_attn.q_proj
     read = []
     probe = q_proj.register_forward_pre_hook(lambda m, a: read.append(m._parameters["weight"]))
@@ -174,11 +169,8 @@ def test_greedy_decoding_through_streamed_blocks_is_the_plain_decoding():
     from distzo.models.loading import load_tokenizer
 
     tokenizer = load_tokenizer("smollm2")
-    model = random_model("llama", len(tokenizer), {}, 0, torch.float32)
-    cfg = make_config("model=tiny", "offload=cpu")
-    engine = build_engine(EngineSetup(Mesh.single(), model, adapter_for(model), TrainableParams.from_model(model),
-                                      Directions(0), build_estimator(cfg.estimator), cfg.engine, cfg.offload, cfg.comm,
-                                      "none", None))
+    engine = engine_for("offload=cpu", vocab=len(tokenizer))
+    model = engine.model
     prompts = [tokenizer("Q: what is red A:").input_ids, tokenizer("Q: name a cat A:").input_ids]
     with engine.materialized(), torch.inference_mode():
         plain = greedy_decode(model, tokenizer, prompts, 6, "\n", tokenizer.pad_token_id)

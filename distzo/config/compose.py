@@ -96,10 +96,24 @@ def typed(cfg: Any) -> Config:
         return cfg
     from omegaconf import OmegaConf
 
+    if OmegaConf.get_type(cfg) is Config:
+        # A composition (typed by distzo_schema): each section converts on its own, and the `hydra`
+        # key is left out. Converting the whole root instead needs a copy without `hydra` merged into
+        # a fresh schema first, 30x the cost, and a command types its configuration four times.
+        return Config(**{f.name: _section(cfg, f.name) for f in fields(Config)})
     if "hydra" in cfg:  # the copy without it is a plain DictConfig: typed again by the schema
         cfg = OmegaConf.merge(OmegaConf.structured(Config),
                               OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]))
     return OmegaConf.to_object(cfg)
+
+
+def _section(cfg: Any, key: str) -> Any:
+    """One key of a typed composition as `OmegaConf.to_object` gives it: a section as its
+    dataclass, a value resolved (an enum field as its Enum)."""
+    from omegaconf import OmegaConf
+
+    node = cfg._get_node(key)
+    return OmegaConf.to_object(node) if OmegaConf.is_config(node) else cfg[key]
 
 
 def saved_form(cfg: Config) -> Any:

@@ -129,6 +129,29 @@ def test_the_layers_below_the_run_receive_the_schema_dataclasses(monkeypatch):
     assert typed(typed(cfg)) is typed(cfg)
 
 
+def test_typing_a_composition_section_by_section_equals_converting_it_whole():
+    """typed() converts a composition one section at a time (the fast path); OmegaConf's conversion of
+    the whole root (without the `hydra` key, merged into a fresh schema) is the reference: equal
+    dataclasses with the same types, field by field, for every registered estimator and optimizer
+    (each its own settings class), presets of every group, with and without the `hydra` section."""
+    from distzo.registry import registry
+
+    sets = [[f"estimator={name}"] for name, _ in registry("estimator").items()]
+    sets += [[f"optim={name}"] for name, _ in registry("optimizer").items()]
+    sets += [["model=tiny", "peft=lora", "estimator=prge", "optim=adam", "seed=null", "micro_batch_size=4",
+              "keep_best=accuracy", "mesh=2x2", "device=cpu", "engine.compute=bf16", "offload=cpu"],
+             ["model=tiny-opt", "+model.arch_config.max_position_embeddings=2048", "task=lm-2048", "peft=prefix",
+              "logger=wandb", "task.kind=lm"]]
+    for i, overrides in enumerate(sets):
+        with_hydra = i % 2 == 0
+        cfg = compose_config(overrides, with_hydra=with_hydra)
+        root = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]) if with_hydra else cfg
+        reference = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), root))
+        fast = typed(cfg)
+        assert fast == reference, overrides
+        assert [type(getattr(fast, f)) for f in vars(fast)] == [type(getattr(reference, f)) for f in vars(fast)]
+
+
 def _cfg_parameters(path: Path):
     """(function, annotation text or None) of every parameter named cfg in a module."""
     import ast
@@ -161,21 +184,22 @@ def test_the_run_state_and_telemetry_layers_take_a_typed_configuration():
 
 
 def test_a_training_run_converts_its_configuration_once(monkeypatch, tmp_path):
+    """A composed configuration becomes the schema's Config once, at the entry point: every
+    conversion builds one Config (typed's, or OmegaConf.to_object's of a whole root), counted here."""
+    import sys
+
     import distzo
     from tests.conftest import TINY
 
     cfg = distzo.compose(*TINY, "steps=2", "checkpoint.every=0", "save_final=false")
-    import sys
+    assert not isinstance(cfg, Config)
+    calls, real = [], Config.__init__
 
-    calls, real = [], OmegaConf.to_object
+    def init(self, *args, **kwargs):
+        calls.append(sys._getframe(1).f_globals.get("__name__", ""))
+        real(self, *args, **kwargs)
 
-    def to_object(node):
-        caller = sys._getframe(1).f_globals.get("__name__", "")
-        if caller.startswith("distzo"):  # not OmegaConf's own recursion into the sections
-            calls.append(caller)
-        return real(node)
-
-    monkeypatch.setattr(OmegaConf, "to_object", to_object)
+    monkeypatch.setattr(Config, "__init__", init)
     distzo.train(cfg, tmp_path / "run")
     assert calls == ["distzo.config.compose"]
 

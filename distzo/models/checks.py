@@ -5,6 +5,7 @@ Raises ConfigError with the path and the fix."""
 
 from __future__ import annotations
 
+import json
 from typing import Callable
 
 import torch
@@ -41,8 +42,20 @@ def check_model_config(m: ModelConfig) -> None:
         raise ConfigError(f"model.init_device={m.init_device} sets where a random model's weights are drawn; the "
                           f"{m.name} preset loads a checkpoint. Drop model.init_device")
     if m.source == "random":
-        # Built on the meta device (no memory, instant): shape errors surface here, not mid-run.
-        random_model(str(m.arch), 1024, dict(m.arch_config), 0, getattr(torch, str(m.dtype)), device="meta")
+        _check_architecture(str(m.arch), dict(m.arch_config), str(m.dtype))
+
+
+def _check_architecture(arch: str, settings: dict, dtype: str) -> None:
+    """A random architecture builds: on the meta device (no memory), so that shape errors surface
+    before the run, not mid-run. Once per process for the same settings (a command checks its
+    configuration up to three times, at ~40 ms a build); a failure is not remembered."""
+    key = (arch, json.dumps(settings, sort_keys=True, default=repr), dtype)
+    if key not in _built:
+        random_model(arch, 1024, settings, 0, getattr(torch, dtype), device="meta")
+        _built.add(key)
+
+
+_built: set[tuple[str, str, str]] = set()  # the architectures _check_architecture has built
 
 
 def check_positions(model: torch.nn.Module, longest: Callable[[], int], task: str) -> None:

@@ -163,6 +163,36 @@ def _cfg_parameters(path: Path):
                     yield node.name, ast.unparse(arg.annotation) if arg.annotation is not None else None
 
 
+def test_a_random_architecture_is_built_once_per_process_and_a_bad_one_refused_every_time(monkeypatch):
+    """check_model_config builds a random architecture on the meta device; a command checks its
+    configuration up to three times, so a build that succeeded is remembered for the same settings
+    (other settings, another dtype: built again), and one that failed is refused again."""
+    from distzo.models import checks
+
+    builds = []
+    real = checks.random_model
+
+    def counted(arch, *args, **kwargs):
+        builds.append((arch, args[1]))
+        return real(arch, *args, **kwargs)
+
+    monkeypatch.setattr(checks, "random_model", counted)
+    monkeypatch.setattr(checks, "_built", set())
+    tiny = typed(compose_config(["model=tiny"])).model
+    for _ in range(3):
+        checks.check_model_config(tiny)
+    assert len(builds) == 1
+    wider = dataclasses.replace(tiny, arch_config={**tiny.arch_config, "intermediate_size": 96})
+    checks.check_model_config(wider)
+    checks.check_model_config(dataclasses.replace(tiny, dtype="bfloat16"))
+    assert len(builds) == 3
+    bad = dataclasses.replace(tiny, arch_config={**tiny.arch_config, "hidden_size": -8})
+    for _ in range(2):
+        with pytest.raises(ConfigError, match="does not make a valid llama model"):
+            checks.check_model_config(bad)
+    assert len(builds) == 5
+
+
 def test_the_run_state_and_telemetry_layers_take_a_typed_configuration():
     """No `cfg` without a type or typed Any below the public entry points; those (train, Trainer,
     evaluate, bench) may take a DictConfig and say so, and convert it once."""

@@ -4,7 +4,8 @@ uses the gloo backend on CPU.
 
 Importing torch and transformers costs a process about 6 s of CPU, which on the 2-core CI machine
 dominated the suite when every rank of every run paid it. `torchrun()` therefore forks each run's
-ranks from a forkserver that imported distzo, torch and transformers once, and gives them the
+ranks from a forkserver that imported distzo, torch and transformers once (and composed and checked
+one configuration, `warm_server`, for what a process pays at its first), and gives them the
 environment torchrun gives its workers (RANK, LOCAL_RANK, WORLD_SIZE, ..., TORCHELASTIC_*), and hosts
 the job's TCP store itself as torchrun's agent does (`TORCHELASTIC_USE_AGENT_STORE=True`). Like
 torchrun, it stops the other ranks once one has failed. `start_ranks()` forks the ranks of
@@ -67,7 +68,7 @@ def set_rank_env(rank: int, world: int, port: int, job: int = 0) -> None:
 PRELOAD = ["distzo.__main__", "distzo.run.training", "distzo.run.bench", "distzo.run.replay", "distzo.run.checks",
            "transformers", "transformers.trainer", "distzo.hf.trainer",
            "transformers.models.llama.modeling_llama", "transformers.models.opt.modeling_opt",
-           "transformers.models.qwen2.modeling_qwen2"]
+           "transformers.models.qwen2.modeling_qwen2", "tests.distributed.warm_server"]
 _server_lock = threading.Lock()
 _context = None
 

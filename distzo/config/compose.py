@@ -112,8 +112,8 @@ def _section(cfg: Any, key: str) -> Any:
     dataclass, a value resolved (an enum field as its Enum)."""
     from omegaconf import OmegaConf
 
-    node = cfg._get_node(key)
-    return OmegaConf.to_object(node) if OmegaConf.is_config(node) else cfg[key]
+    value = cfg[key]
+    return OmegaConf.to_object(value) if OmegaConf.is_config(value) else value
 
 
 def saved_form(cfg: Config) -> Any:

@@ -40,7 +40,11 @@ def start_own_workers(command: str, args: list[str]) -> bool:
     flags, overrides = split_args(args)
     if launcher() != "none" or MULTIRUN.intersection(flags) or SKIP_PRECHECK.intersection(flags) or "--cfg" in flags:
         return False
+    from .hydra_app import single_run, single_run_overrides
+
     with reported():
+        if single_run(flags, overrides):  # the composition the run itself will use (composed once)
+            overrides = single_run_overrides(command, overrides)
         cfg = compose_and_check(overrides, check_world=False)
         try:
             return run_local_workers(command, args, cfg)

@@ -129,3 +129,70 @@ def test_a_relative_data_path_is_found_from_a_job_that_changes_directory(tmp_pat
     assert r.returncode == 0, r.stderr[-2000:]
     saved = (tmp_path / "run" / ".hydra" / "config.yaml").read_text()
     assert f"path: {tmp_path / 'reviews.jsonl'}" in saved
+
+
+def test_a_run_without_hydra_flags_is_hydras_run_of_the_checked_configuration(tmp_path):
+    """A run without Hydra flags runs Hydra's job on the configuration the command composed and checked
+    (distzo.cli.hydra_app.run_single) instead of handing the command line to hydra.main, which would
+    compose it twice more. hydra.main's run is the reference (an explicit hydra.mode=RUN takes that
+    path): the same .hydra/ files (but for the run directory, and the order of the hydra overrides),
+    the same log lines, and the callbacks of hydra.callbacks called at the same events; a job that
+    raises gets Hydra's report of it and exit status 1 on both."""
+    import re
+
+    import yaml
+
+    def run(name, *extra, env=None):
+        events = tmp_path / f"{name}.events"
+        r = run_forked(1, ["train", "model=tiny", "task=synthetic-cue", "steps=2", "eval_every=0", "save_final=false",
+                           "+hydra.callbacks.record._target_=tests.plugins.hydra_events.RecordEvents",
+                           f"+hydra.callbacks.record.path={events}", f"hydra.run.dir={tmp_path / name}", *extra],
+                       cwd=tmp_path, timeout=300, env=env)
+        return r, events.read_text().splitlines()
+
+    def hydra_files(name):
+        files = {f: yaml.safe_load((tmp_path / name / ".hydra" / f).read_text())
+                 for f in ("config.yaml", "hydra.yaml", "overrides.yaml")}
+        h = files["hydra.yaml"]["hydra"]
+        h["run"]["dir"] = h["runtime"]["output_dir"] = None
+        h["callbacks"]["record"]["path"] = None
+        h["overrides"]["hydra"] = sorted(o for o in h["overrides"]["hydra"]
+                                         if not o.startswith(("hydra.run.dir=", "+hydra.callbacks.record.path=")))
+        return files
+
+    def log_lines(name):  # without the time stamps, durations and the run directory
+        text = (tmp_path / name / "train.log").read_text().replace(str(tmp_path / name), "RUN")
+        return [re.sub(r"[\d.]+ ?s\b", "T", line.split("]", 1)[1]) for line in text.splitlines() if line.startswith("[")]
+
+    plain, events = run("plain")
+    reference, reference_events = run("reference", "hydra.mode=RUN")
+    assert plain.returncode == reference.returncode == 0, plain.stderr[-2000:] + reference.stderr[-2000:]
+    assert hydra_files("plain") == hydra_files("reference")
+    assert hydra_files("plain")["hydra.yaml"]["hydra"]["mode"] == "RUN"
+    assert log_lines("plain") == log_lines("reference") and len(log_lines("plain")) > 5
+    assert events == reference_events
+    assert [e.split()[0] for e in events] == ["on_run_start", "on_job_start", "on_job_end", "on_run_end"], events
+    assert "status=COMPLETED" in events[2]
+    # a job that raises (here an optimizer plugin's bug): Hydra's report of it, exit status 1
+    (tmp_path / "broken.py").write_text(BROKEN_OPTIMIZER)
+    failed = {}
+    for name, extra in (("plain-fails", ()), ("reference-fails", ("hydra.mode=RUN",))):
+        r, events = run(name, "optim=broken", *extra, env={"DISTZO_PLUGINS": str(tmp_path / "broken.py")})
+        assert r.returncode == 1 and "RuntimeError: the broken optimizer's bug" in r.stderr, r.stderr[-2000:]
+        assert "Error executing job with overrides" in r.stderr and "HYDRA_FULL_ERROR=1" in r.stderr
+        failed[name] = [e.split()[:2] for e in events]
+    assert failed["plain-fails"] == failed["reference-fails"]
+    assert [e[0] for e in failed["plain-fails"]] == ["on_run_start", "on_job_start", "on_job_end", "on_run_end"]
+    assert failed["plain-fails"][2][1] == "status=FAILED"
+
+
+BROKEN_OPTIMIZER = """
+from distzo.registry import register
+from distzo.zo.optimizers import Optimizer
+
+
+@register("optimizer", "broken")
+class Broken(Optimizer):
+    def update(self, x, state, terms, decay, constants):
+        raise RuntimeError("the broken optimizer's bug")
+"""

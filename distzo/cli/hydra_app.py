@@ -44,24 +44,15 @@ def run_hydra(task: Callable[[Any, Any], Any], command: str, args: list[str]) ->
     command claimed for rank 0 of a single run, else None)."""
     import hydra
 
-    from ..config.compose import (
-        absolute_path_overrides,
-        config_dir,
-        override_key,
-        register_configs,
-        search_path_override,
-        upgrade_overrides,
-        user_config_dirs,
-    )
+    from ..config.compose import config_dir, override_key, register_configs
     from ..run.checks import compose_and_check
-    from ..run.launcher import restart_overrides
 
     register_configs()
     flags, overrides = split_args(args)
     multirun = bool(MULTIRUN.intersection(flags))
     if single_run(flags, overrides):
         return run_single(task, command, overrides)
-    overrides = absolute_path_overrides(upgrade_overrides(overrides if multirun else restart_overrides(overrides)))
+    overrides = command_overrides(overrides, multirun)
     if multirun and launched_world_size() > 1:
         fail("-m (multirun) cannot run under torchrun: every rank would sweep on its own; run one torchrun "
              "per configuration instead")
@@ -71,8 +62,6 @@ def run_hydra(task: Callable[[Any, Any], Any], command: str, args: list[str]) ->
         fail(f"{command} -m runs every configuration in this one process, so the mesh cannot vary; sweep layouts "
              "with python -m distzo sweep mesh=1x2,2x1 ... (one torchrun job per layout)")
     conf = config_dir()
-    if not any(override_key(o) == "hydra.searchpath" for o in overrides):  # your presets ($DISTZO_CONFIG_PATH)
-        overrides = search_path_override(user_config_dirs()) + overrides
     claimed = None
     if not SKIP_PRECHECK.intersection(flags):
         # eval deals its batches over whatever processes run (the library fits the mesh to them)
@@ -101,11 +90,10 @@ def single_run(flags: list[str], overrides: list[str]) -> bool:
     return not flags and not any(override_key(o) in ("hydra.mode", "hydra.verbose") for o in overrides)
 
 
-def single_run_overrides(command: str, overrides: list[str]) -> list[str]:
-    """The overrides a single run of `command` composes: the command line's, upgraded, made absolute
-    and continued after a restart (`restart_overrides`), your config directories' search path, this
-    rank's (`worker_overrides`), the help's application name, and hydra.mode=RUN (what hydra.main
-    adds to a run's overrides)."""
+def command_overrides(overrides: list[str], multirun: bool = False) -> list[str]:
+    """The command line's overrides as Hydra composes them: upgraded from older keys, relative paths
+    made absolute, continued after a restart (`restart_overrides`, not for a sweep), and your config
+    directories ($DISTZO_CONFIG_PATH) on the search path."""
     from ..config.compose import (
         absolute_path_overrides,
         override_key,
@@ -115,10 +103,17 @@ def single_run_overrides(command: str, overrides: list[str]) -> list[str]:
     )
     from ..run.launcher import restart_overrides
 
-    overrides = absolute_path_overrides(upgrade_overrides(restart_overrides(overrides)))
+    overrides = absolute_path_overrides(upgrade_overrides(overrides if multirun else restart_overrides(overrides)))
     if not any(override_key(o) == "hydra.searchpath" for o in overrides):
         overrides = search_path_override(user_config_dirs()) + overrides
-    return overrides + worker_overrides() + [f"hydra.help.app_name={command}", "hydra.mode=RUN"]
+    return overrides
+
+
+def single_run_overrides(command: str, overrides: list[str]) -> list[str]:
+    """The overrides a single run of `command` composes: the command line's (`command_overrides`),
+    this rank's (`worker_overrides`), the help's application name, and hydra.mode=RUN (which
+    hydra.main adds to a run's overrides)."""
+    return command_overrides(overrides) + worker_overrides() + [f"hydra.help.app_name={command}", "hydra.mode=RUN"]
 
 
 def run_single(task: Callable[[Any, Any], Any], command: str, overrides: list[str]) -> None:

@@ -36,12 +36,11 @@ def start_own_workers(command: str, args: list[str]) -> bool:
     a mistake costs one line, not one per worker."""
     from ..run.checks import compose_and_check
     from ..run.launcher import WorkerFailed, run_local_workers
+    from .hydra_app import single_run, single_run_overrides
 
     flags, overrides = split_args(args)
     if launcher() != "none" or MULTIRUN.intersection(flags) or SKIP_PRECHECK.intersection(flags) or "--cfg" in flags:
         return False
-    from .hydra_app import single_run, single_run_overrides
-
     with reported():
         if single_run(flags, overrides):  # the composition the run itself will use (composed once)
             overrides = single_run_overrides(command, overrides)

@@ -162,7 +162,8 @@ def test_a_run_without_hydra_flags_is_hydras_run_of_the_checked_configuration(tm
 
     def log_lines(name):  # without the time stamps, durations and the run directory
         text = (tmp_path / name / "train.log").read_text().replace(str(tmp_path / name), "RUN")
-        return [re.sub(r"[\d.]+ ?s\b", "T", line.split("]", 1)[1]) for line in text.splitlines() if line.startswith("[")]
+        return [re.sub(r"[\d.]+ ?s\b", "T", line.split("]", 1)[1])
+                for line in text.splitlines() if line.startswith("[")]
 
     plain, events = run("plain")
     reference, reference_events = run("reference", "hydra.mode=RUN")

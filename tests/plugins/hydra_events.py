@@ -23,8 +23,9 @@ class RecordEvents(Callback):
         self._record("on_job_start", f"mode={config.hydra.mode}")
 
     def on_job_end(self, config: Any, job_return: Any, **kwargs: Any) -> None:
-        done = job_return.status.name == "COMPLETED"
-        self._record("on_job_end", f"status={job_return.status.name}" + (f" return={job_return.return_value}" if done else ""))
+        status = job_return.status.name
+        returned = f" return={job_return.return_value}" if status == "COMPLETED" else ""
+        self._record("on_job_end", f"status={status}{returned}")
 
     def on_run_end(self, config: Any, **kwargs: Any) -> None:
         self._record("on_run_end")

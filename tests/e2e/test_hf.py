@@ -15,8 +15,6 @@ import math
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -25,7 +23,7 @@ import torch
 from safetensors.torch import load_file
 from transformers.trainer_utils import get_last_checkpoint
 
-from tests.distributed.launch import ENV, torchrun_script
+from tests.distributed.launch import ForkedJob, run_forked, torchrun_script
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "hf_trainer.py"
@@ -162,21 +160,19 @@ def test_a_checkpoint_resumes_bitwise_after_sigkill(trained, model_folder, tmp_p
     `train(resume_from_checkpoint=True)` continues from the last one: the final weights are the
     uninterrupted run's, bitwise."""
     out = tmp_path / "killed"
-    args = [sys.executable, str(SCRIPT), "--model", str(model_folder), "--output", str(out), "--steps", str(STEPS),
+    args = ["--script", str(SCRIPT), "--model", str(model_folder), "--output", str(out), "--steps", str(STEPS),
             "--save-steps", "4"]
-    proc = subprocess.Popen(args, env={**ENV, "PYTHONPATH": str(ROOT)}, cwd=tmp_path, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
+    job = ForkedJob(1, args, cwd=tmp_path)  # `python examples/hf_trainer.py ...`, forked from the preloaded server
     deadline = time.time() + 300
-    while time.time() < deadline and not (out / "checkpoint-4").exists():  # renamed into place when complete
-        time.sleep(0.05)
-    os.kill(proc.pid, signal.SIGKILL)  # when it lands (a loaded machine may be a few steps later) does not matter:
-    proc.wait()  # only complete checkpoints carry the name resume looks for
-    assert not (out / "final").exists()  # it did not finish
+    while time.time() < deadline and not (out / "checkpoint-4").exists() and job.running():  # renamed into place
+        time.sleep(0.05)  # when complete
+    os.kill(job.ranks[0].pid, signal.SIGKILL)  # when it lands (a loaded machine may be a few steps later) does not
+    assert job.wait(timeout=60).returncode == 128 + signal.SIGKILL  # matter: only complete checkpoints carry the
+    assert not (out / "final").exists()  # name resume looks for; it did not finish
     last = get_last_checkpoint(str(out))
     assert last is not None and (Path(last) / "zo_state" / "weights.safetensors").exists()
     assert (Path(last) / "trainer_state.json").exists()
-    r = subprocess.run([*args, "--resume"], env={**ENV, "PYTHONPATH": str(ROOT)}, cwd=tmp_path, capture_output=True,
-                       text=True, timeout=600)
+    r = run_forked(1, [*args, "--resume"], cwd=tmp_path, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     ref = load_file(trained[4] / "final" / "model.safetensors")
     got = load_file(out / "final" / "model.safetensors")

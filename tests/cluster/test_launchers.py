@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from distzo.telemetry.jsonl import read_jsonl
 from tests.cluster.common import ENV, FAST, ROOT, wait_for_jobs
-from tests.distributed.launch import run_forked
+from tests.distributed.launch import ForkedJob, run_forked
 
 SCRIPT = ROOT / "slurm" / "train.sbatch"
 
@@ -41,8 +41,15 @@ def torchrun_reference(tmp_path: Path, nproc: int, *overrides: str) -> Path:
 
 
 def distzo(*args: str, cwd: Path, env: dict | None = None, **kwargs) -> subprocess.Popen:
+    """`python -m distzo ARGS` as a fresh interpreter with SLURM's client environment (`env`)."""
     return subprocess.Popen([sys.executable, "-m", "distzo", *args], cwd=cwd, env={**ENV, **(env or {})},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+
+
+def self_launcher(*args: str, cwd: Path) -> ForkedJob:
+    """`python -m distzo ARGS` as a plain process (no launcher's environment), forked from the suite's
+    preloaded server: the self-launcher, whose workers the elastic agent starts as fresh interpreters."""
+    return ForkedJob(1, list(args), cwd=cwd)
 
 
 def train_lines(run: Path) -> int:
@@ -60,27 +67,27 @@ SELF_LAUNCHED = ("model=tiny", "task=synthetic-cue", "mesh=1x2", "steps=20", "ev
 
 def test_a_plain_process_starts_its_workers_and_equals_torchrun(tmp_path):
     reference = torchrun_reference(tmp_path, 2, *SELF_LAUNCHED)
-    p = distzo("train", *SELF_LAUNCHED, f"hydra.run.dir={tmp_path / 'self'}", cwd=tmp_path)
-    out, err = p.communicate(timeout=600)
-    assert p.returncode == 0, err[-3000:]
-    assert "Starting 2 local workers" in out
+    r = self_launcher("train", *SELF_LAUNCHED, f"hydra.run.dir={tmp_path / 'self'}", cwd=tmp_path).wait(600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "Starting 2 local workers" in r.stdout
     summary = json.loads((tmp_path / "self" / "summary.json").read_text())
     assert summary["mesh"] == "1x2" and len(summary["replica_checksums"]) == 2
     assert_same_weights(reference, tmp_path / "self" / "final" / "model.safetensors")
 
 
-def workers_of(launcher: subprocess.Popen) -> list[psutil.Process]:
-    return [c for c in psutil.Process(launcher.pid).children(recursive=True) if "distzo" in " ".join(c.cmdline())]
+def workers_of(launcher: ForkedJob) -> list[psutil.Process]:
+    return [c for c in psutil.Process(launcher.ranks[0].pid).children(recursive=True)
+            if "distzo" in " ".join(c.cmdline())]
 
 
-def start_long_self_launched_run(tmp_path: Path, name: str) -> tuple[subprocess.Popen, Path]:
+def start_long_self_launched_run(tmp_path: Path, name: str) -> tuple[ForkedJob, Path]:
     run = tmp_path / name
-    p = distzo("train", *SELF_LAUNCHED[:3], "steps=100000", "eval_every=0", "task.val_size=16", "task.test_size=16",
-               "checkpoint.every=0", f"hydra.run.dir={run}", cwd=tmp_path)
+    p = self_launcher("train", *SELF_LAUNCHED[:3], "steps=100000", "eval_every=0", "task.val_size=16",
+                      "task.test_size=16", "checkpoint.every=0", f"hydra.run.dir={run}", cwd=tmp_path)
     deadline = time.time() + 300
-    while train_lines(run) < 3 and time.time() < deadline and p.poll() is None:
+    while train_lines(run) < 3 and time.time() < deadline and p.running():
         time.sleep(0.2)
-    assert p.poll() is None and train_lines(run) >= 3, p.stderr.read()[-3000:] if p.poll() is not None else ""
+    assert p.running() and train_lines(run) >= 3, "" if p.running() else p.wait().stderr[-3000:]
     return p, run
 
 
@@ -89,9 +96,10 @@ def test_a_killed_worker_ends_the_self_launched_job_with_one_line(tmp_path):
     workers = workers_of(p)
     assert len(workers) == 2
     workers[1].send_signal(signal.SIGKILL)
-    _, err = p.communicate(timeout=300)
+    r = p.wait(timeout=300)
+    err = r.stderr
     ours = [line for line in err.splitlines() if line.startswith("distzo: error:")]
-    assert p.returncode == 128 + signal.SIGKILL
+    assert r.returncode == 128 + signal.SIGKILL
     # The launcher's line ends the job; a surviving worker that noticed the loss before it was stopped
     # says so in one line of its own. No traceback, no Hydra report.
     assert "was killed by SIGKILL, so the job stopped" in ours[-1], err[-3000:]
@@ -103,9 +111,10 @@ def test_a_killed_worker_ends_the_self_launched_job_with_one_line(tmp_path):
 
 def test_sigterm_to_the_self_launcher_stops_every_worker_after_a_snapshot(tmp_path):
     p, run = start_long_self_launched_run(tmp_path, "stopped")
-    p.send_signal(signal.SIGTERM)
-    _, err = p.communicate(timeout=300)
-    assert p.returncode == 75, err[-3000:]  # EXIT_STOPPED: continue with resume=auto
+    p.ranks[0].terminate()  # SIGTERM, as kill and SLURM send it
+    r = p.wait(timeout=300)
+    err = r.stderr
+    assert r.returncode == 75, err[-3000:]  # EXIT_STOPPED: continue with resume=auto
     (snapshot,) = (run / "checkpoints").glob("step-*")
     assert f"snapshot {snapshot}; continue with resume=auto" in err
     assert int(snapshot.name.split("-")[1]) == train_lines(run)  # the step reached, snapshotted
@@ -195,11 +204,11 @@ def test_a_submitit_job_sent_its_warning_is_requeued_and_ends_as_the_uninterrupt
 
 def test_an_optuna_study_tunes_the_learning_rate_from_the_returned_metric(tmp_path):
     sweep = tmp_path / "study"
-    r = subprocess.run([sys.executable, "-m", "distzo", "train", "-m", "hydra/sweeper=optuna",
-                        "hydra.sweeper.n_trials=3", "hydra.sweeper.direction=maximize", "hydra.sweeper.sampler.seed=0",
-                        "optim.lr=tag(log, interval(1e-4, 1e-2))", *FAST[:2], "steps=20", "eval_every=0",
-                        "task.val_size=16", "task.test_size=16", "checkpoint.every=0", f"hydra.sweep.dir={sweep}"],
-                       env=ENV, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    r = run_forked(1, ["train", "-m", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=3",
+                       "hydra.sweeper.direction=maximize", "hydra.sweeper.sampler.seed=0",
+                       "optim.lr=tag(log, interval(1e-4, 1e-2))", *FAST[:2], "steps=20", "eval_every=0",
+                       "task.val_size=16", "task.test_size=16", "checkpoint.every=0", f"hydra.sweep.dir={sweep}"],
+                   cwd=tmp_path, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     import yaml
 

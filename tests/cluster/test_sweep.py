@@ -6,14 +6,14 @@ import csv
 import json
 import math
 import statistics
-import subprocess
 import sys
 
 import pytest
 
 from distzo.run.sweep import SweepError, expand, split_overrides
 from distzo.telemetry.jsonl import read_jsonl
-from tests.cluster.common import ENV, FAST
+from tests.cluster.common import FAST
+from tests.distributed.launch import run_forked
 
 
 def test_expand_is_the_cartesian_product_first_key_outermost():
@@ -75,11 +75,11 @@ def recomputed(metrics):
 
 def test_local_sweep_of_two_layouts(tmp_path):
     """Two layouts, one of them two processes (torchrun's): each is fresh interpreters, about 7 s of CPU
-    apiece, and the sweep's bookkeeping is the same for two rows as for more."""
+    apiece, and the sweep's bookkeeping is the same for two rows as for more. The sweep's own process
+    is forked from the suite's preloaded server."""
     out = tmp_path / "sweep"
-    r = subprocess.run([sys.executable, "-m", "distzo", "sweep", "mesh=1x2,1x1", *FAST, "save_final=false",
-                        "sweep.progress_every_s=5", f"hydra.sweep.dir={out}"],
-                       env=ENV, cwd=tmp_path, capture_output=True, text=True, timeout=400)
+    r = run_forked(1, ["sweep", "mesh=1x2,1x1", *FAST, "save_final=false", "sweep.progress_every_s=5",
+                       f"hydra.sweep.dir={out}"], cwd=tmp_path, timeout=400)  # the sweep's own process, forked
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "[sweep] 1/2 mesh=1x2: 2 process(es)" in r.stdout and "2/2 runs ok" in r.stdout
     with open(out / "sweep.csv") as fh:

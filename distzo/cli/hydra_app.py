@@ -87,7 +87,19 @@ def single_run(flags: list[str], overrides: list[str]) -> bool:
     itself on the configuration it composed and checked (`run_single`)."""
     from ..config.compose import override_key
 
-    return not flags and not any(override_key(o) in ("hydra.mode", "hydra.verbose") for o in overrides)
+    return (not flags and not any(override_key(o) in ("hydra.mode", "hydra.verbose") for o in overrides)
+            and hydra_run_steps() is not None)
+
+
+def hydra_run_steps() -> tuple[Any, Any] | None:
+    """Hydra 1.3's callbacks and failure report (`Callbacks`, `run_and_report`), which `run_single`
+    uses as `Hydra.run` does; None where this Hydra has moved them (hydra.main then runs every run)."""
+    try:
+        from hydra._internal.callbacks import Callbacks
+        from hydra._internal.utils import run_and_report
+    except ImportError:
+        return None
+    return Callbacks, run_and_report
 
 
 def command_overrides(overrides: list[str], multirun: bool = False) -> list[str]:
@@ -124,8 +136,6 @@ def run_single(task: Callable[[Any, Any], Any], command: str, overrides: list[st
     every rank. The steps are Hydra 1.3's `Hydra.run` after its composition; Hydra's `run_job` (the
     API its launcher plugins use) runs the job."""
     from hydra import initialize_config_dir
-    from hydra._internal.callbacks import Callbacks
-    from hydra._internal.utils import run_and_report
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.utils import configure_log, run_job
     from hydra.types import HydraContext
@@ -133,6 +143,7 @@ def run_single(task: Callable[[Any, Any], Any], command: str, overrides: list[st
     from ..config.compose import config_dir
     from ..run.checks import compose_and_check
 
+    Callbacks, run_and_report = hydra_run_steps()
     cfg = compose_and_check(single_run_overrides(command, overrides), check_world=command != "eval")
     claimed = claim_run_dir(cfg, resumable=command == "train") if launched_rank() == 0 else None
 

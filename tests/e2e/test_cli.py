@@ -187,6 +187,17 @@ def test_a_run_without_hydra_flags_is_hydras_run_of_the_checked_configuration(tm
     assert failed["plain-fails"][2][1] == "status=FAILED"
 
 
+def test_a_hydra_without_the_run_steps_runs_every_command_line_through_hydra_main(monkeypatch):
+    """Where Hydra has moved the internals run_single takes from 1.3 (its callbacks and failure report),
+    a run without flags goes to hydra.main as a flagged one does, rather than failing to import."""
+    from distzo.cli.hydra_app import single_run
+
+    assert single_run([], ["steps=2"]) and not single_run(["--cfg", "job"], [])
+    assert not single_run([], ["hydra.mode=RUN"]) and not single_run([], ["hydra.verbose=true"])
+    monkeypatch.setitem(sys.modules, "hydra._internal.callbacks", None)  # `import` raises ImportError
+    assert not single_run([], ["steps=2"])
+
+
 BROKEN_OPTIMIZER = """
 from distzo.registry import register
 from distzo.zo.optimizers import Optimizer
